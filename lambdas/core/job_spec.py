@@ -1,0 +1,216 @@
+"""The job spec: what a user asks the platform to run, parsed into typed values with named refusals.
+
+The same JSON starts a training run on SageMaker (the Step Functions input) and on the emulated cluster
+(``python -m training.local run SPEC``). Version 1 (``"spec_version": 1``, the default):
+
+    {"run_name": "mnist-hetero",               # letters, digits, hyphens; ≤ 40 characters
+     "variant": "pytorch",                     # which image and trainer
+     "workload": "vision",                     # what the trainer trains
+     "instance_groups": [                      # 1–5 groups, exactly one with role "dnn"
+        {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": 1},
+        {"name": "dnn_group",  "role": "dnn",  "instance_type": "ml.p3.2xlarge", "count": 1}],
+     "distribution": "torchrun",               # "torchrun" or "none"
+     "hyperparameters": {"batch_size": 64, "steps": 500},   # scalar values only
+     "inputs": {"train": {"s3_uri": "s3://bucket/prefix/", "groups": ["data_group"]}},
+     "max_runtime_s": 3600}
+
+Every refusal is a JobSpecError naming the field and what to do instead. Nothing here performs I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from training.cluster import HOMOGENEOUS_GROUP
+
+SPEC_VERSION = 1
+ROLES = ("data", "dnn")
+MAX_GROUPS = 5  # SageMaker's limit on ResourceConfig.InstanceGroups
+MAX_INSTANCES_PER_GROUP = 20
+MAX_RUNTIME_S = 5 * 24 * 3600  # SageMaker's MaxRuntimeInSeconds limit for training jobs
+RUN_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}$")
+GROUP_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+CHANNEL_NAME = re.compile(r"^[A-Za-z0-9\.\-_]{1,64}$")
+HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+KNOWN_FIELDS = frozenset(
+    {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s"}
+)
+
+
+class JobSpecError(ValueError):
+    """A job spec the platform refuses; ``field`` is the JSON path of the offending value."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    role: str
+    instance_type: str
+    count: int
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    name: str
+    s3_uri: str
+    groups: tuple[str, ...]  # empty: every host gets the channel
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    run_name: str
+    variant: str
+    workload: str
+    instance_groups: tuple[GroupSpec, ...]
+    distribution: str
+    hyperparameters: Mapping[str, str | int | float | bool]
+    inputs: tuple[ChannelSpec, ...]
+    max_runtime_s: int
+    spec_version: int = SPEC_VERSION
+
+    @property
+    def dnn_group(self) -> GroupSpec:
+        return next(group for group in self.instance_groups if group.role == "dnn")
+
+    @property
+    def data_groups(self) -> tuple[GroupSpec, ...]:
+        return tuple(group for group in self.instance_groups if group.role == "data")
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        return len(self.instance_groups) > 1
+
+    def group_names_for(self, channel: ChannelSpec) -> tuple[str, ...]:
+        return channel.groups or tuple(group.name for group in self.instance_groups)
+
+
+def role_map(spec: JobSpec) -> dict[str, str]:
+    """The role map the container receives. A single-group spec runs as a classic homogeneous job
+    (InstanceType/InstanceCount), whose one group SageMaker calls homogeneousCluster."""
+    if not spec.is_heterogeneous:
+        return {HOMOGENEOUS_GROUP: "dnn"}
+    return {group.name: group.role for group in spec.instance_groups}
+
+
+def parse_job_spec(raw: Any) -> JobSpec:
+    if not isinstance(raw, Mapping):
+        raise JobSpecError("$", f"a job spec is a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - KNOWN_FIELDS)
+    if unknown:
+        raise JobSpecError(unknown[0], f"unknown field; a version {SPEC_VERSION} spec has {sorted(KNOWN_FIELDS)}")
+    version = raw.get("spec_version", SPEC_VERSION)
+    if version != SPEC_VERSION:
+        raise JobSpecError("spec_version", f"version {version!r} is not supported; use {SPEC_VERSION}")
+    run_name = _string(raw, "run_name")
+    if not RUN_NAME.match(run_name):
+        raise JobSpecError("run_name", f"{run_name!r} must be 1–40 letters, digits or hyphens, starting with a letter or digit")
+    groups = _groups(raw.get("instance_groups"))
+    return JobSpec(
+        run_name=run_name,
+        variant=_string(raw, "variant"),
+        workload=_string(raw, "workload"),
+        instance_groups=groups,
+        distribution=_string(raw, "distribution", default="torchrun"),
+        hyperparameters=_hyperparameters(raw.get("hyperparameters", {})),
+        inputs=_inputs(raw.get("inputs", {}), groups),
+        max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
+        spec_version=SPEC_VERSION,
+    )
+
+
+def _string(raw: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise JobSpecError(key, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _groups(raw: Any) -> tuple[GroupSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise JobSpecError("instance_groups", "must be a non-empty list of {name, role, instance_type, count}")
+    if len(raw) > MAX_GROUPS:
+        raise JobSpecError("instance_groups", f"{len(raw)} groups; SageMaker allows at most {MAX_GROUPS}")
+    groups = []
+    for index, item in enumerate(raw):
+        where = f"instance_groups[{index}]"
+        if not isinstance(item, Mapping):
+            raise JobSpecError(where, "must be an object")
+        extra = sorted(set(item) - {"name", "role", "instance_type", "count"})
+        if extra:
+            raise JobSpecError(f"{where}.{extra[0]}", "unknown field; a group has name, role, instance_type, count")
+        name = item.get("name")
+        if not isinstance(name, str) or not GROUP_NAME.match(name):
+            raise JobSpecError(f"{where}.name", f"{name!r} must be 1–64 letters, digits, '_' or '-'")
+        if name == HOMOGENEOUS_GROUP:
+            raise JobSpecError(f"{where}.name", f"{HOMOGENEOUS_GROUP!r} is SageMaker's own group name; pick another")
+        role = item.get("role")
+        if role not in ROLES:
+            raise JobSpecError(f"{where}.role", f"{role!r} must be one of {ROLES}")
+        instance_type = item.get("instance_type")
+        if not isinstance(instance_type, str) or not instance_type.startswith("ml."):
+            raise JobSpecError(f"{where}.instance_type", f"{instance_type!r} must be a SageMaker instance type such as ml.c5.9xlarge")
+        count = item.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_INSTANCES_PER_GROUP:
+            raise JobSpecError(f"{where}.count", f"{count!r} must be an integer in 1..{MAX_INSTANCES_PER_GROUP}")
+        groups.append(GroupSpec(name, role, instance_type, count))
+    names = [group.name for group in groups]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    if duplicate:
+        raise JobSpecError("instance_groups", f"group name {duplicate!r} is used twice; names must be unique")
+    dnn = [group.name for group in groups if group.role == "dnn"]
+    if len(dnn) != 1:
+        raise JobSpecError("instance_groups", f"exactly one group must have role 'dnn', found {len(dnn)}: {dnn}")
+    return tuple(groups)
+
+
+def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
+    if not isinstance(raw, Mapping):
+        raise JobSpecError("hyperparameters", "must be an object of name → scalar value")
+    for name, value in raw.items():
+        if not HYPERPARAMETER_NAME.match(name):
+            raise JobSpecError(f"hyperparameters.{name}", "names are letters, digits and '_', not starting with a digit")
+        if value is None or not isinstance(value, str | int | float | bool):
+            raise JobSpecError(f"hyperparameters.{name}", f"{value!r} must be a string, number or boolean")
+    return MappingProxyType(dict(raw))
+
+
+def _inputs(raw: Any, groups: tuple[GroupSpec, ...]) -> tuple[ChannelSpec, ...]:
+    if not isinstance(raw, Mapping):
+        raise JobSpecError("inputs", "must be an object of channel name → {s3_uri, groups}")
+    names = {group.name for group in groups}
+    channels = []
+    for name, item in raw.items():
+        where = f"inputs.{name}"
+        if not CHANNEL_NAME.match(name):
+            raise JobSpecError(where, "channel names are 1–64 letters, digits, '.', '-' or '_'")
+        if not isinstance(item, Mapping) or not isinstance(item.get("s3_uri"), str) or not item["s3_uri"].startswith("s3://"):
+            raise JobSpecError(f"{where}.s3_uri", "must be an s3:// URI")
+        channel_groups = item.get("groups", [])
+        if not isinstance(channel_groups, list) or not all(isinstance(group, str) for group in channel_groups):
+            raise JobSpecError(f"{where}.groups", "must be a list of instance group names")
+        missing = sorted(set(channel_groups) - names)
+        if missing:
+            raise JobSpecError(f"{where}.groups", f"{missing} are not instance groups of this spec: {sorted(names)}")
+        channels.append(ChannelSpec(name, item["s3_uri"], tuple(channel_groups)))
+    assigned = [channel.name for channel in channels if channel.groups]
+    if assigned and len(assigned) != len(channels):
+        unassigned = sorted({channel.name for channel in channels} - set(assigned))
+        raise JobSpecError(
+            f"inputs.{unassigned[0]}.groups",
+            "SageMaker needs every channel assigned to groups, or none: give this channel its groups too",
+        )
+    return tuple(channels)
+
+
+def _max_runtime(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 60 <= value <= MAX_RUNTIME_S:
+        raise JobSpecError("max_runtime_s", f"{value!r} must be an integer number of seconds in 60..{MAX_RUNTIME_S}")
+    return value

@@ -1,0 +1,213 @@
+"""The DNN side of the data service: one IterableDataset that merges the batch streams of every data host.
+
+One thread per data host holds a StreamBatches call open and puts decoded batches into a bounded queue;
+iterating the dataset takes them in arrival order, so a slow host never stalls a fast one. Hosts may come
+up after the trainer: connecting is retried until ``connect_timeout_s``. A host that dies mid-run is
+retried for ``reconnect_timeout_s`` and then dropped; training carries on with the others, and only when
+no host is left does iteration fail, with DataServiceUnavailableError naming every host and why.
+
+    dataset = DataServiceDataset(["10.0.0.5:6000", "10.0.0.6:6000"], batch_size=256, client_id="algo-3/rank0")
+    for images_uint8, labels in dataset: ...
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from training.data_service import codec
+from training.data_service import data_service_pb2 as pb
+from training.data_service import data_service_pb2_grpc as pb_grpc
+from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, StopReason
+
+log = logging.getLogger(__name__)
+
+# A host that answers with one of these will answer the same again: no point retrying. Anything else
+# (UNAVAILABLE, a reset stream...) may be a host that is starting, or one that died.
+REFUSALS = frozenset({
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
+
+CLEAN_ENDS = frozenset({MAX_BATCHES, StopReason.SHUTDOWN.value})
+
+
+class DataServiceError(RuntimeError):
+    """The data service cannot feed this trainer."""
+
+
+class DataServiceUnavailableError(DataServiceError):
+    """No data host can serve batches any more."""
+
+
+class DataServiceRefusedError(DataServiceError):
+    """A data host refused the request (e.g. a batch size that is not the job's)."""
+
+
+@dataclass
+class HostState:
+    address: str
+    batches: int = 0
+    skipped_samples: int = 0
+    # None while streaming; "end of stream (...)" when the host ended it on purpose; else why it was lost.
+    ended: str | None = None
+    lost: bool = False
+
+
+@dataclass
+class StreamStats:
+    hosts: dict[str, HostState] = field(default_factory=dict)
+
+    @property
+    def skipped_samples(self) -> int:
+        return sum(state.skipped_samples for state in self.hosts.values())
+
+    @property
+    def lost_hosts(self) -> list[str]:
+        return [address for address, state in self.hosts.items() if state.lost]
+
+
+def describe(addresses: list[str], timeout_s: float) -> pb.DatasetInfo:
+    """DatasetInfo from the first data host that answers within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    errors: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        for address in addresses:
+            with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+                try:
+                    return pb_grpc.DataServiceStub(channel).Describe(pb.DescribeRequest(), timeout=2.0)
+                except grpc.RpcError as error:
+                    errors[address] = f"{error.code().name}: {error.details()}"
+        time.sleep(0.5)
+    raise DataServiceUnavailableError(f"no data host answered within {timeout_s:.0f} s: {errors}")
+
+
+class DataServiceDataset(IterableDataset):
+    """Batches of (uint8 images [B, C, H, W], int64 labels [B]) from every data host."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        batch_size: int,
+        client_id: str,
+        connect_timeout_s: float = 300.0,
+        reconnect_timeout_s: float = 10.0,
+        queue_depth: int = 4,
+    ) -> None:
+        if not addresses:
+            raise ValueError("DataServiceDataset needs at least one data host address")
+        self.addresses = list(addresses)
+        self.batch_size = batch_size
+        self.client_id = client_id
+        self.connect_timeout_s = connect_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.queue_depth = queue_depth
+        self.stats = StreamStats()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        merged: queue.Queue[tuple[np.ndarray, np.ndarray]] = queue.Queue(maxsize=self.queue_depth)
+        stop = threading.Event()
+        self.stats = StreamStats({address: HostState(address) for address in self.addresses})
+        threads = [
+            threading.Thread(target=self._stream, args=(state, merged, stop), name=f"stream-{state.address}", daemon=True)
+            for state in self.stats.hosts.values()
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            while True:
+                try:
+                    images, labels = merged.get(timeout=0.1)
+                except queue.Empty:
+                    if all(not thread.is_alive() for thread in threads) and merged.empty():
+                        self._raise_if_all_lost()
+                        return
+                    continue
+                yield _to_tensor(images), _to_tensor(labels)
+        finally:
+            stop.set()
+
+    def _raise_if_all_lost(self) -> None:
+        states = self.stats.hosts.values()
+        refused = [state for state in states if state.ended and state.ended.startswith("refused")]
+        if refused:
+            raise DataServiceRefusedError("; ".join(f"{state.address}: {state.ended}" for state in refused))
+        if all(state.lost for state in states):
+            reasons = "; ".join(f"{state.address}: {state.ended}" for state in states)
+            raise DataServiceUnavailableError(f"all {len(self.addresses)} data hosts are gone ({reasons})")
+
+    def _stream(self, state: HostState, merged: queue.Queue, stop: threading.Event) -> None:
+        """Stream one host's batches into ``merged`` until it ends the stream, is lost, or we stop."""
+        request = pb.StreamRequest(client_id=self.client_id, batch_size=self.batch_size)
+        # The first connection may wait for a host that is still starting; later ones only briefly.
+        retry_until = time.monotonic() + self.connect_timeout_s
+        while not stop.is_set():
+            channel = grpc.insecure_channel(state.address, options=GRPC_OPTIONS)
+            call = None
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))
+                call = pb_grpc.DataServiceStub(channel).StreamBatches(request)
+                for batch in call:
+                    if batch.end_of_stream:
+                        state.ended = f"end of stream ({batch.end_reason})"
+                        # A host that stops for any other reason than being done is a lost host.
+                        state.lost = batch.end_reason not in CLEAN_ENDS
+                        return
+                    item = (codec.decode(batch.images), codec.decode(batch.labels))
+                    state.batches += 1
+                    state.skipped_samples += batch.skipped_samples
+                    retry_until = time.monotonic() + self.reconnect_timeout_s
+                    while not stop.is_set():
+                        try:
+                            merged.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                return
+            except grpc.FutureTimeoutError:
+                reason = "unreachable"
+            except grpc.RpcError as error:
+                if stop.is_set():
+                    return
+                if error.code() in REFUSALS:
+                    state.ended = f"refused: {error.code().name}: {error.details()}"
+                    state.lost = True
+                    return
+                reason = f"{error.code().name}: {error.details()}"
+            finally:
+                if call is not None:
+                    call.cancel()
+                channel.close()
+            if time.monotonic() >= retry_until:
+                state.ended, state.lost = reason, True
+                log.warning("data host %s lost (%s); carrying on with the others", state.address, reason)
+                return
+            time.sleep(0.2)
+
+
+def _to_tensor(array: np.ndarray) -> torch.Tensor:
+    # The array views the message's immutable bytes; torch warns about that, but nothing writes into
+    # the batch in place (normalisation makes a new float tensor on the device).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def request_shutdown(address: str, token: str, requester: str, timeout_s: float = 5.0) -> pb.ShutdownReply:
+    """Ask one data host to stop. Raises grpc.RpcError (PERMISSION_DENIED for a wrong token)."""
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.DataServiceStub(channel).Shutdown(pb.ShutdownRequest(token=token, requester=requester), timeout=timeout_s)

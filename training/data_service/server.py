@@ -1,0 +1,306 @@
+"""The data host: decodes and augments its channel's images in worker processes and streams the batches
+to every DNN process over gRPC.
+
+Worker processes are sized to the host's CPUs (its CPU affinity, which the emulated cluster sets per
+host). Finished batches wait in a bounded queue: when the trainers fall behind, the workers stop, so
+memory stays flat. The host stops, and its process exits, on the first of:
+
+* a Shutdown RPC carrying the job's token (anything else is refused with PERMISSION_DENIED);
+* an idle timeout: clients came, all left, and nobody asked for a batch since (the DNN hosts are gone);
+* a start deadline: no client came at all (the DNN group never started);
+* SIGTERM (SageMaker stopping the job).
+
+Run through the launcher; ``serve`` is the entry point.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import hmac
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from training.data_service import codec
+from training.data_service import data_service_pb2 as pb
+from training.data_service import data_service_pb2_grpc as pb_grpc
+from training.data_service.dataset import ImageFolder
+from training.data_service.preprocess import AugmentConfig, CorruptDatasetError, make_batch
+
+log = logging.getLogger(__name__)
+
+# Large batches (224² images × 256) exceed gRPC's 4 MiB default message size.
+MAX_MESSAGE_BYTES = 1 << 30
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+# end_reason of a stream that sent the max_batches the client asked for.
+MAX_BATCHES = "max_batches"
+
+
+class StopReason(enum.Enum):
+    SHUTDOWN = "shutdown"
+    IDLE = "idle timeout"
+    START_DEADLINE = "start deadline"
+    SIGNAL = "signal"
+    FAILED = "preprocessing failed"
+
+    @property
+    def exit_code(self) -> int:
+        # Exiting after an idle timeout is how a data host outlives a finished or dead trainer without
+        # billing: not an error of its own. No client ever coming, or broken data, is.
+        return {StopReason.START_DEADLINE: 3, StopReason.FAILED: 4}.get(self, 0)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str
+    bind_address: str
+    port: int
+    channel: str
+    batch_size: int
+    augment: AugmentConfig
+    shutdown_token: str
+    idle_timeout_s: float
+    start_deadline_s: float
+    workers: int
+    seed: int = 0
+    # Finished batches waiting for a client; with `workers` more in flight.
+    queue_depth: int = 8
+
+
+@dataclass
+class Activity:
+    """What the lifecycle decision needs to know, updated by the RPC handlers."""
+
+    started_at: float
+    last_activity: float
+    active_streams: int = 0
+    clients_seen: int = 0
+
+
+def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
+    """Should the host stop on its own? Pure, so the rules are tested without servers."""
+    if activity.clients_seen == 0:
+        return StopReason.START_DEADLINE if now - activity.started_at > start_deadline_s else None
+    if activity.active_streams == 0 and now - activity.last_activity > idle_timeout_s:
+        return StopReason.IDLE
+    return None
+
+
+def sample_order(num_samples: int, seed: int, host_index: int) -> Iterator[int]:
+    """An endless stream of sample indices, one fresh permutation per epoch; each data host shuffles
+    differently so that hosts serving the same replicated channel do not send the same batches."""
+    for epoch in itertools.count():
+        yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
+
+
+class BatchProducer:
+    """Keeps ``workers`` batches in flight on a process pool and finished ones in a bounded queue."""
+
+    def __init__(self, folder: ImageFolder, settings: ServerSettings, host_index: int) -> None:
+        self._folder = folder
+        self._settings = settings
+        self._host_index = host_index
+        self.batches: queue.Queue[tuple[np.ndarray, np.ndarray, int]] = queue.Queue(maxsize=settings.queue_depth)
+        self.failure: str | None = None
+        self.skipped_samples = 0
+        self._stop = threading.Event()
+        # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
+        self._pool = futures.ProcessPoolExecutor(
+            max_workers=settings.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(folder.samples, settings.augment),
+        )
+        self._thread = threading.Thread(target=self._run, name="batch-producer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int]]]:
+        batch_size = self._settings.batch_size
+        order = sample_order(len(self._folder), self._settings.seed, self._host_index)
+        spare_rng = np.random.default_rng([self._settings.seed, self._host_index, 1 << 20])
+        for number in itertools.count():
+            indices = list(itertools.islice(order, batch_size))
+            spares = spare_rng.integers(0, len(self._folder), size=batch_size).tolist()
+            yield indices, spares, [self._settings.seed, self._host_index, number]
+
+    def _run(self) -> None:
+        in_flight: collections.deque[futures.Future] = collections.deque()
+        tasks = self._tasks()
+        try:
+            while not self._stop.is_set():
+                while len(in_flight) < self._settings.workers:
+                    in_flight.append(self._pool.submit(_make_batch_in_worker, *next(tasks)))
+                images, labels, skipped = in_flight.popleft().result()
+                self.skipped_samples += skipped
+                if skipped:
+                    log.warning("skipped %d undecodable files (%d so far)", skipped, self.skipped_samples)
+                while not self._stop.is_set():
+                    try:
+                        self.batches.put((images, labels, skipped), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+        except CorruptDatasetError as error:
+            self.failure = str(error)
+        except (futures.BrokenExecutor, RuntimeError) as error:
+            # RuntimeError: the pool was shut down under us while stopping.
+            if not self._stop.is_set():
+                self.failure = f"preprocessing workers failed: {error}"
+
+
+_worker_samples: Sequence[tuple[str, int]] = ()
+_worker_augment: AugmentConfig | None = None
+
+
+def _init_worker(samples: Sequence[tuple[str, int]], augment: AugmentConfig) -> None:
+    global _worker_samples, _worker_augment
+    _worker_samples, _worker_augment = samples, augment
+
+
+def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    assert _worker_augment is not None, "worker not initialised"
+    return make_batch(_worker_samples, indices, spares, _worker_augment, seed)
+
+
+class DataServiceServicer(pb_grpc.DataServiceServicer):
+    def __init__(self, settings: ServerSettings, folder: ImageFolder, producer: BatchProducer) -> None:
+        self._settings = settings
+        self._folder = folder
+        self._producer = producer
+        self._lock = threading.Lock()
+        now = time.monotonic()
+        self.activity = Activity(started_at=now, last_activity=now)
+        self.shutdown_requested = threading.Event()
+        # Set once the host is stopping, for whatever reason; open streams end with it.
+        self.stopping: StopReason | None = None
+        self.batches_served = 0
+
+    def _touch(self, streams: int = 0, new_client: bool = False) -> None:
+        with self._lock:
+            self.activity.last_activity = time.monotonic()
+            self.activity.active_streams += streams
+            self.activity.clients_seen += int(new_client)
+
+    def stop_verdict(self, idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
+        with self._lock:
+            return stop_verdict(self.activity, time.monotonic(), idle_timeout_s, start_deadline_s)
+
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DatasetInfo:
+        self._touch(new_client=True)
+        return pb.DatasetInfo(
+            channel=self._settings.channel,
+            num_samples=len(self._folder),
+            classes=list(self._folder.classes),
+            sample_shape=list(self._settings.augment.sample_shape),
+            batch_size=self._settings.batch_size,
+            host=self._settings.host,
+            workers=self._settings.workers,
+        )
+
+    def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[pb.Batch]:
+        if request.batch_size != self._settings.batch_size:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"client asks for batches of {request.batch_size}, this data host makes {self._settings.batch_size}",
+            )
+        self._touch(streams=1, new_client=True)
+        log.info("client %s connected", request.client_id or context.peer())
+        sent = 0
+        try:
+            while context.is_active():
+                if self.stopping is not None:
+                    yield pb.Batch(sequence=sent, end_of_stream=True, end_reason=self.stopping.value)
+                    return
+                try:
+                    images, labels, skipped = self._producer.batches.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                yield pb.Batch(
+                    sequence=sent, images=codec.encode(images), labels=codec.encode(labels), skipped_samples=skipped
+                )
+                sent += 1
+                self._touch()
+                with self._lock:
+                    self.batches_served += 1
+                if request.max_batches and sent >= request.max_batches:
+                    yield pb.Batch(sequence=sent, end_of_stream=True, end_reason=MAX_BATCHES)
+                    return
+        finally:
+            self._touch(streams=-1)
+            log.info("client %s left after %d batches", request.client_id or context.peer(), sent)
+
+    def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownReply:
+        if not hmac.compare_digest(request.token.encode(), self._settings.shutdown_token.encode()):
+            log.warning("refused a shutdown from %s: wrong token", request.requester or context.peer())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "shutdown refused: the token is not this job's")
+        log.info("shutdown requested by %s", request.requester or context.peer())
+        self.shutdown_requested.set()
+        return pb.ShutdownReply(host=self._settings.host, batches_served=self.batches_served)
+
+
+def default_workers() -> int:
+    """One preprocessing process per CPU this host may use; the gRPC threads mostly wait on I/O."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def serve(settings: ServerSettings, folder: ImageFolder, host_index: int, stop_signal: threading.Event) -> StopReason:
+    """Run the data service until it should stop; return why."""
+    producer = BatchProducer(folder, settings, host_index)
+    servicer = DataServiceServicer(settings, folder, producer)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="data-service"), options=GRPC_OPTIONS
+    )
+    pb_grpc.add_DataServiceServicer_to_server(servicer, server)
+    target = f"{settings.bind_address}:{settings.port}"
+    if server.add_insecure_port(target) == 0:
+        producer.stop()
+        raise OSError(f"cannot listen on {target}: the port is taken")
+    producer.start()
+    server.start()
+    log.info(
+        "data host %s serving channel %r (%d images, %d classes) on %s with %d workers, batch %d",
+        settings.host, settings.channel, len(folder), len(folder.classes), target, settings.workers, settings.batch_size,
+    )
+    reason = None
+    while reason is None:
+        if servicer.shutdown_requested.wait(timeout=0.25):
+            reason = StopReason.SHUTDOWN
+        elif stop_signal.is_set():
+            reason = StopReason.SIGNAL
+        elif producer.failure:
+            log.error("%s", producer.failure)
+            reason = StopReason.FAILED
+        else:
+            reason = servicer.stop_verdict(settings.idle_timeout_s, settings.start_deadline_s)
+    servicer.stopping = reason
+    # Give open streams a moment to send their end-of-stream marker, then stop everything.
+    server.stop(grace=2.0).wait(timeout=5)
+    producer.stop()
+    log.info(
+        "data host %s stopping (%s) after serving %d batches, %d files skipped",
+        settings.host, reason.value, servicer.batches_served, producer.skipped_samples,
+    )
+    return reason

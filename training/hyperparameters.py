@@ -1,0 +1,225 @@
+"""The container's contract: the job's hyperparameters, parsed into typed settings.
+
+SageMaker passes hyperparameters as a string → string map (``/opt/ml/input/config/hyperparameters.json``).
+Two kinds share it:
+
+* platform settings, written by whoever launches the job (the launch Lambda, or the emulated cluster):
+  the role of each instance group, ports, timeouts and the per-job shutdown token;
+* the trainer's own settings (batch size, steps, model...), written by the user in the job spec.
+
+The toolkit adds keys of its own, all prefixed ``sagemaker_``; they are left alone. Any other key that
+neither the platform nor the trainer knows is refused before anything starts, with the nearest known
+name, so that a typo (``lerning_rate``) fails the job in seconds instead of training with a default.
+
+Both sides build and read these keys through this module only (``PlatformSettings.to_hyperparameters``
+and ``parse_settings``), so no key is spelled twice.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from training.cluster import Cluster, address_of, config_dir
+
+DATA = "data"
+DNN = "dnn"
+ROLES = (DATA, DNN)
+DISTRIBUTIONS = ("torchrun", "none")
+RESERVED_PREFIX = "sagemaker_"
+
+T = TypeVar("T")
+
+
+class HyperparameterError(ValueError):
+    """A hyperparameter is unknown, missing, or has a value of the wrong kind."""
+
+
+class RoleMapError(HyperparameterError):
+    """The role map does not give every instance group of the job exactly one known role."""
+
+
+@dataclass(frozen=True)
+class PlatformSettings:
+    """What the launcher needs to know about the job beyond the trainer's own settings."""
+
+    # Instance group name → "data" or "dnn". No group name is hard-coded anywhere else.
+    role_map: Mapping[str, str]
+    # Random per job; a data host obeys a Shutdown RPC only with this token. Never logged.
+    shutdown_token: str
+    # Which trainer runs on the DNN group ("pytorch" here; "tensorflow" and "neuron" follow).
+    variant: str = "pytorch"
+    # "torchrun": the launcher starts torchrun across the DNN group; "none": one process per host.
+    distribution: str = "torchrun"
+    # Trainer processes per DNN host; 0 means one per GPU, or one on a host without GPUs.
+    processes_per_host: int = 0
+    # The input channel the data service reads (/opt/ml/input/data/<channel>).
+    data_channel: str = "train"
+    # Port of the gRPC data service on every data host.
+    data_service_port: int = 6000
+    # torchrun's rendezvous port on the first DNN host.
+    master_port: int = 29500
+    # A data host exits when no batch was asked for this long after its last client left.
+    data_idle_timeout_s: float = 120.0
+    # A data host exits with an error when no client came this long after it started.
+    data_start_deadline_s: float = 900.0
+    # How long a DNN process waits for the data hosts to come up, and for a lost host to come back.
+    data_connect_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        bad_roles = {group: role for group, role in self.role_map.items() if role not in ROLES}
+        if bad_roles:
+            raise RoleMapError(f"role_map gives unknown roles {bad_roles}; each role must be one of {ROLES}")
+        if list(self.role_map.values()).count(DNN) != 1:
+            raise RoleMapError(f"role_map must name exactly one '{DNN}' group, got {dict(self.role_map)}")
+        if self.distribution not in DISTRIBUTIONS:
+            raise HyperparameterError(f"distribution {self.distribution!r} is not one of {DISTRIBUTIONS}")
+        if not self.shutdown_token or len(self.shutdown_token) < 16:
+            raise HyperparameterError("shutdown_token must be a random string of at least 16 characters")
+        for name in ("data_service_port", "master_port"):
+            if not 1024 <= getattr(self, name) <= 65535:
+                raise HyperparameterError(f"{name} must be a port in 1024..65535, got {getattr(self, name)}")
+
+    def role_of(self, group: str) -> str:
+        try:
+            return self.role_map[group]
+        except KeyError:
+            raise RoleMapError(
+                f"instance group {group!r} is not in the role map {dict(self.role_map)}: "
+                f"add it as '{DATA}' or '{DNN}'"
+            ) from None
+
+    def groups_with_role(self, role: str) -> list[str]:
+        return [group for group, group_role in self.role_map.items() if group_role == role]
+
+    def data_hosts(self, cluster: Cluster) -> list[str]:
+        """Every host of every data group, in the order the groups appear in the role map."""
+        return [host for group in self.groups_with_role(DATA) for host in cluster.group(group).hosts]
+
+    def data_service_targets(self, cluster: Cluster, addresses: Mapping[str, str]) -> list[str]:
+        """host:port of the data service on every data host."""
+        return [f"{address_of(host, addresses)}:{self.data_service_port}" for host in self.data_hosts(cluster)]
+
+    def check_cluster(self, cluster: Cluster) -> None:
+        """Every group of the running job needs a role, and every group in the map must exist."""
+        for group in cluster.group_names:
+            self.role_of(group)
+        missing = sorted(set(self.role_map) - set(cluster.group_names))
+        if missing:
+            raise RoleMapError(f"role_map names groups {missing} that this job does not have: {cluster.group_names}")
+
+    def to_hyperparameters(self) -> dict[str, str]:
+        """The string map SageMaker's HyperParameters field takes."""
+        return {item.name: _to_string(getattr(self, item.name)) for item in fields(self)}
+
+
+def platform_keys() -> frozenset[str]:
+    return frozenset(item.name for item in fields(PlatformSettings))
+
+
+def load_hyperparameters(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    path = config_dir(environ) / "hyperparameters.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HyperparameterError(f"{path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise HyperparameterError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise HyperparameterError(f"{path} must hold a JSON object")
+    return raw
+
+
+def parse_settings(raw: Mapping[str, Any], trainer_config: type[T]) -> tuple[PlatformSettings, T]:
+    """Split the job's hyperparameters into platform settings and the trainer's config, refusing any key
+    that belongs to neither."""
+    known = platform_keys() | {item.name for item in fields(trainer_config)}
+    unknown = sorted(key for key in raw if key not in known and not key.startswith(RESERVED_PREFIX))
+    if unknown:
+        raise HyperparameterError("; ".join(_unknown_message(key, known) for key in unknown))
+    platform = {key: value for key, value in raw.items() if key in platform_keys()}
+    trainer = {key: value for key, value in raw.items() if key not in platform_keys() and key in known}
+    return build(PlatformSettings, platform), build(trainer_config, trainer)
+
+
+def build(cls: type[T], raw: Mapping[str, Any]) -> T:
+    """Instantiate a config dataclass from SageMaker's string values, converting each to its field's type."""
+    values = {}
+    hints = typing.get_type_hints(cls)
+    for item in fields(cls):  # type: ignore[arg-type]
+        if item.name not in raw:
+            if item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING:
+                raise HyperparameterError(f"hyperparameter {item.name!r} is required")
+            continue
+        values[item.name] = _convert(item.name, raw[item.name], hints[item.name])
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as error:
+        if isinstance(error, HyperparameterError):
+            raise
+        raise HyperparameterError(str(error)) from None
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return {item.name: _plain(getattr(config, item.name)) for item in fields(config)}
+
+
+def _convert(name: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    try:
+        if hint is bool:
+            return _to_bool(value)
+        if hint in (int, float, str):
+            if hint is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return hint(value) if not (hint is int and isinstance(value, str)) else int(value, 10)
+        if origin is collections.abc.Mapping:
+            parsed = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(parsed, dict):
+                raise ValueError(value)
+            return types.MappingProxyType({str(k): str(v) for k, v in parsed.items()})
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise HyperparameterError(f"hyperparameter {name!r}={value!r} is not a valid {_type_name(hint)}") from None
+    raise HyperparameterError(f"hyperparameter {name!r} has an unsupported type {hint}")
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(value)
+
+
+def _to_string(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return json.dumps(dict(value), sort_keys=True)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or "JSON object"
+
+
+def _unknown_message(key: str, known: frozenset[str] | set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown hyperparameter {key!r}{hint}"
+

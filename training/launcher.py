@@ -1,0 +1,202 @@
+"""The entrypoint on every host of a training job: find this host's instance group, then serve or train.
+
+SageMaker runs one image on every instance of every instance group; the toolkit starts this file
+(``SAGEMAKER_PROGRAM``) on each of them. It reads ``resourceconfig.json`` to learn the host's group, and
+the job's role map (a hyperparameter) to learn what the group does:
+
+* data role: serve preprocessed batches over gRPC (training/data_service/server.py) until an
+  authenticated shutdown, an idle timeout (the DNN hosts are gone), or a start deadline;
+* dnn role: run the trainer through torchrun across the DNN group (or as one plain process), then tell
+  every data host to shut down so none keeps running, and billing, after training.
+
+Everything is checked before anything starts: a malformed resourceconfig.json, a group missing from the
+role map, an unknown hyperparameter or a missing channel ends the host with exit code 2 and one clear
+line. The trainer's exit code is this host's exit code; a trainer killed by a signal exits 128 + signal.
+
+    SAGEMAKER_BASE_DIR=/tmp/host1/opt/ml python -m training.launcher
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+
+from training.cluster import Cluster, ClusterConfigError, address_of, host_addresses, load_cluster
+from training.data_service.dataset import ChannelError, channel_dir, scan_image_folder
+from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
+from training.trainers.config import VisionConfig
+
+log = logging.getLogger("training.launcher")
+
+# variant → (trainer module run on the DNN group, its config dataclass)
+TRAINERS: dict[str, tuple[str, type]] = {
+    "pytorch": ("training.trainers.pytorch_vision", VisionConfig),
+}
+# Exit code for a job that is wrong before anything ran (bad config, bad input), as argparse uses.
+CONFIG_ERROR_EXIT = 2
+
+
+def trainer_for(variant: str) -> tuple[str, type]:
+    try:
+        return TRAINERS[variant]
+    except KeyError:
+        raise HyperparameterError(f"variant {variant!r} has no trainer in this image; known: {sorted(TRAINERS)}") from None
+
+
+def trainer_command(
+    module: str,
+    *,
+    distribution: str,
+    nnodes: int,
+    processes_per_host: int,
+    node_rank: int,
+    master_address: str,
+    master_port: int,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command that runs the trainer on one DNN host."""
+    if distribution == "none":
+        if nnodes * processes_per_host > 1:
+            raise HyperparameterError(
+                f"distribution 'none' runs one process, but the DNN group has {nnodes} hosts × "
+                f"{processes_per_host} processes: use distribution 'torchrun'"
+            )
+        return [python, "-m", module]
+    return [
+        python, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={processes_per_host}",
+        f"--node-rank={node_rank}",
+        f"--master-addr={master_address}",
+        f"--master-port={master_port}",
+        "-m", module,
+    ]
+
+
+def gpu_count() -> int:
+    """GPUs on this host, without importing a framework into the launcher."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    result = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, check=False)
+    return sum(1 for line in result.stdout.splitlines() if line.startswith("GPU "))
+
+
+def exit_status(returncode: int) -> int:
+    """A child killed by signal N reports -N; a shell reports 128 + N. Never 0 for a killed child."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
+    """Ask every data host to stop, in parallel; a host that is already gone is fine."""
+    from training.data_service.client import request_shutdown
+
+    def one(target: str) -> None:
+        for attempt in range(3):
+            try:
+                reply = request_shutdown(target, token, requester)
+                log.info("data host %s (%s) shut down after serving %d batches", reply.host, target, reply.batches_served)
+                return
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    log.error("data host %s refused the shutdown token", target)
+                    return
+                if attempt == 2:
+                    log.info("data host %s did not answer the shutdown (%s): already gone", target, error.code().name)
+
+    with futures.ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+        list(pool.map(one, targets))
+
+
+def run_data_host(cluster: Cluster, settings: PlatformSettings, config: VisionConfig, stop: threading.Event) -> int:
+    from training.data_service.server import ServerSettings, default_workers, serve
+
+    folder = scan_image_folder(channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+    data_hosts = settings.data_hosts(cluster)
+    addresses = host_addresses()
+    server_settings = ServerSettings(
+        host=cluster.current_host,
+        # On SageMaker listen on every interface; the emulated cluster gives each host its own address.
+        bind_address=addresses.get(cluster.current_host, "0.0.0.0"),
+        port=settings.data_service_port,
+        channel=settings.data_channel,
+        batch_size=config.batch_size,
+        augment=config.augment_config,
+        shutdown_token=settings.shutdown_token,
+        idle_timeout_s=settings.data_idle_timeout_s,
+        start_deadline_s=settings.data_start_deadline_s,
+        workers=default_workers(),
+        seed=config.seed,
+    )
+    reason = serve(server_settings, folder, data_hosts.index(cluster.current_host), stop)
+    return reason.exit_code
+
+
+def run_dnn_host(cluster: Cluster, settings: PlatformSettings, module: str, stop: threading.Event) -> int:
+    addresses = host_addresses()
+    dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
+    data_targets = settings.data_service_targets(cluster, addresses)
+    if not data_targets:
+        # Homogeneous: the channel must be here; fail now rather than after torchrun started.
+        scan_image_folder(channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+    node_rank = dnn_hosts.index(cluster.current_host)
+    command = trainer_command(
+        module,
+        distribution=settings.distribution,
+        nnodes=len(dnn_hosts),
+        processes_per_host=settings.processes_per_host or max(1, gpu_count()),
+        node_rank=node_rank,
+        master_address=address_of(dnn_hosts[0], addresses),
+        master_port=settings.master_port,
+    )
+    log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
+    trainer = subprocess.Popen(command)
+    forwarder = threading.Thread(target=_forward_stop, args=(stop, trainer), daemon=True)
+    forwarder.start()
+    returncode = trainer.wait()
+    status = exit_status(returncode)
+    if returncode < 0:
+        log.error("the trainer was killed by %s", signal.Signals(-returncode).name)
+    elif returncode:
+        log.error("the trainer failed with exit code %d", returncode)
+    # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
+    # any node whose trainer failed ends them too, since the job is failing anyway.
+    if data_targets and (node_rank == 0 or status != 0):
+        shutdown_data_hosts(data_targets, settings.shutdown_token, requester=cluster.current_host)
+    return status
+
+
+def _forward_stop(stop: threading.Event, trainer: subprocess.Popen) -> None:
+    stop.wait()
+    if trainer.poll() is None:
+        trainer.send_signal(signal.SIGTERM)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    try:
+        cluster = load_cluster()
+        hyperparameters = load_hyperparameters()
+        module, config_class = trainer_for(str(hyperparameters.get("variant", "pytorch")))
+        settings, config = parse_settings(hyperparameters, config_class)
+        settings.check_cluster(cluster)
+        role = settings.role_of(cluster.current_group)
+        log.info("host %s is in instance group %s (%s): role %s", cluster.current_host, cluster.current_group, cluster.current_instance_type, role)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        if role == DATA:
+            return run_data_host(cluster, settings, config, stop)
+        return run_dnn_host(cluster, settings, module, stop)
+    except (ClusterConfigError, HyperparameterError, ChannelError) as error:
+        log.error("%s: %s", type(error).__name__, error)
+        return CONFIG_ERROR_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Run a job spec on an emulated heterogeneous cluster on this machine.
+
+    python -m training.local run examples/pytorch-heterogeneous.json --channel train=build/demo-images
+    python -m training.local run SPEC --channel train=DIR --cpus data_group=1 --set steps=20 --deadline-s 300
+
+Each host's log lines are prefixed with "[host group]"; the full logs and every host's /opt/ml tree stay
+under --workdir. Exits 0 only if every host exited 0 with no orphan and within the deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from lambdas.core.job_spec import JobSpecError, parse_job_spec
+from training.local.cluster import EmulatedCluster, EmulationError, EmulationOptions
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return key, value
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="python -m training.local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = root.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a job spec on the emulated cluster")
+    run.add_argument("spec", type=Path, help="job spec JSON (the platform's format, see README)")
+    run.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR", help="local folder for an input channel")
+    run.add_argument("--workdir", type=Path, help="where host trees and logs go (default: a new temporary folder)")
+    run.add_argument("--deadline-s", type=float, default=600.0, help="kill everything and fail after this long")
+    run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")
+    run.add_argument("--cpus", type=key_value, action="append", default=[], metavar="GROUP=N", help="CPUs per host of a group (default 1)")
+    run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        spec = parse_job_spec(json.loads(args.spec.read_text()))
+        options = EmulationOptions(
+            workdir=args.workdir or Path(tempfile.mkdtemp(prefix=f"{spec.run_name}-")),
+            channels={name: Path(folder) for name, folder in args.channel},
+            deadline_s=args.deadline_s,
+            orphan_grace_s=args.orphan_grace_s,
+            cpus_per_host={group: int(count) for group, count in args.cpus},
+            hyperparameter_overrides=dict(args.set),
+        )
+        cluster = EmulatedCluster(spec, options)
+    except (OSError, json.JSONDecodeError, JobSpecError, EmulationError, ValueError) as error:
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    print(cluster.plan_report(), flush=True)
+    try:
+        result = cluster.run()
+    except EmulationError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(result.report())
+    summary = cluster.summary()
+    if summary:
+        print(json.dumps(summary, indent=2))
+    print(f"host trees and logs: {options.workdir}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

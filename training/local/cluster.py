@@ -1,0 +1,387 @@
+"""An emulated heterogeneous SageMaker cluster on one machine: every host a real process tree.
+
+SageMaker's local mode refuses heterogeneous jobs; this runs them. From the same job spec the platform
+takes, it plans one host per instance, and for each host:
+
+* a fake ``/opt/ml`` tree (resourceconfig.json, hyperparameters.json, inputdataconfig.json, the channels
+  assigned to its group, model/output/checkpoint folders), found through ``SAGEMAKER_BASE_DIR``;
+* its own loopback address (127.0.<subnet>.<n>), which its servers bind to, and a host name → address map
+  standing in for SageMaker's DNS;
+* a CPU set standing in for its instance's vCPUs (DNN hosts get their own cores first, data hosts share
+  the rest), so that preprocessing moved to a data host really leaves the DNN host's cores;
+* the real entrypoint, ``python -m training.launcher``, in its own session so it can be killed whole.
+
+Every log line is prefixed with host and group. The run fails (non-zero) if any host fails, if the
+deadline passes, or if a host is still running ``orphan_grace_s`` after the DNN group ended: on SageMaker
+that host would keep billing, so here it is killed and reported as an orphan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lambdas.core.catalog import CATALOG
+from lambdas.core.job_spec import JobSpec, role_map
+from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
+from training.hyperparameters import PlatformSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LineCallback = Callable[["EmulatedHost", str], None]
+
+
+class EmulationError(RuntimeError):
+    """The emulated cluster cannot be set up as asked."""
+
+
+@dataclass(frozen=True)
+class EmulatedHost:
+    name: str  # algo-1, algo-2, ... as SageMaker names them
+    group: str  # the group SageMaker reports (homogeneousCluster for a single-group spec)
+    spec_group: str  # the group's name in the job spec
+    role: str
+    instance_type: str
+    address: str
+    cpus: tuple[int, ...]
+    base_dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.group}"
+
+
+@dataclass
+class HostOutcome:
+    host: EmulatedHost
+    exit_code: int | None = None
+    ended_at: float | None = None
+    orphaned: bool = False  # still running after the DNN group ended; killed
+    killed_at_deadline: bool = False
+    killed_on_request: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.orphaned and not self.killed_at_deadline
+
+
+@dataclass
+class ClusterResult:
+    outcomes: list[HostOutcome]
+    elapsed_s: float
+    deadline_exceeded: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.deadline_exceeded and all(outcome.ok for outcome in self.outcomes)
+
+    @property
+    def orphans(self) -> list[str]:
+        return [outcome.host.name for outcome in self.outcomes if outcome.orphaned]
+
+    def outcome(self, host: str) -> HostOutcome:
+        return next(outcome for outcome in self.outcomes if outcome.host.name == host)
+
+    def report(self) -> str:
+        lines = [f"{'host':<8} {'group':<20} {'role':<5} {'exit':>5}  note"]
+        for outcome in self.outcomes:
+            notes = []
+            if outcome.orphaned:
+                notes.append("ORPHAN: still running after the DNN group ended; killed")
+            if outcome.killed_at_deadline:
+                notes.append("killed at the deadline")
+            if outcome.killed_on_request:
+                notes.append("killed on request")
+            host = outcome.host
+            lines.append(f"{host.name:<8} {host.group:<20} {host.role:<5} {str(outcome.exit_code):>5}  {'; '.join(notes)}")
+        verdict = "succeeded" if self.ok else "FAILED"
+        lines.append(f"cluster {verdict} in {self.elapsed_s:.1f} s")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class EmulationOptions:
+    workdir: Path
+    channels: dict[str, Path]  # channel name → local folder standing in for its S3 prefix
+    deadline_s: float = 600.0
+    orphan_grace_s: float = 30.0
+    # Platform settings the launch Lambda would choose; short here so a dead trainer is noticed fast.
+    data_idle_timeout_s: float = 15.0
+    data_start_deadline_s: float = 120.0
+    data_connect_timeout_s: float = 60.0
+    # CPUs per host of a group (group name → count); default one each.
+    cpus_per_host: dict[str, int] = field(default_factory=dict)
+    hyperparameter_overrides: dict[str, Any] = field(default_factory=dict)
+    subnet: int | None = None  # the third octet of the hosts' addresses; random when None
+
+
+def assign_cpus(roles: list[str], cpus_wanted: list[int], available: list[int]) -> list[tuple[int, ...]]:
+    """CPU sets per host: DNN hosts take cores of their own first; data hosts share the rest round-robin
+    (all cores, if the DNN hosts took every one). Pure."""
+    if not available:
+        raise EmulationError("no CPU is available to this process")
+    sets: list[tuple[int, ...]] = [()] * len(roles)
+    free = list(available)
+    for index, role in enumerate(roles):
+        if role == "dnn":
+            wanted = min(cpus_wanted[index], len(available))
+            if len(free) >= wanted:
+                sets[index], free = tuple(free[:wanted]), free[wanted:]
+            else:  # more DNN cores asked for than exist: share
+                sets[index] = tuple(available[:wanted])
+    pool = free or list(available)
+    cursor = 0
+    for index, role in enumerate(roles):
+        if role != "dnn":
+            count = min(cpus_wanted[index], len(pool))
+            sets[index] = tuple(pool[(cursor + offset) % len(pool)] for offset in range(count))
+            cursor += count
+    return sets
+
+
+def plan_hosts(spec: JobSpec, options: EmulationOptions, available_cpus: list[int], subnet: int) -> list[EmulatedHost]:
+    """One EmulatedHost per instance of the spec, named and ordered as SageMaker would. Pure."""
+    rows = []
+    for group in spec.instance_groups:
+        reported = group.name if spec.is_heterogeneous else HOMOGENEOUS_GROUP
+        for _ in range(group.count):
+            rows.append((reported, group.name, group.role, group.instance_type, options.cpus_per_host.get(group.name, 1)))
+    unknown = sorted(set(options.cpus_per_host) - {group.name for group in spec.instance_groups})
+    if unknown:
+        raise EmulationError(f"--cpus names groups {unknown} that the spec does not have")
+    cpu_sets = assign_cpus([row[2] for row in rows], [row[4] for row in rows], available_cpus)
+    hosts = []
+    for index, ((group, spec_group, role, instance_type, _), cpus) in enumerate(zip(rows, cpu_sets, strict=True), start=1):
+        name = f"algo-{index}"
+        address = f"127.0.{subnet}.{index + 1}"
+        hosts.append(EmulatedHost(name, group, spec_group, role, instance_type, address, cpus, options.workdir / name / "opt" / "ml"))
+    return hosts
+
+
+def resource_config(host: EmulatedHost, hosts: list[EmulatedHost]) -> dict[str, Any]:
+    groups: dict[str, list[EmulatedHost]] = {}
+    for other in hosts:
+        groups.setdefault(other.group, []).append(other)
+    return {
+        "current_host": host.name,
+        "current_instance_type": host.instance_type,
+        "current_group_name": host.group,
+        "hosts": [other.name for other in hosts],
+        "instance_groups": [
+            {"instance_group_name": name, "instance_type": members[0].instance_type, "hosts": [m.name for m in members]}
+            for name, members in groups.items()
+        ],
+        "network_interface_name": "lo",
+    }
+
+
+def container_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int]) -> dict[str, str]:
+    """What the launch Lambda writes into HyperParameters: the user's values plus platform settings."""
+    platform = PlatformSettings(
+        role_map=role_map(spec),
+        shutdown_token=secrets.token_urlsafe(24),
+        variant=spec.variant,
+        distribution=spec.distribution,
+        data_service_port=ports[0],
+        master_port=ports[1],
+        data_idle_timeout_s=options.data_idle_timeout_s,
+        data_start_deadline_s=options.data_start_deadline_s,
+        data_connect_timeout_s=options.data_connect_timeout_s,
+    )
+    user = {key: _hyperparameter_string(value) for key, value in {**spec.hyperparameters, **options.hyperparameter_overrides}.items()}
+    return user | platform.to_hyperparameters()
+
+
+def _hyperparameter_string(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class EmulatedCluster:
+    """Start with ``start()``, then ``wait()``; ``kill(host)`` injects a host failure."""
+
+    def __init__(self, spec: JobSpec, options: EmulationOptions, on_line: LineCallback | None = None) -> None:
+        self.spec = spec
+        self.options = options
+        subnet = options.subnet if options.subnet is not None else secrets.randbelow(200) + 20
+        self.hosts = plan_hosts(spec, options, sorted(os.sched_getaffinity(0)), subnet)
+        self._listeners: list[LineCallback] = [on_line or _print_line]
+        self._processes: dict[str, subprocess.Popen] = {}
+        self._outcomes = {host.name: HostOutcome(host) for host in self.hosts}
+        self._pumps: list[threading.Thread] = []
+        self._started_at = 0.0
+        self.hyperparameters: dict[str, str] = {}
+
+    def add_listener(self, listener: LineCallback) -> None:
+        self._listeners.append(listener)
+
+    def host(self, name: str) -> EmulatedHost:
+        return next(host for host in self.hosts if host.name == name)
+
+    def hosts_with_role(self, role: str) -> list[EmulatedHost]:
+        return [host for host in self.hosts if host.role == role]
+
+    def prepare(self) -> None:
+        """Write every host's /opt/ml tree."""
+        missing = sorted({channel.name for channel in self.spec.inputs} - set(self.options.channels))
+        if missing:
+            raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
+        self.hyperparameters = container_hyperparameters(self.spec, self.options, (free_port(), free_port()))
+        for host in self.hosts:
+            config = host.base_dir / "input" / "config"
+            config.mkdir(parents=True, exist_ok=True)
+            (config / "resourceconfig.json").write_text(json.dumps(resource_config(host, self.hosts), indent=2))
+            (config / "hyperparameters.json").write_text(json.dumps(self.hyperparameters, indent=2))
+            assigned = self._channels_of(host)
+            (config / "inputdataconfig.json").write_text(
+                json.dumps({name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"} for name in assigned}, indent=2)
+            )
+            for name in assigned:
+                link = host.base_dir / "input" / "data" / name
+                link.parent.mkdir(parents=True, exist_ok=True)
+                if not link.is_symlink():
+                    link.symlink_to(self.options.channels[name].resolve(), target_is_directory=True)
+            for folder in ("model", "output/data", "checkpoints"):
+                (host.base_dir / folder).mkdir(parents=True, exist_ok=True)
+
+    def _channels_of(self, host: EmulatedHost) -> list[str]:
+        return [channel.name for channel in self.spec.inputs if host.spec_group in self.spec.group_names_for(channel)]
+
+    def plan_report(self) -> str:
+        """One line per host: what it stands for and what it got."""
+        lines = []
+        for host in self.hosts:
+            instance = CATALOG.get(host.instance_type)
+            vcpus = f"{instance.vcpus} vCPU" if instance else "vCPUs unknown"
+            cpus = ",".join(map(str, host.cpus))
+            lines.append(f"{host.name}  {host.group:<20} {host.role:<4} {host.instance_type} ({vcpus}) → {host.address}, CPUs {{{cpus}}}")
+        return "\n".join(lines)
+
+    def start(self) -> None:
+        self.prepare()
+        self._started_at = time.monotonic()
+        addresses = json.dumps({host.name: host.address for host in self.hosts})
+        for host in self.hosts:
+            env = os.environ | {
+                BASE_DIR_ENV: str(host.base_dir),
+                HOST_ADDRESSES_ENV: addresses,
+                "PYTHONPATH": str(REPO_ROOT),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": str(len(host.cpus)),
+                "GLOO_SOCKET_IFNAME": "lo",
+            }
+            process = subprocess.Popen(
+                [sys.executable, "-m", "training.launcher"],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+                preexec_fn=lambda cpus=host.cpus: os.sched_setaffinity(0, cpus),  # noqa: PLW0108
+            )
+            self._processes[host.name] = process
+            pump = threading.Thread(target=self._pump, args=(host, process), name=f"log-{host.name}", daemon=True)
+            pump.start()
+            self._pumps.append(pump)
+
+    def _pump(self, host: EmulatedHost, process: subprocess.Popen) -> None:
+        log_path = self.options.workdir / "logs" / f"{host.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("w") as log_file:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                for listener in self._listeners:
+                    listener(host, line.rstrip("\n"))
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Kill a host's whole process tree, as an instance failure would."""
+        self._outcomes[name].killed_on_request = True
+        _kill_tree(self._processes[name], sig)
+
+    def pid(self, name: str) -> int:
+        return self._processes[name].pid
+
+    def wait(self) -> ClusterResult:
+        deadline = self._started_at + self.options.deadline_s
+        dnn_ended_at: float | None = None
+        deadline_exceeded = False
+        while True:
+            now = time.monotonic()
+            for name, process in self._processes.items():
+                outcome = self._outcomes[name]
+                if outcome.exit_code is None and process.poll() is not None:
+                    outcome.exit_code, outcome.ended_at = process.returncode, now
+            running = [name for name, outcome in self._outcomes.items() if outcome.exit_code is None]
+            if not running:
+                break
+            if dnn_ended_at is None and all(self._outcomes[h.name].exit_code is not None for h in self.hosts_with_role("dnn")):
+                dnn_ended_at = now
+            if dnn_ended_at is not None and now - dnn_ended_at > self.options.orphan_grace_s:
+                for name in running:
+                    self._outcomes[name].orphaned = True
+                    _kill_tree(self._processes[name], signal.SIGKILL)
+            elif now > deadline:
+                deadline_exceeded = True
+                for name in running:
+                    self._outcomes[name].killed_at_deadline = True
+                    _kill_tree(self._processes[name], signal.SIGKILL)
+            time.sleep(0.1)
+        for pump in self._pumps:
+            pump.join(timeout=5)
+        return ClusterResult(list(self._outcomes.values()), time.monotonic() - self._started_at, deadline_exceeded)
+
+    def run(self) -> ClusterResult:
+        self.start()
+        try:
+            return self.wait()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kill whatever is left (an interrupted run must not leave processes behind)."""
+        for process in self._processes.values():
+            if process.poll() is None:
+                _kill_tree(process, signal.SIGKILL)
+                process.wait()
+
+    def summary(self) -> dict[str, Any] | None:
+        """The chief DNN host's summary.json, if training got that far."""
+        path = self.hosts_with_role("dnn")[0].base_dir / "output" / "data" / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def _kill_tree(process: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+_print_lock = threading.Lock()
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _print_line(host: EmulatedHost, line: str) -> None:
+    with _print_lock:
+        print(f"[{host.label}] {ANSI.sub('', line)}", flush=True)
+

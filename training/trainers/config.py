@@ -1,0 +1,64 @@
+"""Typed trainer settings, one frozen dataclass per trainer, built from the job's hyperparameters.
+
+Kept free of framework imports so that a data host (which never trains) can read the settings it shares
+with the trainer (batch size, image size, augmentation) without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.data_service.preprocess import AugmentConfig
+
+MODELS = ("cnn", "resnet18", "resnet50")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What every trainer's loop shares (training/trainers/loop.py)."""
+
+    steps: int = 100  # optimizer steps in total, counted across restarts
+    warmup_steps: int = 5  # first steps of each run, left out of step-time figures (start-up, compile)
+    batch_size: int = 32  # per trainer process
+    log_every: int = 1  # a metrics line every N steps
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "batch_size", "log_every")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in 0..steps-1 ({self.steps - 1}), got {self.warmup_steps}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be ≥ 0, got {self.checkpoint_every}")
+
+
+@dataclass(frozen=True)
+class VisionConfig(LoopConfig):
+    """The PyTorch image-classification trainer (training/trainers/pytorch_vision.py)."""
+
+    model: str = "resnet18"  # "cnn" (small, width cnn_width), "resnet18" or "resnet50" (torchvision)
+    cnn_width: int = 32  # channels of the first "cnn" layer; doubles per stage
+    image_size: int = 128  # side of the square crops fed to the model
+    augment: str = "standard"  # "standard" or "heavy" (training/data_service/preprocess.py)
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
+    synthetic_data: bool = False  # random in-memory batches: times the model alone, with no input cost
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        _positive(self, "cnn_width", "learning_rate")
+        AugmentConfig(image_size=self.image_size, augment=self.augment)  # raises on a bad size or augmentation
+
+    @property
+    def augment_config(self) -> AugmentConfig:
+        return AugmentConfig(image_size=self.image_size, augment=self.augment)
+
+
+def _positive(config: object, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")

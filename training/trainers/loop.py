@@ -1,0 +1,209 @@
+"""The loop every trainer shares: timing, metric lines, checkpoints with resume, the summary and outputs.
+
+A variant (PyTorch vision here; TensorFlow and XLA later) subclasses TrainingLoop and fills in the hooks:
+where batches come from, one optimizer step, and how its state is saved. The loop owns everything that
+must look the same across variants:
+
+* step time = wall time from the end of one step to the end of the next, data wait included (an input-
+  bound job is slow because of that wait); the first ``warmup_steps`` of each run are left out;
+* metric lines (training/metrics.py) from the chief process only;
+* checkpoints in ``/opt/ml/checkpoints`` (synced to S3 by SageMaker's CheckpointConfig), written to a
+  temporary name then renamed, and resumed from at start;
+* the model in ``/opt/ml/model``, and ``summary.json`` plus the resolved ``config.json`` in
+  ``/opt/ml/output/data`` (and the config beside the model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from training.cluster import base_dir
+from training.hyperparameters import config_to_dict
+from training.metrics import metric_line
+from training.trainers.config import LoopConfig
+
+log = logging.getLogger(__name__)
+
+BatchT = TypeVar("BatchT")
+
+
+class DataExhaustedError(RuntimeError):
+    """The input ended before the configured number of steps."""
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    model_dir: Path
+    output_data_dir: Path
+    checkpoint_dir: Path
+
+    @classmethod
+    def under(cls, root: Path) -> OutputPaths:
+        """SageMaker's layout below a base directory (/opt/ml on a real host)."""
+        return cls(root / "model", root / "output" / "data", root / "checkpoints")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> OutputPaths:
+        return cls.under(base_dir(environ))
+
+
+def summarize(values_ms: list[float]) -> dict[str, float] | None:
+    if not values_ms:
+        return None
+    ordered = sorted(values_ms)
+    return {
+        "p50": round(statistics.median(ordered), 3),
+        "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3),
+        "mean": round(statistics.fmean(ordered), 3),
+    }
+
+
+class TrainingLoop(ABC, Generic[BatchT]):
+    checkpoint_name = "checkpoint"
+
+    def __init__(self, config: LoopConfig, paths: OutputPaths, *, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.paths = paths
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    # Hooks ---------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def batches(self) -> Iterator[BatchT]:
+        """The training input, one batch per step."""
+
+    @abstractmethod
+    def train_step(self, batch: BatchT) -> float:
+        """One optimizer step; returns the loss as a Python float, which also waits for the device."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: Path, step: int) -> None:
+        """Write everything needed to resume after ``step`` to ``path`` (chief only)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore from ``path`` on every process; return the step it was taken after."""
+
+    @abstractmethod
+    def save_model(self, model_dir: Path) -> None:
+        """Write the trained model (chief only)."""
+
+    def barrier(self) -> None:
+        """Wait for every process of the job; a no-op for a single process."""
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {}
+
+    # The loop ------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.paths.checkpoint_dir / self.checkpoint_name
+
+    def run(self) -> dict[str, Any]:
+        config = self.config
+        started = time.perf_counter()
+        start_step = self._restore()
+        if self.is_chief:
+            self._write_config()
+        step_ms: list[float] = []
+        wait_ms: list[float] = []
+        warmup_ms: list[float] = []
+        loss = float("nan")
+        batches = iter(self.batches())
+        last = time.perf_counter()
+        for step in range(start_step + 1, config.steps + 1):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise DataExhaustedError(f"the input ended after step {step - 1} of {config.steps}") from None
+            fetched = time.perf_counter()
+            loss = self.train_step(batch)
+            now = time.perf_counter()
+            elapsed, waited, last = (now - last) * 1000, (fetched - last) * 1000, now
+            timed = step - start_step > config.warmup_steps
+            (step_ms if timed else warmup_ms).append(elapsed)
+            if timed:
+                wait_ms.append(waited)
+            if self.is_chief and (step % config.log_every == 0 or step == config.steps):
+                values = {"loss": loss}
+                if timed:
+                    values |= {
+                        "step_time_ms": elapsed,
+                        "data_wait_ms": waited,
+                        "samples_per_s": config.batch_size * self.world_size * 1000 / elapsed,
+                    }
+                else:
+                    values["warmup_ms"] = elapsed
+                print(metric_line(step, config.steps, values), flush=True)
+            if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+                self._checkpoint(step)
+        self._checkpoint(config.steps)
+        self.barrier()
+        summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
+        if self.is_chief:
+            self.paths.model_dir.mkdir(parents=True, exist_ok=True)
+            self.save_model(self.paths.model_dir)
+            _write_json(self.paths.output_data_dir / "summary.json", summary)
+        return summary
+
+    def _restore(self) -> int:
+        if not self.checkpoint_path.exists():
+            return 0
+        step = self.load_checkpoint(self.checkpoint_path)
+        log.info("resumed from %s after step %d", self.checkpoint_path, step)
+        return min(step, self.config.steps)
+
+    def _checkpoint(self, step: int) -> None:
+        if self.is_chief:
+            self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            partial = self.checkpoint_path.with_name(self.checkpoint_name + ".partial")
+            self.save_checkpoint(partial, step)
+            os.replace(partial, self.checkpoint_path)
+        self.barrier()
+
+    def _write_config(self) -> None:
+        resolved = config_to_dict(self.config) | {"world_size": self.world_size}
+        for directory in (self.paths.output_data_dir, self.paths.model_dir):
+            _write_json(directory / "config.json", resolved)
+
+    def _summary(
+        self, start_step: int, step_ms: list[float], wait_ms: list[float], warmup_ms: list[float], loss: float, elapsed_s: float
+    ) -> dict[str, Any]:
+        step_stats = summarize(step_ms)
+        return {
+            "status": "completed",
+            "steps": self.config.steps,
+            "start_step": start_step,
+            "timed_steps": len(step_ms),
+            "warmup_steps": len(warmup_ms),
+            "warmup_s": round(sum(warmup_ms) / 1000, 3),
+            "step_time_ms": step_stats,
+            "data_wait_ms": summarize(wait_ms),
+            "samples_per_s": (
+                round(self.config.batch_size * self.world_size * 1000 / step_stats["mean"], 2) if step_stats else None
+            ),
+            "final_loss": None if loss != loss else round(loss, 5),
+            "batch_size": self.config.batch_size,
+            "world_size": self.world_size,
+            "elapsed_s": round(elapsed_s, 3),
+        } | self.summary_extra()
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")

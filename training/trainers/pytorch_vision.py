@@ -1,0 +1,301 @@
+"""PyTorch image classification on the DNN group: one process per device, DDP across them.
+
+Where its batches come from depends on the job:
+
+* with a data group, every process streams preprocessed uint8 batches from all data hosts over gRPC
+  (training/data_service/client.py) and its CPUs only train;
+* without one (the homogeneous baseline), DataLoader workers on this host's own CPUs decode and augment
+  with exactly the same code the data hosts run;
+* with ``synthetic_data=true``, random batches already in memory: the model's step time with no input
+  cost, the train-only figure the offload benchmark compares against.
+
+Normalisation to float runs on the device in every case. The launcher starts this module through
+torchrun (or directly); it reads the job from the SageMaker files like any other process on the host:
+
+    python -m training.trainers.pytorch_vision
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from training.cluster import ClusterConfigError, host_addresses, load_cluster
+from training.data_service.client import DataServiceDataset, DataServiceError, describe
+from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
+from training.data_service.preprocess import DECODE_ERRORS, AugmentConfig, CorruptDatasetError, load_and_augment
+from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
+from training.trainers.config import VisionConfig
+from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop
+
+log = logging.getLogger("training.pytorch_vision")
+
+# ImageNet statistics, applied on the device to the uint8 batches.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+class VisionBatch(NamedTuple):
+    images: torch.Tensor  # uint8 [B, 3, S, S]
+    labels: torch.Tensor  # int64 [B]
+    skipped: int  # undecodable files replaced or dropped while making this batch
+
+
+class SmallCNN(nn.Module):
+    """Three conv stages (width, 2×, 4× channels) with batch norm, global pooling and a linear head."""
+
+    def __init__(self, num_classes: int, width: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = 3
+        for stage in range(3):
+            out = width * 2**stage
+            layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(out, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+            layers.append(nn.MaxPool2d(2))
+            channels = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
+def build_model(config: VisionConfig, num_classes: int) -> nn.Module:
+    if config.model == "cnn":
+        return SmallCNN(num_classes, config.cnn_width)
+    return getattr(torchvision.models, config.model)(weights=None, num_classes=num_classes)
+
+
+class LocalImages(Dataset):
+    """Map-style dataset over an ImageFolder channel; an undecodable file yields None and is counted."""
+
+    def __init__(self, folder: ImageFolder, augment: AugmentConfig) -> None:
+        self.folder = folder
+        self.augment = augment
+        self._rng: np.random.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray | None, int]:
+        if self._rng is None:
+            # DataLoader seeds each worker differently on every epoch; derive numpy's stream from it.
+            self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
+        path, label = self.folder.samples[index]
+        try:
+            return load_and_augment(path, self._rng, self.augment), label
+        except DECODE_ERRORS:
+            log.warning("skipping undecodable file %s", path)
+            return None, label
+
+
+def collate_skipping(items: list[tuple[np.ndarray | None, int]]) -> VisionBatch:
+    good = [(image, label) for image, label in items if image is not None]
+    if not good:
+        raise CorruptDatasetError(f"none of the {len(items)} files of a batch could be decoded; check the channel")
+    return VisionBatch(
+        torch.from_numpy(np.stack([image for image, _ in good])),
+        torch.tensor([label for _, label in good], dtype=torch.int64),
+        len(items) - len(good),
+    )
+
+
+class VisionTrainer(TrainingLoop[VisionBatch]):
+    checkpoint_name = "checkpoint.pt"
+
+    def __init__(
+        self,
+        config: VisionConfig,
+        paths: OutputPaths,
+        *,
+        classes: list[str],
+        source: str,
+        local_folder: ImageFolder | None = None,
+        service: DataServiceDataset | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        cpus: int = 1,
+    ) -> None:
+        super().__init__(config, paths, rank=rank, world_size=world_size)
+        self.vision = config
+        self.classes = classes
+        self.source = source
+        self.local_folder = local_folder
+        self.service = service
+        self.cpus = cpus
+        self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(config.seed)
+        self.module = build_model(config, len(classes)).to(self.device)
+        self.model: nn.Module = self.module
+        if world_size > 1:
+            self.model = DistributedDataParallel(self.module, device_ids=[local_rank] if self.device.type == "cuda" else None)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(), lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+        self.criterion = nn.CrossEntropyLoss()
+        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
+        self.skipped_samples = 0
+
+    def batches(self) -> Iterator[VisionBatch]:
+        if self.source == "synthetic":
+            yield from self._synthetic_batches()
+        elif self.source == "data_service":
+            assert self.service is not None
+            for images, labels in self.service:
+                yield VisionBatch(images, labels, 0)
+        else:
+            yield from self._local_batches()
+
+    def _synthetic_batches(self) -> Iterator[VisionBatch]:
+        generator = torch.Generator().manual_seed(self.vision.seed + self.rank)
+        shape = (self.vision.batch_size, *self.vision.augment_config.sample_shape)
+        pool = [
+            VisionBatch(
+                torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator),
+                torch.randint(0, len(self.classes), (self.vision.batch_size,), generator=generator),
+                0,
+            )
+            for _ in range(4)
+        ]
+        while True:
+            yield from pool
+
+    def _local_batches(self) -> Iterator[VisionBatch]:
+        assert self.local_folder is not None
+        dataset = LocalImages(self.local_folder, self.vision.augment_config)
+        sampler = DistributedSampler(dataset, self.world_size, self.rank, shuffle=True, seed=self.vision.seed)
+        workers = self.cpus if self.vision.dataloader_workers < 0 else self.vision.dataloader_workers
+        loader = DataLoader(
+            dataset,
+            batch_size=self.vision.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=collate_skipping,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=workers > 0,
+            prefetch_factor=2 if workers > 0 else None,
+            drop_last=True,
+        )
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                self.skipped_samples += batch.skipped
+                yield batch
+            epoch += 1
+
+    def train_step(self, batch: VisionBatch) -> float:
+        images = batch.images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.criterion(self.model(images), labels)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def save_checkpoint(self, path: Path, step: int) -> None:
+        torch.save({"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, path)
+
+    def load_checkpoint(self, path: Path) -> int:
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+
+    def save_model(self, model_dir: Path) -> None:
+        torch.save(self.module.state_dict(), model_dir / "model.pt")
+        (model_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def summary_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {
+            "variant": "pytorch",
+            "model": self.vision.model,
+            "device": self.device.type,
+            "data_source": self.source,
+            "classes": len(self.classes),
+            "skipped_samples": self.skipped_samples,
+        }
+        if self.service is not None:
+            stats = self.service.stats
+            extra |= {
+                "data_hosts": list(stats.hosts),
+                "lost_data_hosts": stats.lost_hosts,
+                "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
+                "skipped_samples": stats.skipped_samples,
+            }
+        return extra
+
+
+def host_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def build_trainer(environ: dict[str, str]) -> VisionTrainer:
+    cluster = load_cluster(environ)
+    settings, config = parse_settings(load_hyperparameters(environ), VisionConfig)
+    rank, world_size = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
+    cpus = max(1, host_cpus() // local_world)
+    torch.set_num_threads(cpus)
+    if world_size > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    paths = OutputPaths.from_environment(environ)
+    addresses = settings.data_service_targets(cluster, host_addresses(environ))
+    common: dict[str, Any] = dict(rank=rank, world_size=world_size, local_rank=local_rank, cpus=cpus)
+    if addresses:
+        info = describe(addresses, settings.data_connect_timeout_s)
+        if info.batch_size != config.batch_size or tuple(info.sample_shape) != config.augment_config.sample_shape:
+            raise HyperparameterError(
+                f"data host {info.host} makes batches of {info.batch_size} × {tuple(info.sample_shape)}, "
+                f"this trainer expects {config.batch_size} × {config.augment_config.sample_shape}"
+            )
+        service = DataServiceDataset(
+            addresses,
+            config.batch_size,
+            client_id=f"{cluster.current_host}/rank{rank}",
+            connect_timeout_s=settings.data_connect_timeout_s,
+        )
+        source = "synthetic" if config.synthetic_data else "data_service"
+        return VisionTrainer(config, paths, classes=list(info.classes), source=source, service=service, **common)
+    folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
+    source = "synthetic" if config.synthetic_data else "local"
+    return VisionTrainer(config, paths, classes=list(folder.classes), source=source, local_folder=folder, **common)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    try:
+        trainer = build_trainer(dict(os.environ))
+        summary = trainer.run()
+    except (ClusterConfigError, HyperparameterError, ChannelError, CorruptDatasetError, DataServiceError, DataExhaustedError) as error:
+        log.error("training failed: %s: %s", type(error).__name__, error)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if trainer.is_chief:
+        log.info("training finished: %d steps, step time p50 %s ms", summary["steps"], (summary["step_time_ms"] or {}).get("p50"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
