@@ -51,7 +51,8 @@ class Cluster:
 
     @property
     def is_heterogeneous(self) -> bool:
-        return not (len(self.groups) == 1 and self.groups[0].name == HOMOGENEOUS_GROUP)
+        # As the toolkit decides it: more than one instance group.
+        return len(self.groups) > 1
 
     def group(self, name: str) -> InstanceGroup:
         for group in self.groups:

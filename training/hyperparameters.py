@@ -215,7 +215,7 @@ def _plain(value: Any) -> Any:
 
 
 def _type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) or "JSON object"
+    return "JSON object" if typing.get_origin(hint) is collections.abc.Mapping else hint.__name__
 
 
 def _unknown_message(key: str, known: frozenset[str] | set[str]) -> str:

@@ -20,9 +20,10 @@ Every refusal is a JobSpecError naming the field and what to do instead. Nothing
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from training.cluster import HOMOGENEOUS_GROUP
 

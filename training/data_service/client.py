@@ -30,6 +30,14 @@ from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, StopReason
 
+# gRPC backs off exponentially (up to 2 minutes) between attempts to reach a host that is not up yet, and
+# channels to the same target share that state. Data hosts start at different times: retry every second.
+CLIENT_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 log = logging.getLogger(__name__)
 
 # A host that answers with one of these will answer the same again: no point retrying. Anything else
@@ -85,7 +93,7 @@ def describe(addresses: list[str], timeout_s: float) -> pb.DatasetInfo:
     errors: dict[str, str] = {}
     while time.monotonic() < deadline:
         for address in addresses:
-            with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
                 try:
                     return pb_grpc.DataServiceStub(channel).Describe(pb.DescribeRequest(), timeout=2.0)
                 except grpc.RpcError as error:
@@ -154,7 +162,7 @@ class DataServiceDataset(IterableDataset):
         # The first connection may wait for a host that is still starting; later ones only briefly.
         retry_until = time.monotonic() + self.connect_timeout_s
         while not stop.is_set():
-            channel = grpc.insecure_channel(state.address, options=GRPC_OPTIONS)
+            channel = grpc.insecure_channel(state.address, options=CLIENT_OPTIONS)
             call = None
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))

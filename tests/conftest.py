@@ -1,0 +1,62 @@
+"""Shared fixtures: fake SageMaker host trees and small JPEG datasets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from training.local.images import write_dataset
+
+TOKEN = "test-shutdown-token-0123456789"
+
+
+def hetero_resource_config(current: str = "algo-1") -> dict[str, Any]:
+    return {
+        "current_host": current,
+        "current_instance_type": "ml.c5.9xlarge" if current in ("algo-1", "algo-2") else "ml.p3.2xlarge",
+        "current_group_name": "data_group" if current in ("algo-1", "algo-2") else "dnn_group",
+        "hosts": ["algo-1", "algo-2", "algo-3"],
+        "instance_groups": [
+            {"instance_group_name": "data_group", "instance_type": "ml.c5.9xlarge", "hosts": ["algo-1", "algo-2"]},
+            {"instance_group_name": "dnn_group", "instance_type": "ml.p3.2xlarge", "hosts": ["algo-3"]},
+        ],
+        "network_interface_name": "eth0",
+    }
+
+
+def platform_hyperparameters(**overrides: Any) -> dict[str, str]:
+    values = {
+        "role_map": json.dumps({"data_group": "data", "dnn_group": "dnn"}),
+        "shutdown_token": TOKEN,
+    }
+    return values | {key: str(value) for key, value in overrides.items()}
+
+
+def write_host_tree(
+    base: Path,
+    resource_config: dict[str, Any] | str | None,
+    hyperparameters: dict[str, str] | None = None,
+    channels: dict[str, Path] | None = None,
+) -> Path:
+    """A fake /opt/ml under ``base``; a str resource_config is written verbatim (for malformed files)."""
+    config = base / "input" / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    if resource_config is not None:
+        text = resource_config if isinstance(resource_config, str) else json.dumps(resource_config)
+        (config / "resourceconfig.json").write_text(text)
+    (config / "hyperparameters.json").write_text(json.dumps(hyperparameters or {}))
+    (config / "inputdataconfig.json").write_text(json.dumps({name: {"TrainingInputMode": "File"} for name in channels or {}}))
+    for name, folder in (channels or {}).items():
+        link = base / "input" / "data" / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(folder, target_is_directory=True)
+    return base
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 classes × 24 real JPEG files of 96 px."""
+    return write_dataset(tmp_path_factory.mktemp("images"), classes=4, per_class=24, size=96)

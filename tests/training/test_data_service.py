@@ -1,0 +1,222 @@
+"""The gRPC data service: real servers with real worker processes on loopback, and the merging client."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.conftest import TOKEN
+from training.data_service import codec
+from training.data_service import data_service_pb2 as pb
+from training.data_service.client import (
+    DataServiceDataset,
+    DataServiceRefusedError,
+    DataServiceUnavailableError,
+    describe,
+    request_shutdown,
+)
+from training.data_service.dataset import scan_image_folder
+from training.data_service.preprocess import AugmentConfig
+from training.data_service.server import Activity, ServerSettings, StopReason, sample_order, serve, stop_verdict
+from training.local.cluster import free_port
+
+_addresses = itertools.count(2)
+
+
+class RunningHost:
+    def __init__(self, settings: ServerSettings, thread: threading.Thread, stop: threading.Event, result: dict) -> None:
+        self.settings, self.thread, self.stop, self._result = settings, thread, stop, result
+
+    @property
+    def target(self) -> str:
+        return f"{self.settings.bind_address}:{self.settings.port}"
+
+    def reason(self, timeout: float = 15.0) -> StopReason:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "data host did not stop"
+        return self._result["reason"]
+
+
+@contextlib.contextmanager
+def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
+    settings = ServerSettings(
+        host=f"test-host-{next(_addresses)}",
+        bind_address=f"127.0.77.{next(_addresses)}",
+        port=free_port(),
+        channel="train",
+        batch_size=8,
+        augment=AugmentConfig(32),
+        shutdown_token=TOKEN,
+        idle_timeout_s=30,
+        start_deadline_s=60,
+        workers=1,
+    )
+    settings = ServerSettings(**{**settings.__dict__, **overrides})
+    folder = scan_image_folder(images, "train", "data_group")
+    stop, result = threading.Event(), {}
+    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, 0, stop)), daemon=True)
+    thread.start()
+    host = RunningHost(settings, thread, stop, result)
+    try:
+        yield host
+    finally:
+        stop.set()
+        thread.join(20)
+
+
+def take(dataset: DataServiceDataset, count: int) -> list:
+    return list(itertools.islice(iter(dataset), count))
+
+
+def test_batches_are_raw_uint8_tensors_and_describe_tells_the_dataset(images: Path) -> None:
+    with data_host(images) as host:
+        info = describe([host.target], timeout_s=10)
+        assert list(info.classes) == ["class_00", "class_01", "class_02", "class_03"]
+        assert (info.num_samples, tuple(info.sample_shape), info.batch_size) == (96, (3, 32, 32), 8)
+        batches = take(DataServiceDataset([host.target], 8, "test"), 5)
+    for images_batch, labels in batches:
+        assert images_batch.dtype.is_floating_point is False and str(images_batch.dtype) == "torch.uint8"
+        assert tuple(images_batch.shape) == (8, 3, 32, 32)
+        assert labels.dtype.is_floating_point is False and set(labels.tolist()) <= {0, 1, 2, 3}
+
+
+def test_bytes_on_the_wire_per_sample_are_the_uint8_sample_size() -> None:
+    images = np.zeros((64, 3, 96, 96), dtype=np.uint8)
+    message = pb.Batch(sequence=1, images=codec.encode(images), labels=codec.encode(np.zeros(64, dtype=np.int64)))
+    per_sample = message.ByteSize() / 64
+    assert 3 * 96 * 96 <= per_sample <= 3 * 96 * 96 * 1.001  # the image bytes, 8 label bytes, and framing
+
+
+def test_a_wrong_token_is_refused_and_the_right_one_stops_the_host(images: Path) -> None:
+    with data_host(images) as host:
+        describe([host.target], timeout_s=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            request_shutdown(host.target, "not-the-job-token-at-all", "intruder")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert take(DataServiceDataset([host.target], 8, "test"), 1), "host must keep serving after a refused shutdown"
+        reply = request_shutdown(host.target, TOKEN, "test")
+        assert reply.host == host.settings.host
+        assert host.reason() == StopReason.SHUTDOWN and StopReason.SHUTDOWN.exit_code == 0
+
+
+def test_an_open_stream_ends_cleanly_on_shutdown(images: Path) -> None:
+    with data_host(images) as host:
+        dataset = DataServiceDataset([host.target], 8, "test")
+        iterator = iter(dataset)
+        next(iterator)
+        request_shutdown(host.target, TOKEN, "test")
+        remaining = list(iterator)  # drains what was in flight, then stops without an error
+        assert len(remaining) < 20
+        assert dataset.stats.hosts[host.target].ended == "end of stream (shutdown)"
+        assert dataset.stats.lost_hosts == []
+
+
+def test_a_batch_size_that_is_not_the_jobs_is_refused(images: Path) -> None:
+    with data_host(images) as host, pytest.raises(DataServiceRefusedError, match="batches of 4, this data host makes 8"):
+        take(DataServiceDataset([host.target], 4, "test"), 1)
+
+
+def test_no_client_before_the_start_deadline_stops_the_host_with_an_error(images: Path) -> None:
+    with data_host(images, start_deadline_s=1.0) as host:
+        assert host.reason() == StopReason.START_DEADLINE
+    assert StopReason.START_DEADLINE.exit_code != 0
+
+
+def test_the_host_stops_after_its_clients_left_and_stayed_away(images: Path) -> None:
+    with data_host(images, idle_timeout_s=1.0) as host:
+        take(DataServiceDataset([host.target], 8, "test"), 2)
+        started = time.monotonic()
+        assert host.reason() == StopReason.IDLE
+        assert time.monotonic() - started < 6
+
+
+def test_streams_of_several_hosts_are_merged(images: Path) -> None:
+    with data_host(images) as first, data_host(images) as second:
+        dataset = DataServiceDataset([first.target, second.target], 8, "test")
+        # Arrival order decides; a host that starts later joins in as soon as its first batch is ready.
+        take_until(iter(dataset), lambda: all(state.batches for state in dataset.stats.hosts.values()))
+
+
+def take_until(iterator: Iterator, done, timeout_s: float = 15.0) -> int:
+    """Take at least one batch, then more until ``done()`` holds; fail after ``timeout_s``."""
+    give_up, taken = time.monotonic() + timeout_s, 0
+    while taken == 0 or not done():
+        assert time.monotonic() < give_up, "condition not reached in time"
+        next(iterator)
+        taken += 1
+    return taken
+
+
+def test_training_carries_on_when_one_host_is_lost(images: Path) -> None:
+    with data_host(images) as doomed, data_host(images) as survivor:
+        dataset = DataServiceDataset([doomed.target, survivor.target], 8, "test", reconnect_timeout_s=1.0)
+        iterator = iter(dataset)
+        take_until(iterator, lambda: all(state.batches for state in dataset.stats.hosts.values()))
+        doomed.stop.set()  # the host goes away mid-run
+        assert doomed.reason() == StopReason.SIGNAL
+        take_until(iterator, lambda: dataset.stats.lost_hosts)
+        assert dataset.stats.lost_hosts == [doomed.target]
+        before = dataset.stats.hosts[survivor.target].batches
+        assert len(list(itertools.islice(iterator, 30))) == 30
+        assert dataset.stats.hosts[survivor.target].batches > before
+
+
+def test_unreachable_hosts_fail_within_the_connect_bound() -> None:
+    targets = [f"127.0.78.2:{free_port()}", f"127.0.78.3:{free_port()}"]
+    started = time.monotonic()
+    with pytest.raises(DataServiceUnavailableError, match="all 2 data hosts are gone"):
+        take(DataServiceDataset(targets, 8, "test", connect_timeout_s=1.5), 1)
+    assert time.monotonic() - started < 6
+    with pytest.raises(DataServiceUnavailableError, match="no data host answered"):
+        describe(targets, timeout_s=1.0)
+
+
+def test_losing_every_host_mid_run_is_an_error_not_a_hang(images: Path) -> None:
+    with data_host(images) as host:
+        iterator = iter(DataServiceDataset([host.target], 8, "test", reconnect_timeout_s=1.0))
+        next(iterator)
+        host.stop.set()
+        started = time.monotonic()
+        with pytest.raises(DataServiceUnavailableError, match="gone"):
+            list(itertools.islice(iterator, 1000))
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("activity", "now", "expected"),
+    [
+        (Activity(started_at=0, last_activity=0), 5, None),
+        (Activity(started_at=0, last_activity=0), 11, StopReason.START_DEADLINE),
+        (Activity(started_at=0, last_activity=1, active_streams=1, clients_seen=1), 100, None),
+        (Activity(started_at=0, last_activity=1, active_streams=0, clients_seen=1), 3, None),
+        (Activity(started_at=0, last_activity=1, active_streams=0, clients_seen=1), 4.5, StopReason.IDLE),
+    ],
+)
+def test_stop_verdict(activity: Activity, now: float, expected: StopReason | None) -> None:
+    assert stop_verdict(activity, now, idle_timeout_s=3, start_deadline_s=10) == expected
+
+
+def test_sample_order_is_a_fresh_permutation_each_epoch_and_differs_per_host() -> None:
+    first = list(itertools.islice(sample_order(10, seed=0, host_index=0), 20))
+    assert sorted(first[:10]) == sorted(first[10:]) == list(range(10))
+    assert first[:10] != first[10:]
+    assert first != list(itertools.islice(sample_order(10, seed=0, host_index=1), 20))
+
+
+def test_codec_round_trips_and_refuses_malformed_tensors() -> None:
+    array = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
+    assert np.array_equal(codec.decode(codec.encode(array)), array)
+    with pytest.raises(codec.TensorFormatError, match="do not make"):
+        codec.decode(pb.Tensor(dtype="uint8", shape=[2, 2], data=b"abc"))
+    with pytest.raises(codec.TensorFormatError, match="unknown dtype"):
+        codec.decode(pb.Tensor(dtype="object", shape=[1], data=b"x"))
+    with pytest.raises(codec.TensorFormatError, match="cannot be sent"):
+        codec.encode(np.array(["a"], dtype=object))
