@@ -71,7 +71,8 @@ class HostState:
     skipped_samples: int = 0
     # None while streaming; "end of stream (...)" when the host ended it on purpose; else why it was lost.
     ended: str | None = None
-    lost: bool = False
+    lost: bool = False  # given up on: no batch will come from it any more
+    streaming: bool = False  # batches are flowing on the current connection
 
 
 @dataclass
@@ -85,6 +86,15 @@ class StreamStats:
     @property
     def lost_hosts(self) -> list[str]:
         return [address for address, state in self.hosts.items() if state.lost]
+
+    @property
+    def unavailable_hosts(self) -> list[str]:
+        """Hosts given up on, or whose stream broke and has not come back (yet): at the end of training,
+        the hosts that were lost along the way."""
+        return [
+            address for address, state in self.hosts.items()
+            if state.lost or (not state.streaming and not (state.ended or "").startswith("end of stream"))
+        ]
 
 
 def describe(addresses: list[str], timeout_s: float) -> pb.DatasetInfo:
@@ -174,6 +184,7 @@ class DataServiceDataset(IterableDataset):
                         state.lost = batch.end_reason not in CLEAN_ENDS
                         return
                     item = (codec.decode(batch.images), codec.decode(batch.labels))
+                    state.streaming = True
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples
                     retry_until = time.monotonic() + self.reconnect_timeout_s
@@ -185,7 +196,7 @@ class DataServiceDataset(IterableDataset):
                             continue
                     if stop.is_set():
                         return
-                return
+                reason = "the stream ended without an end-of-stream marker"
             except grpc.FutureTimeoutError:
                 reason = "unreachable"
             except grpc.RpcError as error:
@@ -196,6 +207,7 @@ class DataServiceDataset(IterableDataset):
                     state.lost = True
                     return
                 reason = f"{error.code().name}: {error.details()}"
+                state.streaming = False
             finally:
                 if call is not None:
                     call.cancel()

@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline-s", type=float, default=600.0, help="kill everything and fail after this long")
     run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")
     run.add_argument("--cpus", type=key_value, action="append", default=[], metavar="GROUP=N", help="CPUs per host of a group (default 1)")
+    run.add_argument("--processes-per-host", type=int, default=0, help="trainer processes per DNN host (default: one per GPU, or 1)")
     run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
     return root
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline_s=args.deadline_s,
             orphan_grace_s=args.orphan_grace_s,
             cpus_per_host={group: int(count) for group, count in args.cpus},
+            processes_per_host=args.processes_per_host,
             hyperparameter_overrides=dict(args.set),
         )
         cluster = EmulatedCluster(spec, options)

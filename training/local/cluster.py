@@ -119,6 +119,8 @@ class EmulationOptions:
     data_idle_timeout_s: float = 15.0
     data_start_deadline_s: float = 120.0
     data_connect_timeout_s: float = 60.0
+    # Trainer processes per DNN host (torchrun's nproc-per-node); 0: one per GPU, or one without GPUs.
+    processes_per_host: int = 0
     # CPUs per host of a group (group name → count); default one each.
     cpus_per_host: dict[str, int] = field(default_factory=dict)
     hyperparameter_overrides: dict[str, Any] = field(default_factory=dict)
@@ -197,6 +199,7 @@ def container_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: t
         data_idle_timeout_s=options.data_idle_timeout_s,
         data_start_deadline_s=options.data_start_deadline_s,
         data_connect_timeout_s=options.data_connect_timeout_s,
+        processes_per_host=options.processes_per_host,
     )
     user = {key: _hyperparameter_string(value) for key, value in {**spec.hyperparameters, **options.hyperparameter_overrides}.items()}
     return user | platform.to_hyperparameters()
@@ -370,11 +373,34 @@ class EmulatedCluster:
         return json.loads(path.read_text()) if path.exists() else None
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants, from /proc. Session boundaries do not stop it: torchrun starts
+    its workers in sessions of their own, which a kill of the host's process group would miss."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Field 4 of /proc/<pid>/stat is the parent pid; the command name before it may hold spaces.
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier.extend(children.get(pid, []))
+    return tree
+
+
 def _kill_tree(process: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
+    """Signal every process of a host at once (collected first: a dead parent's children get reparented)."""
+    for pid in process_tree(process.pid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 _print_lock = threading.Lock()

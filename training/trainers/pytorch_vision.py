@@ -238,7 +238,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             stats = self.service.stats
             extra |= {
                 "data_hosts": list(stats.hosts),
-                "lost_data_hosts": stats.lost_hosts,
+                "lost_data_hosts": stats.unavailable_hosts,
                 "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
                 "skipped_samples": stats.skipped_samples,
             }

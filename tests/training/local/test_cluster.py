@@ -1,0 +1,215 @@
+"""The emulated cluster: planning (pure), then real clusters of processes on loopback, including the
+faults the platform must survive."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lambdas.core.job_spec import parse_job_spec
+from training.cluster import parse_resource_config
+from training.local.cluster import (
+    EmulatedCluster,
+    EmulatedHost,
+    EmulationError,
+    EmulationOptions,
+    assign_cpus,
+    plan_hosts,
+    resource_config,
+)
+from training.metrics import parse_metric_line
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = {"model": "cnn", "cnn_width": 8, "image_size": 32, "batch_size": 8, "warmup_steps": 2, "augment": "standard"}
+
+
+def spec(data_hosts: int = 2, steps: int = 12, **hyperparameters) -> dict:
+    groups = [{"name": "dnn_group", "role": "dnn", "instance_type": "ml.p3.2xlarge", "count": 1}]
+    inputs = {"train": {"s3_uri": "s3://bucket/images/"}}
+    if data_hosts:
+        groups.insert(0, {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": data_hosts})
+        inputs["train"]["groups"] = ["data_group"]
+    return {
+        "run_name": "test-run", "variant": "pytorch", "workload": "vision", "instance_groups": groups,
+        "hyperparameters": TINY | {"steps": steps} | hyperparameters, "inputs": inputs,
+    }
+
+
+class Watcher:
+    """Collects every host's lines and lets a test wait for one."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, host: EmulatedHost, line: str) -> None:
+        with self._changed:
+            self.lines.append((host.name, line))
+            self._changed.notify_all()
+
+    def wait_for(self, host: str, pattern: str, timeout: float = 90.0) -> None:
+        regex = re.compile(pattern)
+        with self._changed:
+            found = self._changed.wait_for(lambda: any(h == host and regex.search(line) for h, line in self.lines), timeout)
+        assert found, f"{host} never printed {pattern!r}"
+
+    def of(self, host: str) -> list[str]:
+        return [line for h, line in self.lines if h == host]
+
+
+def start(raw_spec: dict, tmp_path: Path, images: Path, **options) -> tuple[EmulatedCluster, Watcher]:
+    watcher = Watcher()
+    cluster = EmulatedCluster(
+        parse_job_spec(raw_spec), EmulationOptions(workdir=tmp_path, channels={"train": images}, **options), on_line=watcher
+    )
+    cluster.start()
+    return cluster, watcher
+
+
+# Planning -------------------------------------------------------------------------------------------
+
+
+def test_dnn_hosts_get_their_own_cores_and_data_hosts_share_the_rest() -> None:
+    assert assign_cpus(["data", "data", "dnn"], [1, 1, 1], [0, 1]) == [(1,), (1,), (0,)]
+    assert assign_cpus(["dnn", "data"], [2, 1], [0, 1, 2, 3]) == [(0, 1), (2,)]
+    assert assign_cpus(["dnn", "data"], [2, 2], [0, 1]) == [(0, 1), (0, 1)]  # nothing left: share everything
+    with pytest.raises(EmulationError):
+        assign_cpus(["dnn"], [1], [])
+
+
+def test_hosts_are_planned_as_sagemaker_names_and_groups_them(tmp_path: Path) -> None:
+    options = EmulationOptions(workdir=tmp_path, channels={})
+    hosts = plan_hosts(parse_job_spec(spec(data_hosts=2)), options, [0, 1], subnet=9)
+    assert [(h.name, h.group, h.role, h.address) for h in hosts] == [
+        ("algo-1", "data_group", "data", "127.0.9.2"),
+        ("algo-2", "data_group", "data", "127.0.9.3"),
+        ("algo-3", "dnn_group", "dnn", "127.0.9.4"),
+    ]
+    for host in hosts:
+        cluster = parse_resource_config(resource_config(host, hosts))
+        assert (cluster.current_host, cluster.current_group) == (host.name, host.group)
+    homogeneous = plan_hosts(parse_job_spec(spec(data_hosts=0)), options, [0, 1], subnet=9)
+    assert [(h.group, h.spec_group) for h in homogeneous] == [("homogeneousCluster", "dnn_group")]
+    with pytest.raises(EmulationError, match="does not have"):
+        plan_hosts(parse_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={}, cpus_per_host={"gpu": 2}), [0], 9)
+
+
+def test_a_channel_without_a_local_folder_is_refused(tmp_path: Path) -> None:
+    cluster = EmulatedCluster(parse_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={}))
+    with pytest.raises(EmulationError, match="--channel train=PATH"):
+        cluster.start()
+
+
+# Real clusters ---------------------------------------------------------------------------------------
+
+
+
+@pytest.mark.cluster
+def test_one_dnn_host_with_two_processes_and_two_data_hosts(tmp_path: Path, images: Path) -> None:
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec(data_hosts=2, steps=12)))
+    result = subprocess.run(
+        [sys.executable, "-m", "training.local", "run", str(spec_path), "--channel", f"train={images}",
+         "--workdir", str(tmp_path / "run"), "--processes-per-host", "2", "--deadline-s", "240"],
+        cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert re.search(r"^algo-3\s+dnn_group\s+dnn\s+0", out, re.M) and len(re.findall(r"^algo-[12]\s+data_group\s+data\s+0", out, re.M)) == 2
+    timed = [parse_metric_line(line) for line in out.splitlines() if line.startswith("[algo-3 dnn_group] step=") and "step_time_ms=" in line]
+    assert len(timed) == 10 and all(metrics["step_time_ms"] > 0 for metrics in timed)
+    summary = json.loads((tmp_path / "run" / "algo-3" / "opt" / "ml" / "output" / "data" / "summary.json").read_text())
+    assert (summary["steps"], summary["timed_steps"], summary["world_size"], summary["data_source"]) == (12, 10, 2, "data_service")
+    assert len(summary["data_hosts"]) == 2 and summary["lost_data_hosts"] == []
+    assert all(count > 0 for count in summary["batches_per_data_host"].values())
+    assert out.count("stopping (shutdown)") == 2  # both data hosts stopped on the trainer's authenticated request
+    assert "[algo-1 data_group]" in out and "[algo-2 data_group]" in out
+
+
+@pytest.mark.cluster
+def test_training_finishes_when_a_data_host_dies(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=2, steps=40), tmp_path, images)
+    try:
+        watcher.wait_for("algo-3", r"^step=5/40")
+        cluster.kill("algo-1")
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.outcome("algo-3").exit_code == 0 and result.outcome("algo-2").exit_code == 0
+    assert result.outcome("algo-1").exit_code == -9 and not result.ok  # a lost instance still fails the job
+    summary = cluster.summary()
+    assert summary["steps"] == 40 and summary["lost_data_hosts"] == [f"{cluster.host('algo-1').address}:{cluster.hyperparameters['data_service_port']}"]
+
+
+@pytest.mark.cluster
+def test_every_data_host_exits_soon_after_the_dnn_host_dies(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=2, steps=10_000), tmp_path, images)
+    try:
+        watcher.wait_for("algo-3", r"^step=3/")
+        cluster.kill("algo-3")
+        killed_at = time.monotonic()
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    for name in ("algo-1", "algo-2"):
+        outcome = result.outcome(name)
+        assert outcome.exit_code == 0 and not outcome.orphaned
+        assert outcome.ended_at - killed_at < 30
+        assert any("stopping (idle timeout)" in line for line in watcher.of(name))
+    assert result.orphans == []
+
+
+@pytest.mark.cluster
+def test_a_data_host_outliving_the_dnn_group_is_killed_and_reported_as_an_orphan(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images, data_idle_timeout_s=600, orphan_grace_s=3)
+    try:
+        watcher.wait_for("algo-2", r"^step=3/")
+        cluster.kill("algo-2")
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.orphans == ["algo-1"] and not result.ok
+    assert "ORPHAN" in result.report()
+
+
+@pytest.mark.cluster
+def test_the_deadline_kills_everything_and_fails(tmp_path: Path, images: Path) -> None:
+    cluster, _ = start(spec(data_hosts=1, steps=10_000), tmp_path, images, deadline_s=12)
+    try:
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.deadline_exceeded and not result.ok
+    assert all(outcome.killed_at_deadline for outcome in result.outcomes)
+    assert result.elapsed_s < 20
+
+
+@pytest.mark.cluster
+def test_homogeneous_job_preprocesses_on_its_own_cpus(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=0, steps=8), tmp_path, images)
+    try:
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.ok, result.report() + "\n".join(watcher.of("algo-1")[-30:])
+    summary = cluster.summary()
+    assert summary["data_source"] == "local" and summary["timed_steps"] == 6
+    assert any("instance group homogeneousCluster" in line for line in watcher.of("algo-1"))
+
+
+def test_the_cli_refuses_a_bad_spec_with_a_named_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(spec() | {"instance_groups": []}))
+    result = subprocess.run(
+        [sys.executable, "-m", "training.local", "run", str(bad)], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "JobSpecError: instance_groups: must be a non-empty list" in result.stderr

@@ -1,0 +1,109 @@
+"""training/launcher.py: the command it builds, exit codes, and every bad input refused before anything
+starts (each case runs the real entrypoint in a fresh process against a fake /opt/ml)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
+from training.hyperparameters import HyperparameterError
+from training.launcher import CONFIG_ERROR_EXIT, exit_status, trainer_command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_torchrun_spans_the_dnn_group() -> None:
+    command = trainer_command(
+        "training.trainers.pytorch_vision", distribution="torchrun", nnodes=2, processes_per_host=4, node_rank=1,
+        master_address="10.0.0.7", master_port=29500, python="python",
+    )
+    assert command == [
+        "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
+        "--master-addr=10.0.0.7", "--master-port=29500", "-m", "training.trainers.pytorch_vision",
+    ]
+
+
+def test_no_distribution_runs_one_plain_process_and_refuses_more() -> None:
+    kwargs = dict(distribution="none", node_rank=0, master_address="a", master_port=29500, python="python")
+    assert trainer_command("m", nnodes=1, processes_per_host=1, **kwargs) == ["python", "-m", "m"]
+    with pytest.raises(HyperparameterError, match="use distribution 'torchrun'"):
+        trainer_command("m", nnodes=1, processes_per_host=2, **kwargs)
+
+
+@pytest.mark.parametrize(("returncode", "status"), [(0, 0), (1, 1), (-9, 137), (-15, 143)])
+def test_a_killed_trainer_is_a_failure(returncode: int, status: int) -> None:
+    assert exit_status(returncode) == status
+
+
+def run_launcher(base: Path) -> subprocess.CompletedProcess:
+    env = os.environ | {"SAGEMAKER_BASE_DIR": str(base), "PYTHONPATH": str(REPO)}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "training.launcher"], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30, "a refused job must end fast"
+    return result
+
+
+def empty_channel(tmp_path: Path) -> Path:
+    (tmp_path / "empty" / "cats").mkdir(parents=True)
+    return tmp_path / "empty"
+
+
+CASES = {
+    "missing resourceconfig": (lambda tmp, images: (None, platform_hyperparameters(), {}), "resourceconfig.json does not exist"),
+    "malformed resourceconfig": (lambda tmp, images: ("{oops", platform_hyperparameters(), {}), "is not valid JSON"),
+    "group missing from the role map": (
+        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(role_map=json.dumps({"dnn_group": "dnn"})), {}),
+        "RoleMapError: instance group 'data_group' is not in the role map",
+    ),
+    "unknown hyperparameter": (
+        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters() | {"lerning_rate": "0.1"}, {}),
+        "unknown hyperparameter 'lerning_rate' (did you mean 'learning_rate'?)",
+    ),
+    "unknown variant": (
+        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(variant="jax"), {}),
+        "variant 'jax' has no trainer",
+    ),
+    "data host without its channel": (
+        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(), {}),
+        "MissingChannelError: channel 'train' is not on this host",
+    ),
+    "data host with an empty channel": (
+        lambda tmp, images: (hetero_resource_config("algo-2"), platform_hyperparameters(), {"train": empty_channel(tmp)}),
+        "EmptyChannelError",
+    ),
+    "homogeneous host without its channel": (
+        lambda tmp, images: (
+            {"current_host": "algo-1", "hosts": ["algo-1"]},
+            platform_hyperparameters(role_map=json.dumps({"homogeneousCluster": "dnn"})),
+            {},
+        ),
+        "assign it to instance group 'homogeneousCluster'",
+    ),
+    "one process asked, several hosts": (
+        lambda tmp, images: (
+            {"current_host": "algo-1", "hosts": ["algo-1", "algo-2"]},
+            platform_hyperparameters(role_map=json.dumps({"homogeneousCluster": "dnn"}), distribution="none"),
+            {"train": images},
+        ),
+        "use distribution 'torchrun'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_ends_the_host_with_one_clear_line(tmp_path: Path, images: Path, case: str) -> None:
+    make, message = CASES[case]
+    resource_config, hyperparameters, channels = make(tmp_path, images)
+    base = write_host_tree(tmp_path / "opt" / "ml", resource_config, hyperparameters, channels)
+    result = run_launcher(base)
+    assert result.returncode == CONFIG_ERROR_EXIT, result.stdout + result.stderr
+    assert message in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (base / "output" / "data" / "summary.json").exists()

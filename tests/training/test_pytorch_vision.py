@@ -1,0 +1,98 @@
+"""The shared loop and the PyTorch vision trainer, in-process on the CPU: learning, metric lines,
+outputs, checkpoint resume, undecodable files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.data_service.dataset import scan_image_folder
+from training.metrics import METRIC_DEFINITIONS, metric_line, parse_metric_line
+from training.trainers.config import VisionConfig
+from training.trainers.loop import OutputPaths, summarize
+from training.trainers.pytorch_vision import VisionTrainer, build_model
+
+SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_rate=0.05, dataloader_workers=1)
+
+
+def trainer(images: Path, base: Path, **overrides) -> VisionTrainer:
+    folder = scan_image_folder(images, "train", "homogeneousCluster")
+    config = VisionConfig(**(SMALL | overrides))
+    source = "synthetic" if config.synthetic_data else "local"
+    return VisionTrainer(config, OutputPaths.under(base), classes=list(folder.classes), source=source, local_folder=folder)
+
+
+def metric_lines(text: str) -> list[dict[str, float]]:
+    return [parse_metric_line(line) for line in text.splitlines() if line.startswith("step=")]
+
+
+def test_training_learns_and_logs_one_metric_line_per_step(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    summary = trainer(images, tmp_path, steps=40, warmup_steps=3).run()
+    lines = metric_lines(capsys.readouterr().out)
+    assert len(lines) == 40
+    assert [("warmup_ms" in line, "step_time_ms" in line) for line in lines[:3]] == [(True, False)] * 3
+    assert all("step_time_ms" in line and "data_wait_ms" in line and "warmup_ms" not in line for line in lines[3:])
+    losses = [line["loss"] for line in lines]
+    assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8, losses
+    assert summary["timed_steps"] == 37 and summary["warmup_steps"] == 3
+    step_times = sorted(line["step_time_ms"] for line in lines[3:])
+    assert summary["step_time_ms"]["p50"] == pytest.approx(step_times[len(step_times) // 2], rel=0.05)
+    assert summary["data_source"] == "local" and summary["skipped_samples"] == 0
+
+
+def test_outputs_land_in_the_sagemaker_folders(images: Path, tmp_path: Path) -> None:
+    trainer(images, tmp_path, steps=4, warmup_steps=1, seed=3).run()
+    summary = json.loads((tmp_path / "output" / "data" / "summary.json").read_text())
+    config = json.loads((tmp_path / "output" / "data" / "config.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    assert config["seed"] == 3 and config["model"] == "cnn" and config["world_size"] == 1
+    assert json.loads((tmp_path / "model" / "config.json").read_text()) == config
+    model = build_model(VisionConfig(**SMALL), num_classes=4)
+    model.load_state_dict(torch.load(tmp_path / "model" / "model.pt", weights_only=True))
+    assert (tmp_path / "model" / "classes.txt").read_text().split() == ["class_00", "class_01", "class_02", "class_03"]
+    assert (tmp_path / "checkpoints" / "checkpoint.pt").exists()
+
+
+def test_a_second_run_resumes_from_the_checkpoint(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    first = trainer(images, tmp_path, steps=6, warmup_steps=1, checkpoint_every=3)
+    first.run()
+    weights = {name: value.clone() for name, value in first.module.state_dict().items()}
+    capsys.readouterr()
+    resumed = trainer(images, tmp_path, steps=10, warmup_steps=1)
+    assert resumed.load_checkpoint(resumed.checkpoint_path) == 6
+    assert all(torch.equal(weights[name], value) for name, value in resumed.module.state_dict().items())
+    summary = resumed.run()
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step=")]
+    assert summary["start_step"] == 6 and summary["timed_steps"] == 3
+    assert steps[0].startswith("step=7/10") and steps[-1].startswith("step=10/10")
+
+
+def test_undecodable_files_are_skipped_and_counted(images: Path, tmp_path: Path) -> None:
+    copy = shutil.copytree(images, tmp_path / "images")
+    for path in sorted(copy.glob("class_02/*.jpg"))[:5]:
+        path.write_bytes(b"not an image")
+    summary = trainer(copy, tmp_path / "run", steps=12, warmup_steps=1, dataloader_workers=0).run()
+    assert summary["status"] == "completed"
+    assert 0 < summary["skipped_samples"] <= 5 * 2  # each broken file is met at most twice in 12 × 16 draws of 96
+
+
+def test_synthetic_input_times_the_model_alone(images: Path, tmp_path: Path) -> None:
+    summary = trainer(images, tmp_path, steps=5, warmup_steps=1, synthetic_data=True).run()
+    assert summary["data_source"] == "synthetic" and summary["data_wait_ms"]["p50"] < 5
+
+
+def test_metric_definitions_capture_timed_steps_only() -> None:
+    timed = metric_line(12, 100, {"loss": 0.5, "step_time_ms": 86.1, "data_wait_ms": 40.0, "samples_per_s": 2977.0})
+    warm = metric_line(2, 100, {"loss": 2.3, "warmup_ms": 900.0})
+    assert parse_metric_line(timed) == {"loss": 0.5, "step_time_ms": 86.1, "data_wait_ms": 40.0, "samples_per_s": 2977.0}
+    assert parse_metric_line(warm) == {"loss": 2.3, "warmup_ms": 900.0}
+    assert set(METRIC_DEFINITIONS) >= {"step_time_ms", "samples_per_s"}
+
+
+def test_summarize_reports_percentiles() -> None:
+    assert summarize([]) is None
+    assert summarize([float(value) for value in range(1, 11)]) == {"p50": 5.5, "p90": 10.0, "mean": 5.5}
