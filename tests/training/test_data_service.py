@@ -90,7 +90,7 @@ def test_batches_are_raw_uint8_tensors_and_describe_tells_the_dataset(images: Pa
 
 def test_bytes_on_the_wire_per_sample_are_the_uint8_sample_size() -> None:
     images = np.zeros((64, 3, 96, 96), dtype=np.uint8)
-    message = pb.Batch(sequence=1, images=codec.encode(images), labels=codec.encode(np.zeros(64, dtype=np.int64)))
+    message = pb.Batch.FromString(codec.encode_batch(images, np.zeros(64, dtype=np.int64)))
     per_sample = message.ByteSize() / 64
     assert 3 * 96 * 96 <= per_sample <= 3 * 96 * 96 * 1.001  # the image bytes, 8 label bytes, and framing
 
@@ -211,12 +211,21 @@ def test_sample_order_is_a_fresh_permutation_each_epoch_and_differs_per_host() -
     assert first != list(itertools.islice(sample_order(10, seed=0, host_index=1), 20))
 
 
-def test_codec_round_trips_and_refuses_malformed_tensors() -> None:
-    array = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
-    assert np.array_equal(codec.decode(codec.encode(array)), array)
-    with pytest.raises(codec.TensorFormatError, match="do not make"):
-        codec.decode(pb.Tensor(dtype="uint8", shape=[2, 2], data=b"abc"))
-    with pytest.raises(codec.TensorFormatError, match="unknown dtype"):
-        codec.decode(pb.Tensor(dtype="object", shape=[1], data=b"x"))
-    with pytest.raises(codec.TensorFormatError, match="cannot be sent"):
-        codec.encode(np.array(["a"], dtype=object))
+def test_a_host_sending_malformed_batches_is_dropped_with_a_named_error() -> None:
+    from concurrent import futures
+
+    from training.data_service.server import SERVICE
+
+    def garbage(request, context):
+        yield b"\x12\x05abc"  # field 2 (images) claims 5 bytes, 3 follow
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    handler = grpc.unary_stream_rpc_method_handler(garbage, request_deserializer=pb.StreamRequest.FromString, response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamBatches": handler}),))
+    port = server.add_insecure_port("127.0.78.9:0")
+    server.start()
+    try:
+        with pytest.raises(DataServiceRefusedError, match="malformed batch"):
+            take(DataServiceDataset([f"127.0.78.9:{port}"], 8, "test"), 1)
+    finally:
+        server.stop(0)

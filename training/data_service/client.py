@@ -28,7 +28,7 @@ from torch.utils.data import IterableDataset
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
-from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, StopReason
+from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, STREAM_BATCHES, StopReason
 
 # gRPC backs off exponentially (up to 2 minutes) between attempts to reach a host that is not up yet, and
 # channels to the same target share that state. Data hosts start at different times: retry every second.
@@ -176,14 +176,19 @@ class DataServiceDataset(IterableDataset):
             call = None
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))
-                call = pb_grpc.DataServiceStub(channel).StreamBatches(request)
-                for batch in call:
+                call = channel.unary_stream(
+                    STREAM_BATCHES, request_serializer=pb.StreamRequest.SerializeToString, response_deserializer=None
+                )(request)
+                for payload in call:
+                    batch = codec.decode_batch(payload)
                     if batch.end_of_stream:
                         state.ended = f"end of stream ({batch.end_reason})"
                         # A host that stops for any other reason than being done is a lost host.
                         state.lost = batch.end_reason not in CLEAN_ENDS
                         return
-                    item = (codec.decode(batch.images), codec.decode(batch.labels))
+                    if batch.images is None or batch.labels is None:
+                        raise codec.TensorFormatError("a batch without images or labels")
+                    item = (batch.images, batch.labels)
                     state.streaming = True
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples
@@ -199,6 +204,11 @@ class DataServiceDataset(IterableDataset):
                 reason = "the stream ended without an end-of-stream marker"
             except grpc.FutureTimeoutError:
                 reason = "unreachable"
+            except codec.TensorFormatError as error:
+                # A host that sends malformed batches will keep doing so: stop reading from it.
+                state.ended, state.lost, state.streaming = f"refused: malformed batch: {error}", True, False
+                log.error("data host %s sent a malformed batch (%s); no longer reading from it", state.address, error)
+                return
             except grpc.RpcError as error:
                 if stop.is_set():
                     return

@@ -1,10 +1,19 @@
-"""numpy arrays ↔ the data service's Tensor messages: raw C-order bytes with dtype and shape beside them.
+"""numpy arrays ↔ the data service's messages: raw C-order bytes with dtype and shape beside them.
 
-No pickle crosses the wire: a peer can only send bytes that are read as the dtype it names, and a
-message whose byte count disagrees with its shape is refused.
+No pickle crosses the wire: a peer can only send bytes that are read as the dtype it names, and a tensor
+whose byte count disagrees with its shape is refused.
+
+Batches are the hot path. A data host's worker processes serialise each Batch once (``encode_batch``), the
+gRPC handler sends those bytes as they are, and the trainer side reads them with ``decode_batch``, which
+walks the protobuf wire format of Batch and Tensor itself and returns numpy views on the received bytes:
+the image bytes are never copied after gRPC hands them over (protobuf's own parser would copy them once
+more, which measurably slows a stream of multi-megabyte batches). ``decode_batch`` agrees with protobuf's
+parser on every message (tests/training/test_codec.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -13,9 +22,22 @@ from training.data_service import data_service_pb2 as pb
 # Only plain numeric dtypes travel; anything else (object, void...) is refused.
 ALLOWED_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"})
 
+# Wire types (protobuf encoding).
+VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
+
 
 class TensorFormatError(ValueError):
-    """A Tensor message is malformed (unknown dtype, or bytes that do not match its shape)."""
+    """A Tensor or Batch message is malformed (unknown dtype, bytes that do not match the shape, a
+    truncated field)."""
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    images: np.ndarray | None
+    labels: np.ndarray | None
+    skipped_samples: int = 0
+    end_of_stream: bool = False
+    end_reason: str = ""
 
 
 def encode(array: np.ndarray) -> pb.Tensor:
@@ -25,12 +47,111 @@ def encode(array: np.ndarray) -> pb.Tensor:
 
 
 def decode(message: pb.Tensor) -> np.ndarray:
-    """A read-only view on the message's bytes (no copy)."""
-    if message.dtype not in ALLOWED_DTYPES:
-        raise TensorFormatError(f"unknown dtype {message.dtype!r}")
-    dtype = np.dtype(message.dtype)
-    shape = tuple(message.shape)
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if any(dim < 0 for dim in shape) or expected != len(message.data):
-        raise TensorFormatError(f"{len(message.data)} bytes do not make a {message.dtype} tensor of shape {shape}")
-    return np.frombuffer(message.data, dtype=dtype).reshape(shape)
+    """A read-only view on the message's bytes."""
+    return _tensor_view(message.dtype, tuple(message.shape), message.data, 0, len(message.data))
+
+
+def encode_batch(images: np.ndarray, labels: np.ndarray, skipped_samples: int = 0) -> bytes:
+    return pb.Batch(images=encode(images), labels=encode(labels), skipped_samples=skipped_samples).SerializeToString()
+
+
+def end_of_stream(reason: str) -> bytes:
+    return pb.Batch(end_of_stream=True, end_reason=reason).SerializeToString()
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Read a serialised Batch; its tensors are views on ``payload``."""
+    fields: dict[str, object] = {}
+    for number, wire_type, value in _fields(payload, 0, len(payload)):
+        if number in (2, 3) and wire_type == LENGTH_DELIMITED:
+            start, end = value
+            fields["images" if number == 2 else "labels"] = _decode_tensor(payload, start, end)
+        elif number == 4 and wire_type == VARINT:
+            fields["skipped_samples"] = value
+        elif number == 5 and wire_type == VARINT:
+            fields["end_of_stream"] = bool(value)
+        elif number == 6 and wire_type == LENGTH_DELIMITED:
+            fields["end_reason"] = _text(payload, *value)
+    return DecodedBatch(
+        images=fields.get("images"),
+        labels=fields.get("labels"),
+        skipped_samples=int(fields.get("skipped_samples", 0)),
+        end_of_stream=bool(fields.get("end_of_stream", False)),
+        end_reason=str(fields.get("end_reason", "")),
+    )
+
+
+def _decode_tensor(payload: bytes, start: int, end: int) -> np.ndarray:
+    dtype, shape, data = "", [], (start, start)
+    for number, wire_type, value in _fields(payload, start, end):
+        if number == 1 and wire_type == LENGTH_DELIMITED:
+            dtype = _text(payload, *value)
+        elif number == 2 and wire_type == LENGTH_DELIMITED:  # packed repeated int64
+            position, stop = value
+            while position < stop:
+                dimension, position = _varint(payload, position, stop)
+                shape.append(_signed64(dimension))
+        elif number == 2 and wire_type == VARINT:  # unpacked, as some encoders write it
+            shape.append(_signed64(value))
+        elif number == 3 and wire_type == LENGTH_DELIMITED:
+            data = value
+    return _tensor_view(dtype, tuple(shape), payload, *data)
+
+
+def _tensor_view(dtype_name: str, shape: tuple[int, ...], buffer: bytes, start: int, end: int) -> np.ndarray:
+    if dtype_name not in ALLOWED_DTYPES:
+        raise TensorFormatError(f"unknown dtype {dtype_name!r}")
+    dtype = np.dtype(dtype_name)
+    if any(dimension < 0 for dimension in shape):
+        raise TensorFormatError(f"negative dimension in shape {shape}")
+    count = int(np.prod(shape, dtype=np.int64))
+    if count * dtype.itemsize != end - start:
+        raise TensorFormatError(f"{end - start} bytes do not make a {dtype_name} tensor of shape {shape}")
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(shape)
+
+
+def _fields(payload: bytes, position: int, end: int):
+    """(field number, wire type, value) for each field in payload[position:end]; a length-delimited
+    value is its (start, end) span."""
+    while position < end:
+        key, position = _varint(payload, position, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == VARINT:
+            value, position = _varint(payload, position, end)
+        elif wire_type == LENGTH_DELIMITED:
+            length, position = _varint(payload, position, end)
+            if position + length > end:
+                raise TensorFormatError(f"field {number} runs past the end of the message")
+            value, position = (position, position + length), position + length
+        elif wire_type in (FIXED64, FIXED32):
+            position += 8 if wire_type == FIXED64 else 4
+            if position > end:
+                raise TensorFormatError(f"field {number} runs past the end of the message")
+            continue
+        else:
+            raise TensorFormatError(f"field {number} has unsupported wire type {wire_type}")
+        yield number, wire_type, value
+
+
+def _varint(payload: bytes, position: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if position >= end or shift > 63:
+            raise TensorFormatError("truncated or overlong varint")
+        byte = payload[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, position
+        shift += 7
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _text(payload: bytes, start: int, end: int) -> str:
+    try:
+        return payload[start:end].decode("utf-8")
+    except UnicodeDecodeError:
+        raise TensorFormatError("a string field is not UTF-8") from None

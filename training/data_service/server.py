@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -109,23 +110,48 @@ def sample_order(num_samples: int, seed: int, host_index: int) -> Iterator[int]:
         yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
 
 
+class BatchSource(Protocol):
+    """Where a data host's finished batches come from (the producer below; a benchmark's fixed batches)."""
+
+    # Serialised Batch messages (codec.encode_batch), ready for the wire.
+    batches: queue.Queue[bytes]
+    failure: str | None
+    skipped_samples: int
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class BatchProducer:
     """Keeps ``workers`` batches in flight on a process pool and finished ones in a bounded queue."""
 
-    def __init__(self, folder: ImageFolder, settings: ServerSettings, host_index: int) -> None:
+    def __init__(
+        self,
+        folder: ImageFolder,
+        *,
+        batch_size: int,
+        augment: AugmentConfig,
+        workers: int,
+        seed: int = 0,
+        host_index: int = 0,
+        queue_depth: int = 8,
+    ) -> None:
         self._folder = folder
-        self._settings = settings
+        self._batch_size = batch_size
+        self._workers = workers
+        self._seed = seed
         self._host_index = host_index
-        self.batches: queue.Queue[tuple[np.ndarray, np.ndarray, int]] = queue.Queue(maxsize=settings.queue_depth)
+        self.batches: queue.Queue[bytes] = queue.Queue(maxsize=queue_depth)
         self.failure: str | None = None
         self.skipped_samples = 0
         self._stop = threading.Event()
         # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
         self._pool = futures.ProcessPoolExecutor(
-            max_workers=settings.workers,
+            max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(folder.samples, settings.augment),
+            initargs=(folder.samples, augment),
         )
         self._thread = threading.Thread(target=self._run, name="batch-producer", daemon=True)
 
@@ -138,28 +164,28 @@ class BatchProducer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int]]]:
-        batch_size = self._settings.batch_size
-        order = sample_order(len(self._folder), self._settings.seed, self._host_index)
-        spare_rng = np.random.default_rng([self._settings.seed, self._host_index, 1 << 20])
+        batch_size = self._batch_size
+        order = sample_order(len(self._folder), self._seed, self._host_index)
+        spare_rng = np.random.default_rng([self._seed, self._host_index, 1 << 20])
         for number in itertools.count():
             indices = list(itertools.islice(order, batch_size))
             spares = spare_rng.integers(0, len(self._folder), size=batch_size).tolist()
-            yield indices, spares, [self._settings.seed, self._host_index, number]
+            yield indices, spares, [self._seed, self._host_index, number]
 
     def _run(self) -> None:
         in_flight: collections.deque[futures.Future] = collections.deque()
         tasks = self._tasks()
         try:
             while not self._stop.is_set():
-                while len(in_flight) < self._settings.workers:
+                while len(in_flight) < self._workers:
                     in_flight.append(self._pool.submit(_make_batch_in_worker, *next(tasks)))
-                images, labels, skipped = in_flight.popleft().result()
+                payload, skipped = in_flight.popleft().result()
                 self.skipped_samples += skipped
                 if skipped:
                     log.warning("skipped %d undecodable files (%d so far)", skipped, self.skipped_samples)
                 while not self._stop.is_set():
                     try:
-                        self.batches.put((images, labels, skipped), timeout=0.2)
+                        self.batches.put(payload, timeout=0.2)
                         break
                     except queue.Full:
                         continue
@@ -180,13 +206,15 @@ def _init_worker(samples: Sequence[tuple[str, int]], augment: AugmentConfig) -> 
     _worker_samples, _worker_augment = samples, augment
 
 
-def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]) -> tuple[bytes, int]:
+    """Decode, augment and serialise one batch: the wire bytes are made here, off the gRPC process's CPU."""
     assert _worker_augment is not None, "worker not initialised"
-    return make_batch(_worker_samples, indices, spares, _worker_augment, seed)
+    images, labels, skipped = make_batch(_worker_samples, indices, spares, _worker_augment, seed)
+    return codec.encode_batch(images, labels, skipped), skipped
 
 
 class DataServiceServicer(pb_grpc.DataServiceServicer):
-    def __init__(self, settings: ServerSettings, folder: ImageFolder, producer: BatchProducer) -> None:
+    def __init__(self, settings: ServerSettings, folder: ImageFolder, producer: BatchSource) -> None:
         self._settings = settings
         self._folder = folder
         self._producer = producer
@@ -220,7 +248,8 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             workers=self._settings.workers,
         )
 
-    def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[pb.Batch]:
+    def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Yields serialised Batch messages; add_to_server registers this method without a serializer."""
         if request.batch_size != self._settings.batch_size:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -232,21 +261,19 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         try:
             while context.is_active():
                 if self.stopping is not None:
-                    yield pb.Batch(sequence=sent, end_of_stream=True, end_reason=self.stopping.value)
+                    yield codec.end_of_stream(self.stopping.value)
                     return
                 try:
-                    images, labels, skipped = self._producer.batches.get(timeout=0.2)
+                    payload = self._producer.batches.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                yield pb.Batch(
-                    sequence=sent, images=codec.encode(images), labels=codec.encode(labels), skipped_samples=skipped
-                )
+                yield payload
                 sent += 1
                 self._touch()
                 with self._lock:
                     self.batches_served += 1
                 if request.max_batches and sent >= request.max_batches:
-                    yield pb.Batch(sequence=sent, end_of_stream=True, end_reason=MAX_BATCHES)
+                    yield codec.end_of_stream(MAX_BATCHES)
                     return
         finally:
             self._touch(streams=-1)
@@ -261,19 +288,55 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         return pb.ShutdownReply(host=self._settings.host, batches_served=self.batches_served)
 
 
+SERVICE = pb.DESCRIPTOR.services_by_name["DataService"].full_name
+STREAM_BATCHES = f"/{SERVICE}/StreamBatches"
+
+
+def add_to_server(servicer: DataServiceServicer, server: grpc.Server) -> None:
+    """Register the service as the generated code would, except that StreamBatches sends bytes that
+    are already a serialised Batch (made in the worker processes) instead of serialising again."""
+    handlers = {
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe, request_deserializer=pb.DescribeRequest.FromString, response_serializer=pb.DatasetInfo.SerializeToString
+        ),
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamBatches, request_deserializer=pb.StreamRequest.FromString, response_serializer=None
+        ),
+        "Shutdown": grpc.unary_unary_rpc_method_handler(
+            servicer.Shutdown, request_deserializer=pb.ShutdownRequest.FromString, response_serializer=pb.ShutdownReply.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
 def default_workers() -> int:
     """One preprocessing process per CPU this host may use; the gRPC threads mostly wait on I/O."""
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def serve(settings: ServerSettings, folder: ImageFolder, host_index: int, stop_signal: threading.Event) -> StopReason:
-    """Run the data service until it should stop; return why."""
-    producer = BatchProducer(folder, settings, host_index)
+def serve(
+    settings: ServerSettings,
+    folder: ImageFolder,
+    host_index: int,
+    stop_signal: threading.Event,
+    source: BatchSource | None = None,
+) -> StopReason:
+    """Run the data service until it should stop; return why. ``source`` replaces the preprocessing
+    pipeline (the transport benchmark serves fixed batches through it)."""
+    producer = source or BatchProducer(
+        folder,
+        batch_size=settings.batch_size,
+        augment=settings.augment,
+        workers=settings.workers,
+        seed=settings.seed,
+        host_index=host_index,
+        queue_depth=settings.queue_depth,
+    )
     servicer = DataServiceServicer(settings, folder, producer)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="data-service"), options=GRPC_OPTIONS
     )
-    pb_grpc.add_DataServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     target = f"{settings.bind_address}:{settings.port}"
     if server.add_insecure_port(target) == 0:
         producer.stop()

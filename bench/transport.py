@@ -1,0 +1,201 @@
+"""Transport: our gRPC data path against a raw TCP socket on loopback, the same batches, one run.
+
+    python bench/transport.py [--batches 300] [--rounds 3]
+
+Both servers run in a process pinned to one CPU and send the same pre-made uint8 batches (no
+preprocessing: this times the wire alone); the client, pinned to another CPU, turns every batch into
+torch tensors as the trainer does. The gRPC side is the real DataService server and DataServiceDataset
+client; the socket side sends a small JSON header (dtype, shape) and the raw bytes. Reports batches/s,
+MB/s, gRPC / socket throughput (goal ≥ 0.8) and the bytes per sample on the wire against the uint8 sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import queue
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from training.data_service import codec  # noqa: E402
+from training.data_service import data_service_pb2 as pb  # noqa: E402
+from training.data_service.client import DataServiceDataset  # noqa: E402
+from training.data_service.dataset import ImageFolder  # noqa: E402
+from training.data_service.preprocess import AugmentConfig  # noqa: E402
+from training.data_service.server import ServerSettings, serve  # noqa: E402
+from training.local.cluster import free_port  # noqa: E402
+
+TOKEN = "transport-benchmark-token"
+HEADER = struct.Struct("!I")
+
+
+def make_batches(batch_size: int, size: int, count: int = 8) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        (rng.integers(0, 256, (batch_size, 3, size, size), dtype=np.uint8), rng.integers(0, 1000, batch_size, dtype=np.int64))
+        for _ in range(count)
+    ]
+
+
+class FixedBatches:
+    """A BatchSource that cycles through pre-made batches, serialised once as the worker processes do."""
+
+    def __init__(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.batches: queue.Queue = queue.Queue(maxsize=8)
+        self.failure = None
+        self.skipped_samples = 0
+        self._source = [codec.encode_batch(images, labels) for images, labels in batches]
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._fill, daemon=True).start()
+
+    def _fill(self) -> None:
+        for payload in itertools.cycle(self._source):
+            while not self._stop.is_set():
+                try:
+                    self.batches.put(payload, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set():
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def grpc_server(address: str, port: int, batch_size: int, size: int, cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    settings = ServerSettings(
+        host="bench", bind_address=address, port=port, channel="bench", batch_size=batch_size, augment=AugmentConfig(size),
+        shutdown_token=TOKEN, idle_timeout_s=5, start_deadline_s=60, workers=1,
+    )
+    folder = ImageFolder(Path("."), ("bench",), (("bench", 0),))
+    serve(settings, folder, 0, threading.Event(), source=FixedBatches(make_batches(batch_size, size)))
+
+
+def socket_server(address: str, port: int, batch_size: int, size: int, cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    batches = make_batches(batch_size, size)
+    with socket.create_server((address, port)) as listener:
+        connection, _ = listener.accept()
+        with connection:
+            try:
+                for images, labels in itertools.cycle(batches):
+                    header = json.dumps({"images": [images.dtype.name, images.shape], "labels": [labels.dtype.name, labels.shape]}).encode()
+                    connection.sendall(HEADER.pack(len(header)) + header)
+                    connection.sendall(images.data)
+                    connection.sendall(labels.data)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+
+
+def _receive_exactly(connection: socket.socket, count: int) -> bytearray:
+    buffer = bytearray(count)
+    view, received = memoryview(buffer), 0
+    while received < count:
+        chunk = connection.recv_into(view[received:])
+        if chunk == 0:
+            raise ConnectionError("server closed the connection")
+        received += chunk
+    return buffer
+
+
+def socket_batches(address: str, port: int):
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            connection = socket.create_connection((address, port))
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    with connection:
+        while True:
+            header = json.loads(_receive_exactly(connection, HEADER.unpack(_receive_exactly(connection, HEADER.size))[0]))
+            tensors = []
+            for name in ("images", "labels"):
+                dtype, shape = np.dtype(header[name][0]), header[name][1]
+                raw = _receive_exactly(connection, int(np.prod(shape)) * dtype.itemsize)
+                tensors.append(torch.from_numpy(np.frombuffer(raw, dtype=dtype).reshape(shape)))
+            yield tensors
+
+
+def timed(batches, count: int, warmup: int = 20) -> float:
+    """Batches per second over ``count`` batches after ``warmup``."""
+    iterator = iter(batches)
+    for _ in range(warmup):
+        next(iterator)
+    started = time.perf_counter()
+    for _ in range(count):
+        images, labels = next(iterator)
+        assert images.dtype == torch.uint8
+    return count / (time.perf_counter() - started)
+
+
+def measure(kind: str, batch_size: int, size: int, count: int, server_cpu: int) -> float:
+    context = multiprocessing.get_context("spawn")
+    address, port = "127.0.91.2", free_port()
+    target = grpc_server if kind == "grpc" else socket_server
+    server = context.Process(target=target, args=(address, port, batch_size, size, server_cpu), daemon=True)
+    server.start()
+    try:
+        if kind == "grpc":
+            dataset = DataServiceDataset([f"{address}:{port}"], batch_size, "bench", connect_timeout_s=30)
+            return timed(dataset, count)
+        return timed(socket_batches(address, port), count)
+    finally:
+        server.kill()
+        server.join()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    client_cpu, server_cpu = cpus[0], cpus[-1]
+    os.sched_setaffinity(0, {client_cpu})
+    torch.set_num_threads(1)
+    print(f"client on CPU {client_cpu}, servers on CPU {server_cpu}; {args.rounds} rounds of {args.batches} batches, interleaved")
+    print(f"{'batch':<22} {'sample bytes':>12} {'wire bytes/sample':>18} {'gRPC MB/s':>10} {'socket MB/s':>12} {'gRPC/socket':>12}")
+    for batch_size, size in ((32, 64), (32, 224)):
+        images, labels = make_batches(batch_size, size, count=1)[0]
+        message = pb.Batch.FromString(codec.encode_batch(images, labels))
+        sample_bytes = images[0].nbytes
+        rounds = []
+        for _ in range(args.rounds):
+            count = args.batches if size < 128 else args.batches // 4
+            grpc_rate = measure("grpc", batch_size, size, count, server_cpu)
+            socket_rate = measure("socket", batch_size, size, count, server_cpu)
+            rounds.append((grpc_rate, socket_rate))
+        grpc_rate = statistics.median(rate for rate, _ in rounds)
+        socket_rate = statistics.median(rate for _, rate in rounds)
+        ratio = statistics.median(g / s for g, s in rounds)
+        megabytes = images.nbytes / 1e6
+        print(
+            f"{f'{batch_size} × 3 × {size} × {size}':<22} {sample_bytes:>12} {message.ByteSize() / batch_size:>18.1f} "
+            f"{grpc_rate * megabytes:>10.0f} {socket_rate * megabytes:>12.0f} {ratio:>12.2f}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""codec: tensors on the wire, and the zero-copy Batch reader checked against protobuf's own parser."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from training.data_service import codec
+from training.data_service import data_service_pb2 as pb
+
+DTYPES = st.sampled_from(["uint8", "int64", "float32", "int16", "bool"])
+
+
+def test_tensor_round_trip() -> None:
+    array = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
+    assert np.array_equal(codec.decode(codec.encode(array)), array)
+
+
+def test_malformed_tensors_are_refused() -> None:
+    with pytest.raises(codec.TensorFormatError, match="do not make"):
+        codec.decode(pb.Tensor(dtype="uint8", shape=[2, 2], data=b"abc"))
+    with pytest.raises(codec.TensorFormatError, match="unknown dtype"):
+        codec.decode(pb.Tensor(dtype="object", shape=[1], data=b"x"))
+    with pytest.raises(codec.TensorFormatError, match="negative dimension"):
+        codec.decode(pb.Tensor(dtype="uint8", shape=[-1], data=b""))
+    with pytest.raises(codec.TensorFormatError, match="cannot be sent"):
+        codec.encode(np.array(["a"], dtype=object))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    images=DTYPES.flatmap(lambda dtype: arrays(dtype, st.tuples(*[st.integers(0, 5)] * 4))),
+    labels=arrays("int64", st.tuples(st.integers(0, 6))),
+    skipped=st.integers(0, 2**32 - 1),
+)
+def test_batch_reader_agrees_with_protobuf(images: np.ndarray, labels: np.ndarray, skipped: int) -> None:
+    payload = codec.encode_batch(images, labels, skipped)
+    ours = codec.decode_batch(payload)
+    theirs = pb.Batch.FromString(payload)
+    assert ours.images.dtype == images.dtype and ours.images.shape == images.shape
+    assert ours.images.tobytes() == codec.decode(theirs.images).tobytes() == images.tobytes()  # bitwise, NaNs too
+    assert np.array_equal(ours.labels, labels)
+    assert ours.skipped_samples == theirs.skipped_samples == skipped
+    assert not ours.end_of_stream
+
+
+def test_batch_reader_views_the_payload_without_copying() -> None:
+    payload = codec.encode_batch(np.ones((4, 3, 8, 8), dtype=np.uint8), np.arange(4, dtype=np.int64))
+    images = codec.decode_batch(payload).images
+    assert images.base is not None and not images.flags.writeable  # a view on the received bytes
+
+
+def test_end_of_stream_and_unknown_fields() -> None:
+    decoded = codec.decode_batch(codec.end_of_stream("shutdown"))
+    assert decoded.end_of_stream and decoded.end_reason == "shutdown" and decoded.images is None
+    # A newer sender may add fields (here: 9 varint, 10 fixed64, 11 fixed32); readers skip them.
+    extra = bytes([9 << 3 | 0, 5, 10 << 3 | 1]) + bytes(8) + bytes([11 << 3 | 5]) + bytes(4)
+    decoded = codec.decode_batch(codec.encode_batch(np.zeros((1, 1), np.uint8), np.zeros(1, np.int64)) + extra)
+    assert decoded.images.shape == (1, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_garbage_is_refused_with_a_format_error_only(garbage: bytes) -> None:
+    try:
+        decoded = codec.decode_batch(garbage)
+    except codec.TensorFormatError:
+        return
+    assert isinstance(decoded, codec.DecodedBatch)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 20, -3])
+def test_truncated_batches_are_refused(cut: int) -> None:
+    payload = codec.encode_batch(np.ones((2, 3, 4, 4), dtype=np.uint8), np.arange(2, dtype=np.int64))
+    with pytest.raises(codec.TensorFormatError):
+        codec.decode_batch(payload[:cut])

@@ -1,0 +1,191 @@
+"""`make demo`: the saving, shown offline on an emulated heterogeneous cluster.
+
+1. writes a small dataset of real JPEG files (4 classes × 64 images of 320 px);
+2. profiles the two halves of the work: the data pipeline alone on one data host's CPU, and the model
+   alone on the DNN host's CPU with input already in memory (training/local/profile.py);
+3. runs the example job specs on the emulated cluster: homogeneous (the DNN host decodes and augments on
+   its own CPU, between training steps) and heterogeneous (+1 data host streaming batches over gRPC);
+4. prints step time, samples/s, speed-up against the ideal, and cost per 1k steps.
+
+The job specs are examples/pytorch-{homogeneous,heterogeneous}.json, shrunk to fit a laptop CPU by
+LOCAL_OVERRIDES. Costs are *emulated*: local step times × SageMaker list prices of the spec's instance
+types, a price-performance estimate of the same shape as the cloud's, not a cloud measurement.
+
+    python -m training.local.demo [--workdir build/demo] [--steps 80]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from lambdas.core.job_spec import JobSpec, parse_job_spec
+from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, hourly_cost
+from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions, plan_hosts
+from training.local.images import write_dataset
+from training.local.profile import Profile, preprocess_ms_per_batch, train_ms_per_step
+from training.metrics import parse_metric_line
+from training.trainers.config import VisionConfig
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+# The example specs train resnet18 on 224 px crops, sized for a GPU. On one CPU core per host we keep
+# the shape of the problem (preprocessing and training of similar cost) at a size that runs in seconds.
+LOCAL_OVERRIDES = {"model": "cnn", "cnn_width": 8, "image_size": 64, "augment": "heavy", "batch_size": 32, "warmup_steps": 10}
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    label: str
+    spec: JobSpec
+    step_ms: float
+    samples_per_s: float
+
+    @property
+    def usd_per_hour(self) -> float:
+        return hourly_cost([(group.instance_type, group.count) for group in self.spec.instance_groups], FALLBACK_PRICES)
+
+    @property
+    def cost_per_1k_steps(self) -> float:
+        return cost_per_1k_steps(self.usd_per_hour, self.step_ms)
+
+    @property
+    def data_hosts(self) -> int:
+        return sum(group.count for group in self.spec.data_groups)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    profile: Profile
+    homogeneous: RunFigures
+    heterogeneous: RunFigures
+
+    @property
+    def speed_up(self) -> float:
+        return self.homogeneous.step_ms / self.heterogeneous.step_ms
+
+    @property
+    def ideal_speed_up(self) -> float:
+        return self.profile.ideal_step_ms(0) / self.profile.ideal_step_ms(self.heterogeneous.data_hosts)
+
+    @property
+    def offload_efficiency(self) -> float:
+        """Heterogeneous step time / the ideal one; 1.0 means the data service costs nothing."""
+        return self.heterogeneous.step_ms / self.profile.ideal_step_ms(self.heterogeneous.data_hosts)
+
+
+class Progress:
+    """One line per run, redrawn in place on a terminal, every quarter of the run otherwise."""
+
+    def __init__(self, label: str, steps: int) -> None:
+        self.label, self.steps = label, steps
+        self.tty = sys.stdout.isatty()
+        self._lock = threading.Lock()
+        self._shown = -1
+
+    def __call__(self, host: EmulatedHost, line: str) -> None:
+        if host.role != "dnn" or not line.startswith("step="):
+            return
+        step = int(line.split()[0].split("=")[1].split("/")[0])
+        metrics = parse_metric_line(line)
+        timing = f"{metrics['step_time_ms']:7.1f} ms/step" if "step_time_ms" in metrics else "  warming up"
+        filled = round(24 * step / self.steps)
+        text = f"  {self.label:<14} [{'#' * filled}{'.' * (24 - filled)}] {step:>4}/{self.steps} {timing}"
+        with self._lock:
+            if self.tty:
+                print("\r" + text, end="\n" if step == self.steps else "", flush=True)
+            elif step * 4 // self.steps > self._shown:
+                self._shown = step * 4 // self.steps
+                print(text, flush=True)
+
+
+def quiet(host: EmulatedHost, line: str) -> None:
+    """Host logs still go to <workdir>/logs; nothing on the terminal."""
+
+
+def load_spec(name: str) -> JobSpec:
+    return parse_job_spec(json.loads((EXAMPLES / name).read_text()))
+
+
+def run_job(label: str, spec: JobSpec, options: EmulationOptions, progress: bool = True) -> RunFigures:
+    steps = int(options.hyperparameter_overrides.get("steps", spec.hyperparameters.get("steps", 100)))
+    cluster = EmulatedCluster(spec, options, on_line=Progress(label, steps) if progress else quiet)
+    result = cluster.run()
+    summary = cluster.summary()
+    if not result.ok or not summary:
+        logs = options.workdir / "logs"
+        raise SystemExit(f"{label} run failed:\n{result.report()}\nlogs: {logs}")
+    return RunFigures(label, spec, summary["step_time_ms"]["p50"], summary["samples_per_s"])
+
+
+def run_comparison(workdir: Path, steps: int) -> Comparison:
+    images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
+    homogeneous, heterogeneous = load_spec("pytorch-homogeneous.json"), load_spec("pytorch-heterogeneous.json")
+    overrides = LOCAL_OVERRIDES | {"steps": steps}
+    config = VisionConfig(**overrides)
+
+    def options(name: str) -> EmulationOptions:
+        shutil.rmtree(workdir / name, ignore_errors=True)
+        return EmulationOptions(workdir=workdir / name, channels={"train": images}, hyperparameter_overrides=overrides)
+
+    data_host_cpus = next(host.cpus for host in plan_hosts(heterogeneous, options("plan"), _cpus(), 0) if host.role == "data")
+    print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
+    preprocess = preprocess_ms_per_batch(images, config, data_host_cpus)
+    train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
+    profile = Profile(preprocess, train)
+    print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
+    print("running the example specs on the emulated cluster", flush=True)
+    return Comparison(
+        profile,
+        run_job("homogeneous", homogeneous, options("homogeneous")),
+        run_job("heterogeneous", heterogeneous, options("heterogeneous")),
+    )
+
+
+def _cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def render(comparison: Comparison) -> str:
+    base = comparison.homogeneous
+    header = f"{'configuration':<44} {'step time':>10} {'samples/s':>10} {'speed-up':>9} {'ideal':>7} {'$/hour':>8} {'$ per 1k steps':>15}"
+    rows = [header, "-" * len(header)]
+    for run, ideal in ((base, 1.0), (comparison.heterogeneous, comparison.ideal_speed_up)):
+        groups = " + ".join(f"{g.count}× {g.instance_type}" for g in run.spec.instance_groups)
+        rows.append(
+            f"{run.label + ': ' + groups:<44} {run.step_ms:>7.1f} ms {run.samples_per_s:>10.1f} {base.step_ms / run.step_ms:>8.2f}× "
+            f"{ideal:>6.2f}× {run.usd_per_hour:>8.3f} {run.cost_per_1k_steps:>15.4f}"
+        )
+    saving = 1 - comparison.heterogeneous.cost_per_1k_steps / base.cost_per_1k_steps
+    rows += [
+        "",
+        f"profile: preprocessing {comparison.profile.preprocess_ms_per_batch:.1f} ms/batch on one data-host CPU, "
+        f"training {comparison.profile.train_ms_per_step:.1f} ms/step on synthetic input",
+        f"ideal = (preprocess + train) / max(train, preprocess / data hosts); "
+        f"heterogeneous step / ideal step = {comparison.offload_efficiency:.3f}",
+        f"price-performance: {saving:+.0%} cost per step with the data host "
+        f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo")
+    parser.add_argument("--steps", type=int, default=80)
+    args = parser.parse_args(argv)
+    comparison = run_comparison(args.workdir, args.steps)
+    print()
+    print(render(comparison))
+    print(f"\nhost trees and logs: {args.workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Profiling runs on the emulated cluster: what preprocessing alone and training alone cost per batch.
+
+Together they give the ideal a heterogeneous job can reach: with the CPU work moved to data hosts, a step
+can be no faster than the slower of the two, ``max(train-only step, preprocessing per batch / data hosts)``.
+
+* preprocessing alone: the data host's real pipeline (BatchProducer, its worker processes) in a process
+  pinned to the CPUs a data host gets, timed in steady state;
+* training alone: the real job on the emulated cluster with ``synthetic_data=true``, batches already in
+  memory, so the step time is the model's alone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from lambdas.core.job_spec import JobSpec
+from training.data_service.dataset import scan_image_folder
+from training.data_service.server import BatchProducer
+from training.local.cluster import EmulatedCluster, EmulationOptions, LineCallback
+from training.trainers.config import VisionConfig
+
+
+@dataclass(frozen=True)
+class Profile:
+    preprocess_ms_per_batch: float  # one data host's pipeline on its CPUs
+    train_ms_per_step: float  # the DNN host with input already in memory
+
+    def ideal_step_ms(self, data_hosts: int) -> float:
+        """The fastest step a job with this many data hosts can reach (0: preprocessing on the DNN host,
+        which shares its CPUs with training, so the two add up)."""
+        if data_hosts == 0:
+            return self.preprocess_ms_per_batch + self.train_ms_per_step
+        return max(self.train_ms_per_step, self.preprocess_ms_per_batch / data_hosts)
+
+
+class ProfilingError(RuntimeError):
+    pass
+
+
+def _time_pipeline(channel: str, config: VisionConfig, cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
+    os.sched_setaffinity(0, cpus)  # inherited by the spawned preprocessing workers
+    producer = BatchProducer(
+        scan_image_folder(Path(channel), "train", "profile"),
+        batch_size=config.batch_size,
+        augment=config.augment_config,
+        workers=len(cpus),
+        seed=config.seed,
+        queue_depth=2,
+    )
+    producer.start()
+    try:
+        for _ in range(3):  # worker start-up and first batches
+            producer.batches.get(timeout=120)
+        started = time.perf_counter()
+        for _ in range(batches):
+            producer.batches.get(timeout=120)
+        result.put((time.perf_counter() - started) * 1000 / batches)
+    finally:
+        producer.stop()
+
+
+def preprocess_ms_per_batch(channel: Path, config: VisionConfig, cpus: tuple[int, ...], batches: int = 20) -> float:
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    process = context.Process(target=_time_pipeline, args=(str(channel), config, cpus, batches, result))
+    process.start()
+    try:
+        # Read before joining: a child does not exit until what it put on the queue has been taken.
+        ms_per_batch = result.get(timeout=600)
+    except queue.Empty:
+        raise ProfilingError(f"the preprocessing profile gave no figure (exit code {process.exitcode})") from None
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    return ms_per_batch
+
+
+def train_ms_per_step(spec: JobSpec, options: EmulationOptions, on_line: LineCallback | None = None) -> float:
+    """The DNN host's step time on synthetic input: the spec run homogeneously, on the same CPUs."""
+    homogeneous = replace(spec, instance_groups=(spec.dnn_group,), inputs=tuple(replace(c, groups=()) for c in spec.inputs))
+    overrides = options.hyperparameter_overrides | {"synthetic_data": True}
+    cluster = EmulatedCluster(homogeneous, replace(options, hyperparameter_overrides=overrides), on_line=on_line)
+    result = cluster.run()
+    summary = cluster.summary()
+    if not result.ok or not summary or not summary["step_time_ms"]:
+        raise ProfilingError(f"the train-only profile failed:\n{result.report()}")
+    return summary["step_time_ms"]["p50"]
