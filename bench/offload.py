@@ -3,7 +3,7 @@
     python bench/offload.py [--rounds 3] [--steps 80]
 
 Each round measures, back to back on the emulated cluster: the data pipeline alone on one data host's
-CPU, the model alone on the DNN host's CPU (synthetic input), and the heterogeneous example job. The
+CPU, the model alone on the DNN host's CPU (real batches cycled in memory), and the heterogeneous example job. The
 ideal step is max(train-only, preprocessing per batch / data hosts); efficiency = measured / ideal, 1.0
 meaning that moving preprocessing to a data host over gRPC cost the DNN host nothing. The machine is
 shared and noisy, so rounds interleave the three runs and the median ratio is reported.

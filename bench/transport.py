@@ -5,7 +5,9 @@
 Both servers run in a process pinned to one CPU and send the same pre-made uint8 batches (no
 preprocessing: this times the wire alone); the client, pinned to another CPU, turns every batch into
 torch tensors as the trainer does. The gRPC side is the real DataService server and DataServiceDataset
-client; the socket side sends a small JSON header (dtype, shape) and the raw bytes. Reports batches/s,
+client; the socket side sends a small JSON header (dtype, shape) and the raw bytes, and its client has
+the same structure as ours (a reader thread per host, a bounded queue to the trainer), so the two differ
+in their transport only. Reports batches/s,
 MB/s, gRPC / socket throughput (goal ≥ 0.8) and the bytes per sample on the wire against the uint8 sample.
 """
 
@@ -116,6 +118,24 @@ def _receive_exactly(connection: socket.socket, count: int) -> bytearray:
 
 
 def socket_batches(address: str, port: int):
+    """The socket client built like DataServiceDataset: a reader thread per host feeding a bounded queue
+    that the trainer takes from, so that the two differ in their transport only."""
+    merged: queue.Queue = queue.Queue(maxsize=4)
+
+    def read() -> None:
+        try:
+            for images, labels in _read_socket(address, port):
+                merged.put((images, labels))
+        except ConnectionError:
+            return  # the benchmark stopped the server
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        images, labels = merged.get()
+        yield torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def _read_socket(address: str, port: int):
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -132,7 +152,7 @@ def socket_batches(address: str, port: int):
             for name in ("images", "labels"):
                 dtype, shape = np.dtype(header[name][0]), header[name][1]
                 raw = _receive_exactly(connection, int(np.prod(shape)) * dtype.itemsize)
-                tensors.append(torch.from_numpy(np.frombuffer(raw, dtype=dtype).reshape(shape)))
+                tensors.append(np.frombuffer(raw, dtype=dtype).reshape(shape))
             yield tensors
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
@@ -13,11 +14,11 @@ from training.trainers.config import VisionConfig
 
 
 def test_settings_and_trainer_config_are_split_and_typed() -> None:
-    raw = platform_hyperparameters(data_service_port=7000) | {"batch_size": "64", "learning_rate": "0.1", "synthetic_data": "true"}
+    raw = platform_hyperparameters(data_service_port=7000) | {"batch_size": "64", "learning_rate": "0.1", "cached_input_batches": "4"}
     settings, config = parse_settings(raw | {"sagemaker_program": "launcher.py"}, VisionConfig)
     assert settings.data_service_port == 7000
     assert dict(settings.role_map) == {"data_group": "data", "dnn_group": "dnn"}
-    assert (config.batch_size, config.learning_rate, config.synthetic_data) == (64, 0.1, True)
+    assert (config.batch_size, config.learning_rate, config.cached_input_batches) == (64, 0.1, 4)
 
 
 def test_unknown_hyperparameter_is_refused_with_the_nearest_name() -> None:
@@ -30,7 +31,7 @@ def test_unknown_hyperparameter_is_refused_with_the_nearest_name() -> None:
     [
         ("batch_size", "sixty", "not a valid int"),
         ("batch_size", "2.5", "not a valid int"),
-        ("synthetic_data", "maybe", "not a valid bool"),
+        ("cached_input_batches", "-1", "cached_input_batches must be ≥ 0"),
         ("steps", "0", "steps must be > 0"),
         ("warmup_steps", "100", "warmup_steps must be in"),
         ("model", "vgg", "model must be one of"),
@@ -83,3 +84,18 @@ def test_data_service_targets_follow_the_role_map_and_address_map() -> None:
     cluster = parse_resource_config(hetero_resource_config())
     settings = PlatformSettings(role_map={"data_group": "data", "dnn_group": "dnn"}, shutdown_token=TOKEN, data_service_port=7001)
     assert settings.data_service_targets(cluster, {"algo-1": "127.0.9.2"}) == ["127.0.9.2:7001", "algo-2:7001"]
+
+
+@dataclass(frozen=True)
+class Flags:
+    enabled: bool = False
+
+
+@pytest.mark.parametrize(("text", "value"), [("true", True), ("False", False), ("1", True), ("no", False), (True, True)])
+def test_booleans_accept_the_usual_spellings(text: object, value: bool) -> None:
+    assert build(Flags, {"enabled": text}).enabled is value
+
+
+def test_a_boolean_that_is_neither_is_refused() -> None:
+    with pytest.raises(HyperparameterError, match="'enabled'='maybe' is not a valid bool"):
+        build(Flags, {"enabled": "maybe"})

@@ -22,8 +22,7 @@ SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_ra
 def trainer(images: Path, base: Path, **overrides) -> VisionTrainer:
     folder = scan_image_folder(images, "train", "homogeneousCluster")
     config = VisionConfig(**(SMALL | overrides))
-    source = "synthetic" if config.synthetic_data else "local"
-    return VisionTrainer(config, OutputPaths.under(base), classes=list(folder.classes), source=source, local_folder=folder)
+    return VisionTrainer(config, OutputPaths.under(base), classes=list(folder.classes), source="local", local_folder=folder)
 
 
 def metric_lines(text: str) -> list[dict[str, float]]:
@@ -80,9 +79,16 @@ def test_undecodable_files_are_skipped_and_counted(images: Path, tmp_path: Path)
     assert 0 < summary["skipped_samples"] <= 5 * 2  # each broken file is met at most twice in 12 × 16 draws of 96
 
 
-def test_synthetic_input_times_the_model_alone(images: Path, tmp_path: Path) -> None:
-    summary = trainer(images, tmp_path, steps=5, warmup_steps=1, synthetic_data=True).run()
-    assert summary["data_source"] == "synthetic" and summary["data_wait_ms"]["p50"] < 5
+def test_cached_input_times_the_model_alone(images: Path, tmp_path: Path) -> None:
+    run = trainer(images, tmp_path, steps=9, warmup_steps=1, cached_input_batches=3)
+    seen = []
+    for batch in run.batches():
+        seen.append(batch.images)
+        if len(seen) == 7:
+            break
+    assert all(seen[index] is seen[index % 3] for index in range(7))  # three real batches, cycled
+    summary = run.run()
+    assert summary["cached_input_batches"] == 3 and summary["data_wait_ms"]["p90"] < 5
 
 
 def test_metric_definitions_capture_timed_steps_only() -> None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import grpc.experimental
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
@@ -36,6 +37,9 @@ CLIENT_OPTIONS = GRPC_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Read a stream on the calling thread (each data host has a thread of its own already) instead of
+    # handing every message over from gRPC's thread.
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 
 log = logging.getLogger(__name__)

@@ -166,10 +166,10 @@ def render(comparison: Comparison) -> str:
     rows += [
         "",
         f"profile: preprocessing {comparison.profile.preprocess_ms_per_batch:.1f} ms/batch on one data-host CPU, "
-        f"training {comparison.profile.train_ms_per_step:.1f} ms/step on synthetic input",
+        f"training {comparison.profile.train_ms_per_step:.1f} ms/step with input in memory",
         f"ideal = (preprocess + train) / max(train, preprocess / data hosts); "
         f"heterogeneous step / ideal step = {comparison.offload_efficiency:.3f}",
-        f"price-performance: {saving:+.0%} cost per step with the data host "
+        f"price-performance: {abs(saving):.0%} {'lower' if saving >= 0 else 'higher'} cost per step with the data host "
         f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
     ]
     return "\n".join(rows)

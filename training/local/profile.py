@@ -5,8 +5,8 @@ can be no faster than the slower of the two, ``max(train-only step, preprocessin
 
 * preprocessing alone: the data host's real pipeline (BatchProducer, its worker processes) in a process
   pinned to the CPUs a data host gets, timed in steady state;
-* training alone: the real job on the emulated cluster with ``synthetic_data=true``, batches already in
-  memory, so the step time is the model's alone.
+* training alone: the real job on the emulated cluster with ``cached_input_batches``: real batches made
+  once and cycled in memory, so the step time is the model's alone.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class Profile:
         if data_hosts == 0:
             return self.preprocess_ms_per_batch + self.train_ms_per_step
         return max(self.train_ms_per_step, self.preprocess_ms_per_batch / data_hosts)
+
+
+# Enough distinct batches that the model does not just memorise a handful.
+CACHED_BATCHES = 8
 
 
 class ProfilingError(RuntimeError):
@@ -82,9 +86,10 @@ def preprocess_ms_per_batch(channel: Path, config: VisionConfig, cpus: tuple[int
 
 
 def train_ms_per_step(spec: JobSpec, options: EmulationOptions, on_line: LineCallback | None = None) -> float:
-    """The DNN host's step time on synthetic input: the spec run homogeneously, on the same CPUs."""
+    """The DNN host's step time with its input already in memory: the spec run homogeneously, on the
+    same CPUs, cycling real batches."""
     homogeneous = replace(spec, instance_groups=(spec.dnn_group,), inputs=tuple(replace(c, groups=()) for c in spec.inputs))
-    overrides = options.hyperparameter_overrides | {"synthetic_data": True}
+    overrides = options.hyperparameter_overrides | {"cached_input_batches": CACHED_BATCHES}
     cluster = EmulatedCluster(homogeneous, replace(options, hyperparameter_overrides=overrides), on_line=on_line)
     result = cluster.run()
     summary = cluster.summary()

@@ -44,13 +44,15 @@ class VisionConfig(LoopConfig):
     momentum: float = 0.9
     weight_decay: float = 1e-4
     dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
-    synthetic_data: bool = False  # random in-memory batches: times the model alone, with no input cost
+    cached_input_batches: int = 0  # N > 0: cycle the first N real batches in memory; the model alone
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         _positive(self, "cnn_width", "learning_rate")
+        if self.cached_input_batches < 0:
+            raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
         AugmentConfig(image_size=self.image_size, augment=self.augment)  # raises on a bad size or augmentation
 
     @property

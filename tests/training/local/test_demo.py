@@ -1,0 +1,50 @@
+"""The demo's arithmetic, and the demo itself end to end at a small size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lambdas.core.job_spec import parse_job_spec
+from training.local.demo import Comparison, RunFigures, main, render
+from training.local.profile import Profile
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def figures(label: str, spec_file: str, step_ms: float) -> RunFigures:
+    return RunFigures(label, parse_job_spec(json.loads((EXAMPLES / spec_file).read_text())), step_ms, 32_000 / step_ms)
+
+
+def test_ideal_step_is_the_slower_half_once_preprocessing_moves_out() -> None:
+    profile = Profile(preprocess_ms_per_batch=60, train_ms_per_step=40)
+    assert profile.ideal_step_ms(0) == 100  # same CPU: the halves add up
+    assert profile.ideal_step_ms(1) == 60  # preprocessing-bound
+    assert profile.ideal_step_ms(2) == 40  # two data hosts: training-bound
+
+
+def test_comparison_figures_and_table() -> None:
+    comparison = Comparison(
+        Profile(60, 40),
+        figures("homogeneous", "pytorch-homogeneous.json", 100),
+        figures("heterogeneous", "pytorch-heterogeneous.json", 63),
+    )
+    assert comparison.speed_up == pytest.approx(100 / 63)
+    assert comparison.ideal_speed_up == pytest.approx(100 / 60)
+    assert comparison.offload_efficiency == pytest.approx(63 / 60)
+    # $/h 3.825 vs 5.661 (+1× ml.c5.9xlarge): 0.10625 vs 0.09907 per 1k steps, 7% cheaper.
+    assert comparison.homogeneous.cost_per_1k_steps == pytest.approx(3.825 * 0.1 / 3.6)
+    table = render(comparison)
+    assert "homogeneous: 1× ml.p3.2xlarge" in table and "1× ml.c5.9xlarge + 1× ml.p3.2xlarge" in table
+    assert "7% lower cost per step" in table and "EMULATED" in table
+    assert "heterogeneous step / ideal step = 1.050" in table
+
+
+@pytest.mark.cluster
+def test_the_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["--workdir", str(tmp_path), "--steps", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "homogeneous: 1× ml.p3.2xlarge" in out and "heterogeneous: 1× ml.c5.9xlarge" in out
+    assert "preprocessing" in out and "EMULATED" in out
