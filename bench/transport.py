@@ -37,7 +37,7 @@ from training.data_service import data_service_pb2 as pb  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
 from training.data_service.dataset import ImageFolder  # noqa: E402
 from training.data_service.preprocess import AugmentConfig  # noqa: E402
-from training.data_service.server import ServerSettings, serve  # noqa: E402
+from training.data_service.server import ServerSettings, put_until_stopped, serve  # noqa: E402
 from training.local.cluster import free_port  # noqa: E402
 
 TOKEN = "transport-benchmark-token"
@@ -67,13 +67,7 @@ class FixedBatches:
 
     def _fill(self) -> None:
         for payload in itertools.cycle(self._source):
-            while not self._stop.is_set():
-                try:
-                    self.batches.put(payload, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-            if self._stop.is_set():
+            if not put_until_stopped(self.batches, payload, self._stop):
                 return
 
     def stop(self) -> None:

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
-from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, STREAM_BATCHES, StopReason
+from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, STREAM_BATCHES, StopReason, put_until_stopped
 
 # gRPC backs off exponentially (up to 2 minutes) between attempts to reach a host that is not up yet, and
 # channels to the same target share that state. Data hosts start at different times: retry every second.
@@ -197,13 +197,7 @@ class DataServiceDataset(IterableDataset):
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples
                     retry_until = time.monotonic() + self.reconnect_timeout_s
-                    while not stop.is_set():
-                        try:
-                            merged.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put_until_stopped(merged, item, stop):
                         return
                 reason = "the stream ended without an end-of-stream marker"
             except grpc.FutureTimeoutError:

@@ -94,6 +94,18 @@ class Activity:
     clients_seen: int = 0
 
 
+def put_until_stopped(target: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Put into a bounded queue, waiting while it is full, but give up as soon as ``stop`` is set (a
+    plain blocking put would keep a stopping thread alive for ever). True if the item went in."""
+    while not stop.is_set():
+        try:
+            target.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
     """Should the host stop on its own? Pure, so the rules are tested without servers."""
     if activity.clients_seen == 0:
@@ -183,12 +195,7 @@ class BatchProducer:
                 self.skipped_samples += skipped
                 if skipped:
                     log.warning("skipped %d undecodable files (%d so far)", skipped, self.skipped_samples)
-                while not self._stop.is_set():
-                    try:
-                        self.batches.put(payload, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
+                put_until_stopped(self.batches, payload, self._stop)
         except CorruptDatasetError as error:
             self.failure = str(error)
         except (futures.BrokenExecutor, RuntimeError) as error:
