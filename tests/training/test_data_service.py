@@ -24,9 +24,9 @@ from training.data_service.client import (
     request_shutdown,
 )
 from training.data_service.dataset import scan_image_folder
-from training.data_service.preprocess import AugmentConfig
 from training.data_service.server import Activity, ServerSettings, StopReason, sample_order, serve, stop_verdict
 from training.local.cluster import free_port
+from training.trainers.config import AugmentConfig
 
 _addresses = itertools.count(2)
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from training.data_service.dataset import EmptyChannelError, MissingChannelError, scan_image_folder
-from training.data_service.preprocess import AugmentConfig, CorruptDatasetError, load_and_augment, make_batch, random_resized_crop
+from training.data_service.preprocess import CorruptDatasetError, load_and_augment, make_batch, random_resized_crop
 from training.local.images import write_dataset
+from training.trainers.config import AugmentConfig
 
 
 def test_image_folder_lists_classes_and_samples_in_a_stable_order(images: Path) -> None:

@@ -12,36 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
-AUGMENTATIONS = ("standard", "heavy")
+from training.trainers.config import AugmentConfig
+
 # What PIL raises for a file that is not a decodable image (truncated, wrong format, garbage).
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
 class CorruptDatasetError(RuntimeError):
     """So many files failed to decode that a batch could not be filled."""
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    image_size: int
-    # "standard": random resized crop, flip, colour jitter (ImageNet training recipe).
-    # "heavy": standard plus rotation, blur, sharpness and autocontrast (a preprocessing-bound pipeline).
-    augment: str = "standard"
-
-    def __post_init__(self) -> None:
-        if self.augment not in AUGMENTATIONS:
-            raise ValueError(f"augment must be one of {AUGMENTATIONS}, got {self.augment!r}")
-        if not 8 <= self.image_size <= 1024:
-            raise ValueError(f"image_size must be in 8..1024, got {self.image_size}")
-
-    @property
-    def sample_shape(self) -> tuple[int, int, int]:
-        return (3, self.image_size, self.image_size)
 
 
 def load_and_augment(path: str, rng: np.random.Generator, config: AugmentConfig) -> np.ndarray:

@@ -1,16 +1,34 @@
 """Typed trainer settings, one frozen dataclass per trainer, built from the job's hyperparameters.
 
-Kept free of framework imports so that a data host (which never trains) can read the settings it shares
-with the trainer (batch size, image size, augmentation) without importing torch.
+Standard library only: a data host (which never trains) reads the settings it shares with the trainer
+(batch size, image size, augmentation) without importing torch, and the platform's spec validation
+checks a job's hyperparameters against these classes before anything is launched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.data_service.preprocess import AugmentConfig
-
 MODELS = ("cnn", "resnet18", "resnet50")
+AUGMENTATIONS = ("standard", "heavy")
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    image_size: int
+    # "standard": random resized crop, flip, colour jitter (ImageNet training recipe).
+    # "heavy": standard plus rotation, blur, sharpness and autocontrast (a preprocessing-bound pipeline).
+    augment: str = "standard"
+
+    def __post_init__(self) -> None:
+        if self.augment not in AUGMENTATIONS:
+            raise ValueError(f"augment must be one of {AUGMENTATIONS}, got {self.augment!r}")
+        if not 8 <= self.image_size <= 1024:
+            raise ValueError(f"image_size must be in 8..1024, got {self.image_size}")
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return (3, self.image_size, self.image_size)
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset, DataServiceError, describe
 from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
-from training.data_service.preprocess import DECODE_ERRORS, AugmentConfig, CorruptDatasetError, load_and_augment
+from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError, load_and_augment
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
-from training.trainers.config import VisionConfig
+from training.trainers.config import AugmentConfig, VisionConfig
 from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop
 
 log = logging.getLogger("training.pytorch_vision")
