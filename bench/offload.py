@@ -35,13 +35,14 @@ def main() -> int:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="offload-"))
     images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
-    homogeneous, heterogeneous = load_spec("pytorch-homogeneous.json"), load_spec("pytorch-heterogeneous.json")
     overrides = LOCAL_OVERRIDES | {"steps": args.steps}
+    homogeneous = load_spec("pytorch-homogeneous.json", overrides)
+    heterogeneous = load_spec("pytorch-heterogeneous.json", overrides)
     config = VisionConfig(**overrides)
 
     def options(name: str) -> EmulationOptions:
         shutil.rmtree(workdir / name, ignore_errors=True)
-        return EmulationOptions(workdir=workdir / name, channels={"train": images}, hyperparameter_overrides=overrides)
+        return EmulationOptions(workdir=workdir / name, channels={"train": images})
 
     data_hosts = sum(group.count for group in heterogeneous.data_groups)
     data_cpus = next(h.cpus for h in plan_hosts(heterogeneous, options("plan"), sorted(os.sched_getaffinity(0)), 0) if h.role == "data")

@@ -118,7 +118,7 @@ class PlatformSettings:
 
     def to_hyperparameters(self) -> dict[str, str]:
         """The string map SageMaker's HyperParameters field takes."""
-        return {item.name: _to_string(getattr(self, item.name)) for item in fields(self)}
+        return {item.name: to_hyperparameter_string(getattr(self, item.name)) for item in fields(self)}
 
 
 def platform_keys() -> frozenset[str]:
@@ -150,8 +150,14 @@ def parse_settings(raw: Mapping[str, Any], trainer_config: type[T]) -> tuple[Pla
     return build(PlatformSettings, platform), build(trainer_config, trainer)
 
 
-def build(cls: type[T], raw: Mapping[str, Any]) -> T:
-    """Instantiate a config dataclass from SageMaker's string values, converting each to its field's type."""
+def build(cls: type[T], raw: Mapping[str, Any], strict: bool = False) -> T:
+    """Instantiate a config dataclass from SageMaker's string values, converting each to its field's type;
+    with ``strict``, a key that is not a field is refused."""
+    if strict:
+        known = {item.name for item in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise HyperparameterError("; ".join(_unknown_message(key, known) for key in unknown))
     values = {}
     hints = typing.get_type_hints(cls)
     for item in fields(cls):  # type: ignore[arg-type]
@@ -202,7 +208,8 @@ def _to_bool(value: Any) -> bool:
     raise ValueError(value)
 
 
-def _to_string(value: Any) -> str:
+def to_hyperparameter_string(value: Any) -> str:
+    """A value as SageMaker's string → string HyperParameters carry it (and ``build`` reads it back)."""
     if isinstance(value, Mapping):
         return json.dumps(dict(value), sort_keys=True)
     if isinstance(value, bool):

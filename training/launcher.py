@@ -32,22 +32,19 @@ from training.cluster import Cluster, ClusterConfigError, address_of, host_addre
 from training.data_service.dataset import ChannelError, channel_dir, scan_image_folder
 from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
 from training.trainers.config import VisionConfig
+from training.variants import VARIANTS, Variant
 
 log = logging.getLogger("training.launcher")
 
-# variant → (trainer module run on the DNN group, its config dataclass)
-TRAINERS: dict[str, tuple[str, type]] = {
-    "pytorch": ("training.trainers.pytorch_vision", VisionConfig),
-}
 # Exit code for a job that is wrong before anything ran (bad config, bad input), as argparse uses.
 CONFIG_ERROR_EXIT = 2
 
 
-def trainer_for(variant: str) -> tuple[str, type]:
+def trainer_for(variant: str) -> Variant:
     try:
-        return TRAINERS[variant]
+        return VARIANTS[variant]
     except KeyError:
-        raise HyperparameterError(f"variant {variant!r} has no trainer in this image; known: {sorted(TRAINERS)}") from None
+        raise HyperparameterError(f"variant {variant!r} has no trainer in this image; known: {sorted(VARIANTS)}") from None
 
 
 def trainer_command(
@@ -183,8 +180,8 @@ def main() -> int:
     try:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
-        module, config_class = trainer_for(str(hyperparameters.get("variant", "pytorch")))
-        settings, config = parse_settings(hyperparameters, config_class)
+        variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
+        settings, config = parse_settings(hyperparameters, variant.config)
         settings.check_cluster(cluster)
         role = settings.role_of(cluster.current_group)
         log.info("host %s is in instance group %s (%s): role %s", cluster.current_host, cluster.current_group, cluster.current_instance_type, role)
@@ -192,7 +189,7 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         if role == DATA:
             return run_data_host(cluster, settings, config, stop)
-        return run_dnn_host(cluster, settings, module, stop)
+        return run_dnn_host(cluster, settings, variant.module, stop)
     except (ClusterConfigError, HyperparameterError, ChannelError) as error:
         log.error("%s: %s", type(error).__name__, error)
         return CONFIG_ERROR_EXIT

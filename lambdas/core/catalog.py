@@ -21,10 +21,15 @@ class InstanceType:
     accelerators: int  # GPUs or Trainium chips
     accelerator: str  # "" for CPU instances
     usd_per_hour: float | None  # None: no fallback price known
+    neuron_cores: int = 0  # NeuronCores (2 per Trainium chip); one trainer process each
 
     @property
     def is_cpu_only(self) -> bool:
         return self.accelerators == 0
+
+    @property
+    def is_trainium(self) -> bool:
+        return self.neuron_cores > 0
 
 
 CATALOG: dict[str, InstanceType] = {
@@ -37,6 +42,9 @@ CATALOG: dict[str, InstanceType] = {
         InstanceType("ml.c5.18xlarge", 72, 0, "", 3.672),
         InstanceType("ml.p3.2xlarge", 8, 1, "NVIDIA V100", 3.825),
         InstanceType("ml.p4d.24xlarge", 96, 8, "NVIDIA A100", 37.688),
+        # No fallback price: results on these use live prices only.
+        InstanceType("ml.trn1.2xlarge", 8, 1, "AWS Trainium", None, neuron_cores=2),
+        InstanceType("ml.trn1.32xlarge", 128, 16, "AWS Trainium", None, neuron_cores=32),
     )
 }
 

@@ -14,7 +14,11 @@ The same JSON starts a training run on SageMaker (the Step Functions input) and 
      "inputs": {"train": {"s3_uri": "s3://bucket/prefix/", "groups": ["data_group"]}},
      "max_runtime_s": 3600}
 
-Every refusal is a JobSpecError naming the field and what to do instead. Nothing here performs I/O.
+Every refusal is a JobSpecError naming the field and what to do instead. ``parse_job_spec`` checks the
+shape (types, names, SageMaker's own limits); ``validate_job_spec`` adds the platform's rules: a known
+variant, workload and distribution, instance types from the catalog, Trainium only with the neuron
+variant, data groups only for variants with a data service and only on CPU instances, the data channel on
+every data host, and hyperparameters the trainer knows, with valid values. Nothing here performs I/O.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from lambdas.core.catalog import CATALOG
 from training.cluster import HOMOGENEOUS_GROUP
+from training.hyperparameters import HyperparameterError, build, platform_keys, to_hyperparameter_string
+from training.variants import VARIANTS
 
 SPEC_VERSION = 1
 ROLES = ("data", "dnn")
@@ -215,3 +222,62 @@ def _max_runtime(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 60 <= value <= MAX_RUNTIME_S:
         raise JobSpecError("max_runtime_s", f"{value!r} must be an integer number of seconds in 60..{MAX_RUNTIME_S}")
     return value
+
+
+def validate_job_spec(raw: Any) -> JobSpec:
+    """Parse, then apply the platform's rules; the spec a training run may launch."""
+    spec = parse_job_spec(raw)
+    variant = VARIANTS.get(spec.variant)
+    if variant is None:
+        raise JobSpecError("variant", f"{spec.variant!r} is not a variant of this platform; use one of {sorted(VARIANTS)}")
+    if spec.workload not in variant.workloads:
+        raise JobSpecError("workload", f"variant {variant.name!r} trains {list(variant.workloads)}, not {spec.workload!r}")
+    if spec.distribution not in variant.distributions:
+        raise JobSpecError("distribution", f"variant {variant.name!r} supports {list(variant.distributions)}, not {spec.distribution!r}")
+    if spec.distribution == "none" and spec.dnn_group.count > 1:
+        raise JobSpecError("distribution", f"'none' runs one process but the dnn group has {spec.dnn_group.count} instances: use 'torchrun'")
+    for index, group in enumerate(spec.instance_groups):
+        _check_instance_type(index, group, variant.accelerator, variant.name)
+    if spec.data_groups and not variant.has_data_service:
+        raise JobSpecError("instance_groups", f"variant {variant.name!r} has no data service: remove the data groups")
+    _check_channels(spec)
+    _check_hyperparameters(spec, variant.config)
+    return spec
+
+
+def _check_instance_type(index: int, group: GroupSpec, accelerator: str, variant: str) -> None:
+    where = f"instance_groups[{index}].instance_type"
+    instance = CATALOG.get(group.instance_type)
+    if instance is None:
+        raise JobSpecError(where, f"{group.instance_type!r} is not in the platform's catalog; use one of {sorted(CATALOG)}")
+    if group.role == "data" and not instance.is_cpu_only:
+        raise JobSpecError(where, f"data group on {group.instance_type} would pay for idle accelerators: use a CPU type (ml.c5.*)")
+    if group.role == "dnn" and instance.is_trainium and accelerator != "trainium":
+        raise JobSpecError(where, f"{group.instance_type} is a Trainium instance: it needs variant 'neuron', not {variant!r}")
+    if group.role == "dnn" and accelerator == "trainium" and not instance.is_trainium:
+        raise JobSpecError(where, f"variant {variant!r} trains on Trainium: use an ml.trn1.* instance type")
+
+
+def _check_channels(spec: JobSpec) -> None:
+    if not spec.inputs:
+        raise JobSpecError("inputs", "the job needs a training channel, e.g. {\"train\": {\"s3_uri\": \"s3://...\"}}")
+    data_groups = {group.name for group in spec.data_groups}
+    for channel in spec.inputs:
+        missing = sorted(data_groups - set(spec.group_names_for(channel)))
+        if missing:
+            raise JobSpecError(f"inputs.{channel.name}.groups", f"data groups {missing} preprocess this channel: add them")
+        if not data_groups and spec.dnn_group.name not in spec.group_names_for(channel):
+            raise JobSpecError(f"inputs.{channel.name}.groups", f"without data groups the dnn group {spec.dnn_group.name!r} reads it: add it")
+
+
+def _check_hyperparameters(spec: JobSpec, config: type) -> None:
+    reserved = sorted(set(spec.hyperparameters) & (platform_keys() | {"variant", "distribution"}))
+    if reserved:
+        raise JobSpecError(f"hyperparameters.{reserved[0]}", "is set by the platform; use the spec's own fields instead")
+    sagemaker = sorted(name for name in spec.hyperparameters if name.startswith("sagemaker_"))
+    if sagemaker:
+        raise JobSpecError(f"hyperparameters.{sagemaker[0]}", "the sagemaker_ prefix belongs to the SageMaker toolkit")
+    try:
+        build(config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}, strict=True)
+    except HyperparameterError as error:
+        raise JobSpecError("hyperparameters", str(error)) from None

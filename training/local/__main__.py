@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lambdas.core.job_spec import JobSpecError, parse_job_spec
+from lambdas.core.job_spec import JobSpecError, validate_job_spec
 from training.local.cluster import EmulatedCluster, EmulationError, EmulationOptions
 
 
@@ -44,7 +44,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        spec = parse_job_spec(json.loads(args.spec.read_text()))
+        raw = json.loads(args.spec.read_text())
+        if args.set and isinstance(raw, dict):
+            raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **dict(args.set)}
+        # The platform's own validation: what it would refuse to launch is refused here too.
+        spec = validate_job_spec(raw)
         options = EmulationOptions(
             workdir=args.workdir or Path(tempfile.mkdtemp(prefix=f"{spec.run_name}-")),
             channels={name: Path(folder) for name, folder in args.channel},
@@ -52,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
             orphan_grace_s=args.orphan_grace_s,
             cpus_per_host={group: int(count) for group, count in args.cpus},
             processes_per_host=args.processes_per_host,
-            hyperparameter_overrides=dict(args.set),
         )
         cluster = EmulatedCluster(spec, options)
     except (OSError, json.JSONDecodeError, JobSpecError, EmulationError, ValueError) as error:

@@ -35,7 +35,7 @@ from typing import Any
 from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec, role_map
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
-from training.hyperparameters import PlatformSettings
+from training.hyperparameters import PlatformSettings, to_hyperparameter_string
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LineCallback = Callable[["EmulatedHost", str], None]
@@ -123,7 +123,6 @@ class EmulationOptions:
     processes_per_host: int = 0
     # CPUs per host of a group (group name → count); default one each.
     cpus_per_host: dict[str, int] = field(default_factory=dict)
-    hyperparameter_overrides: dict[str, Any] = field(default_factory=dict)
     subnet: int | None = None  # the third octet of the hosts' addresses; random when None
 
 
@@ -201,12 +200,8 @@ def container_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: t
         data_connect_timeout_s=options.data_connect_timeout_s,
         processes_per_host=options.processes_per_host,
     )
-    user = {key: _hyperparameter_string(value) for key, value in {**spec.hyperparameters, **options.hyperparameter_overrides}.items()}
+    user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
     return user | platform.to_hyperparameters()
-
-
-def _hyperparameter_string(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
 def free_port() -> int:

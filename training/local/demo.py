@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from lambdas.core.job_spec import JobSpec, parse_job_spec
+from lambdas.core.job_spec import JobSpec, validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, hourly_cost
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions, plan_hosts
 from training.local.images import write_dataset
@@ -109,12 +109,15 @@ def quiet(host: EmulatedHost, line: str) -> None:
     """Host logs still go to <workdir>/logs; nothing on the terminal."""
 
 
-def load_spec(name: str) -> JobSpec:
-    return parse_job_spec(json.loads((EXAMPLES / name).read_text()))
+def load_spec(name: str, overrides: dict | None = None) -> JobSpec:
+    """An example spec with local overrides, validated as the platform would."""
+    raw = json.loads((EXAMPLES / name).read_text())
+    raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **(overrides or {})}
+    return validate_job_spec(raw)
 
 
 def run_job(label: str, spec: JobSpec, options: EmulationOptions, progress: bool = True) -> RunFigures:
-    steps = int(options.hyperparameter_overrides.get("steps", spec.hyperparameters.get("steps", 100)))
+    steps = int(spec.hyperparameters.get("steps", 100))
     cluster = EmulatedCluster(spec, options, on_line=Progress(label, steps) if progress else quiet)
     result = cluster.run()
     summary = cluster.summary()
@@ -126,13 +129,13 @@ def run_job(label: str, spec: JobSpec, options: EmulationOptions, progress: bool
 
 def run_comparison(workdir: Path, steps: int) -> Comparison:
     images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
-    homogeneous, heterogeneous = load_spec("pytorch-homogeneous.json"), load_spec("pytorch-heterogeneous.json")
     overrides = LOCAL_OVERRIDES | {"steps": steps}
+    homogeneous, heterogeneous = load_spec("pytorch-homogeneous.json", overrides), load_spec("pytorch-heterogeneous.json", overrides)
     config = VisionConfig(**overrides)
 
     def options(name: str) -> EmulationOptions:
         shutil.rmtree(workdir / name, ignore_errors=True)
-        return EmulationOptions(workdir=workdir / name, channels={"train": images}, hyperparameter_overrides=overrides)
+        return EmulationOptions(workdir=workdir / name, channels={"train": images})
 
     data_host_cpus = next(host.cpus for host in plan_hosts(heterogeneous, options("plan"), _cpus(), 0) if host.role == "data")
     print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)

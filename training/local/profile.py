@@ -17,6 +17,7 @@ import queue
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 
 from lambdas.core.job_spec import JobSpec
 from training.data_service.dataset import scan_image_folder
@@ -88,9 +89,13 @@ def preprocess_ms_per_batch(channel: Path, config: VisionConfig, cpus: tuple[int
 def train_ms_per_step(spec: JobSpec, options: EmulationOptions, on_line: LineCallback | None = None) -> float:
     """The DNN host's step time with its input already in memory: the spec run homogeneously, on the
     same CPUs, cycling real batches."""
-    homogeneous = replace(spec, instance_groups=(spec.dnn_group,), inputs=tuple(replace(c, groups=()) for c in spec.inputs))
-    overrides = options.hyperparameter_overrides | {"cached_input_batches": CACHED_BATCHES}
-    cluster = EmulatedCluster(homogeneous, replace(options, hyperparameter_overrides=overrides), on_line=on_line)
+    homogeneous = replace(
+        spec,
+        instance_groups=(spec.dnn_group,),
+        inputs=tuple(replace(channel, groups=()) for channel in spec.inputs),
+        hyperparameters=MappingProxyType({**spec.hyperparameters, "cached_input_batches": CACHED_BATCHES}),
+    )
+    cluster = EmulatedCluster(homogeneous, options, on_line=on_line)
     result = cluster.run()
     summary = cluster.summary()
     if not result.ok or not summary or not summary["step_time_ms"]:

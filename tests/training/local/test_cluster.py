@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lambdas.core.job_spec import parse_job_spec
+from lambdas.core.job_spec import validate_job_spec
 from training.cluster import parse_resource_config
 from training.local.cluster import (
     EmulatedCluster,
@@ -68,7 +68,7 @@ class Watcher:
 def start(raw_spec: dict, tmp_path: Path, images: Path, **options) -> tuple[EmulatedCluster, Watcher]:
     watcher = Watcher()
     cluster = EmulatedCluster(
-        parse_job_spec(raw_spec), EmulationOptions(workdir=tmp_path, channels={"train": images}, **options), on_line=watcher
+        validate_job_spec(raw_spec), EmulationOptions(workdir=tmp_path, channels={"train": images}, **options), on_line=watcher
     )
     cluster.start()
     return cluster, watcher
@@ -87,7 +87,7 @@ def test_dnn_hosts_get_their_own_cores_and_data_hosts_share_the_rest() -> None:
 
 def test_hosts_are_planned_as_sagemaker_names_and_groups_them(tmp_path: Path) -> None:
     options = EmulationOptions(workdir=tmp_path, channels={})
-    hosts = plan_hosts(parse_job_spec(spec(data_hosts=2)), options, [0, 1], subnet=9)
+    hosts = plan_hosts(validate_job_spec(spec(data_hosts=2)), options, [0, 1], subnet=9)
     assert [(h.name, h.group, h.role, h.address) for h in hosts] == [
         ("algo-1", "data_group", "data", "127.0.9.2"),
         ("algo-2", "data_group", "data", "127.0.9.3"),
@@ -96,14 +96,14 @@ def test_hosts_are_planned_as_sagemaker_names_and_groups_them(tmp_path: Path) ->
     for host in hosts:
         cluster = parse_resource_config(resource_config(host, hosts))
         assert (cluster.current_host, cluster.current_group) == (host.name, host.group)
-    homogeneous = plan_hosts(parse_job_spec(spec(data_hosts=0)), options, [0, 1], subnet=9)
+    homogeneous = plan_hosts(validate_job_spec(spec(data_hosts=0)), options, [0, 1], subnet=9)
     assert [(h.group, h.spec_group) for h in homogeneous] == [("homogeneousCluster", "dnn_group")]
     with pytest.raises(EmulationError, match="does not have"):
-        plan_hosts(parse_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={}, cpus_per_host={"gpu": 2}), [0], 9)
+        plan_hosts(validate_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={}, cpus_per_host={"gpu": 2}), [0], 9)
 
 
 def test_a_channel_without_a_local_folder_is_refused(tmp_path: Path) -> None:
-    cluster = EmulatedCluster(parse_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={}))
+    cluster = EmulatedCluster(validate_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={}))
     with pytest.raises(EmulationError, match="--channel train=PATH"):
         cluster.start()
 

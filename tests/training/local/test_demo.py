@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lambdas.core.job_spec import parse_job_spec
+from lambdas.core.job_spec import validate_job_spec
 from training.local.demo import Comparison, RunFigures, main, render
 from training.local.profile import Profile
 
@@ -15,7 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def figures(label: str, spec_file: str, step_ms: float) -> RunFigures:
-    return RunFigures(label, parse_job_spec(json.loads((EXAMPLES / spec_file).read_text())), step_ms, 32_000 / step_ms)
+    return RunFigures(label, validate_job_spec(json.loads((EXAMPLES / spec_file).read_text())), step_ms, 32_000 / step_ms)
 
 
 def test_ideal_step_is_the_slower_half_once_preprocessing_moves_out() -> None:

@@ -1,0 +1,35 @@
+"""The trainers this image can run, and what each supports: the one registry the launcher (which
+module to start) and the platform's spec validation (what a job may ask for) both read.
+
+Standard library only, so the validation Lambda can import it without the training stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.trainers.config import VisionConfig
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    module: str  # started on the DNN group (python -m <module>)
+    config: type  # the trainer's config dataclass: its fields are the hyperparameters it accepts
+    workloads: tuple[str, ...]
+    distributions: tuple[str, ...]
+    has_data_service: bool  # whether CPU data groups can feed it
+    accelerator: str  # "gpu": NVIDIA (or CPU) instances; "trainium": ml.trn* instances
+
+
+VARIANTS: dict[str, Variant] = {
+    "pytorch": Variant(
+        name="pytorch",
+        module="training.trainers.pytorch_vision",
+        config=VisionConfig,
+        workloads=("vision",),
+        distributions=("torchrun", "none"),
+        has_data_service=True,
+        accelerator="gpu",
+    ),
+}
