@@ -1,0 +1,116 @@
+"""A validated job spec → the CreateTrainingJob request that runs it. Pure: no AWS call, no clock, no
+randomness (the job name and the shutdown token come in as arguments).
+
+What the request carries, and why:
+
+* ResourceConfig.InstanceGroups for a heterogeneous spec; InstanceType/InstanceCount for a single group
+  (SageMaker refuses both together), which SageMaker then reports as group ``homogeneousCluster``;
+* InputDataConfig with S3DataSource.InstanceGroupNames, so a channel lands only on the groups that read it;
+* the container contract as HyperParameters: the user's trainer settings plus the platform settings
+  (role map, ports, timeouts, a fresh shutdown token), built by training/hyperparameters.py, the module
+  the container parses them with;
+* MetricDefinitions from training/metrics.py, the module the trainer prints them with;
+* CheckpointConfig per run name (rerunning a run name resumes it), a stopping condition, tags.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lambdas.core.job_spec import JobSpec, role_map
+from training.hyperparameters import PlatformSettings, to_hyperparameter_string
+from training.metrics import METRIC_DEFINITIONS
+
+CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
+JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+
+
+class RequestError(ValueError):
+    """The platform's settings cannot make a valid request for this spec."""
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What the deployed platform supplies to every launch (the launch Lambda's environment)."""
+
+    image_uris: Mapping[str, str]  # variant → training image URI in ECR
+    role_arn: str  # the SageMaker execution role
+    output_s3_uri: str  # s3://<results bucket>/artifacts/ (model.tar.gz, output.tar.gz)
+    checkpoint_s3_uri: str  # s3://<results bucket>/checkpoints/
+    tags: Mapping[str, str] = field(default_factory=dict)
+    volume_size_gb: int = 100
+    data_service_port: int = 6000
+    master_port: int = 29500
+    data_idle_timeout_s: float = 120.0
+    data_start_deadline_s: float = 900.0
+    data_connect_timeout_s: float = 300.0
+    # Encrypts traffic between the job's hosts (the batches and the shutdown token travel on it).
+    inter_container_encryption: bool = True
+
+
+def job_name(run_name: str, suffix: str) -> str:
+    """``<run name>-<suffix>``, unique per execution; run names are ≤ 40 characters, leaving room."""
+    name = f"{run_name}-{suffix}"[:63].rstrip("-")
+    if not JOB_NAME.match(name):
+        raise RequestError(f"{name!r} is not a valid training job name")
+    return name
+
+
+def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, shutdown_token: str) -> dict[str, Any]:
+    try:
+        image = settings.image_uris[spec.variant]
+    except KeyError:
+        raise RequestError(f"no training image is deployed for variant {spec.variant!r}") from None
+    platform = PlatformSettings(
+        role_map=role_map(spec),
+        shutdown_token=shutdown_token,
+        variant=spec.variant,
+        distribution=spec.distribution,
+        data_service_port=settings.data_service_port,
+        master_port=settings.master_port,
+        data_idle_timeout_s=settings.data_idle_timeout_s,
+        data_start_deadline_s=settings.data_start_deadline_s,
+        data_connect_timeout_s=settings.data_connect_timeout_s,
+    )
+    hyperparameters = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
+    return {
+        "TrainingJobName": name,
+        "AlgorithmSpecification": {
+            "TrainingImage": image,
+            "TrainingInputMode": "File",
+            "MetricDefinitions": [{"Name": metric, "Regex": regex} for metric, regex in METRIC_DEFINITIONS.items()],
+            "EnableSageMakerMetricsTimeSeries": True,
+        },
+        "HyperParameters": hyperparameters | platform.to_hyperparameters(),
+        "RoleArn": settings.role_arn,
+        "InputDataConfig": [_channel(spec, channel) for channel in spec.inputs],
+        "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri},
+        "ResourceConfig": _resources(spec, settings.volume_size_gb),
+        "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
+        "CheckpointConfig": {"S3Uri": f"{settings.checkpoint_s3_uri.rstrip('/')}/{spec.run_name}/", "LocalPath": CHECKPOINT_LOCAL_PATH},
+        "EnableInterContainerTrafficEncryption": settings.inter_container_encryption,
+        "Tags": [{"Key": key, "Value": value} for key, value in ({"run_name": spec.run_name} | dict(settings.tags)).items()],
+    }
+
+
+def _resources(spec: JobSpec, volume_size_gb: int) -> dict[str, Any]:
+    if not spec.is_heterogeneous:
+        group = spec.dnn_group
+        return {"InstanceType": group.instance_type, "InstanceCount": group.count, "VolumeSizeInGB": volume_size_gb}
+    return {
+        "InstanceGroups": [
+            {"InstanceGroupName": group.name, "InstanceType": group.instance_type, "InstanceCount": group.count}
+            for group in spec.instance_groups
+        ],
+        "VolumeSizeInGB": volume_size_gb,
+    }
+
+
+def _channel(spec: JobSpec, channel: Any) -> dict[str, Any]:
+    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": channel.s3_uri, "S3DataDistributionType": "FullyReplicated"}
+    if spec.is_heterogeneous and channel.groups:
+        source["InstanceGroupNames"] = list(channel.groups)
+    return {"ChannelName": channel.name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}

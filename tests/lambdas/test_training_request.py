@@ -1,0 +1,99 @@
+"""The CreateTrainingJob request: its content, and botocore's validation of it (moto answers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from lambdas.core.job_spec import validate_job_spec
+from lambdas.core.training_request import LaunchSettings, RequestError, create_training_job_request, job_name
+from training.hyperparameters import PlatformSettings, build
+from training.metrics import parse_metric_line
+from training.trainers.config import VisionConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SETTINGS = LaunchSettings(
+    image_uris={"pytorch": "123456789012.dkr.ecr.us-east-1.amazonaws.com/training-pytorch:abc"},
+    role_arn="arn:aws:iam::123456789012:role/training-sagemaker",
+    output_s3_uri="s3://results-bucket/artifacts/",
+    checkpoint_s3_uri="s3://results-bucket/checkpoints/",
+    tags={"platform": "heterogeneous-training"},
+)
+TOKEN = "a-random-token-for-this-job-0123"
+
+
+def request_for(example: str) -> dict:
+    spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
+    return create_training_job_request(spec, SETTINGS, name=job_name(spec.run_name, "20261129T101500-ab12"), shutdown_token=TOKEN)
+
+
+def test_heterogeneous_spec_uses_instance_groups_and_routes_the_channel() -> None:
+    request = request_for("pytorch-heterogeneous.json")
+    resources = request["ResourceConfig"]
+    assert "InstanceType" not in resources and "InstanceCount" not in resources
+    assert [g["InstanceGroupName"] for g in resources["InstanceGroups"]] == ["data_group", "dnn_group"]
+    source = request["InputDataConfig"][0]["DataSource"]["S3DataSource"]
+    assert source["InstanceGroupNames"] == ["data_group"]
+
+
+def test_single_group_spec_is_a_classic_homogeneous_job() -> None:
+    request = request_for("pytorch-homogeneous.json")
+    assert request["ResourceConfig"]["InstanceType"] == "ml.p3.2xlarge" and "InstanceGroups" not in request["ResourceConfig"]
+    assert "InstanceGroupNames" not in request["InputDataConfig"][0]["DataSource"]["S3DataSource"]
+    assert json.loads(request["HyperParameters"]["role_map"]) == {"homogeneousCluster": "dnn"}
+
+
+def test_the_container_reads_back_exactly_what_the_request_carries() -> None:
+    request = request_for("pytorch-heterogeneous.json")
+    hyperparameters = request["HyperParameters"]
+    assert all(isinstance(value, str) for value in hyperparameters.values())
+    platform = build(PlatformSettings, {k: v for k, v in hyperparameters.items() if k in PlatformSettings.__dataclass_fields__})
+    assert platform.shutdown_token == TOKEN and dict(platform.role_map) == {"data_group": "data", "dnn_group": "dnn"}
+    config = build(VisionConfig, {k: v for k, v in hyperparameters.items() if k in VisionConfig.__dataclass_fields__})
+    assert config.augment == "heavy"
+
+
+def test_metric_definitions_capture_the_trainers_lines() -> None:
+    definitions = {d["Name"]: d["Regex"] for d in request_for("pytorch-heterogeneous.json")["AlgorithmSpecification"]["MetricDefinitions"]}
+    assert parse_metric_line("step=9/40 loss=0.5 step_time_ms=86.1 data_wait_ms=1.0 samples_per_s=371.7")["step_time_ms"] == 86.1
+    assert set(definitions) == {"step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms"}
+
+
+def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
+    request = request_for("pytorch-heterogeneous.json")
+    assert request["CheckpointConfig"] == {"S3Uri": "s3://results-bucket/checkpoints/vision-hetero/", "LocalPath": "/opt/ml/checkpoints"}
+    assert request["TrainingJobName"] == "vision-hetero-20261129T101500-ab12"
+    assert len(job_name("a" * 40, "x" * 40)) == 63
+    with pytest.raises(RequestError):
+        job_name("run", "bad_suffix")
+
+
+def test_a_variant_without_an_image_is_refused() -> None:
+    spec = validate_job_spec(json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text()))
+    settings = LaunchSettings(image_uris={}, role_arn=SETTINGS.role_arn, output_s3_uri="s3://b/", checkpoint_s3_uri="s3://b/c/")
+    with pytest.raises(RequestError, match="no training image is deployed for variant 'pytorch'"):
+        create_training_job_request(spec, settings, name="x", shutdown_token=TOKEN)
+
+
+@pytest.mark.parametrize("example", ["pytorch-heterogeneous.json", "pytorch-homogeneous.json"])
+def test_requests_pass_botocore_validation(example: str) -> None:
+    request = request_for(example)
+    with mock_aws():
+        client = boto3.client("sagemaker", region_name="us-east-1")
+        client.create_training_job(**request)  # botocore validates every parameter against the API model
+        described = client.describe_training_job(TrainingJobName=request["TrainingJobName"])
+    assert described["TrainingJobName"] == request["TrainingJobName"]
+    assert described["HyperParameters"] == request["HyperParameters"]
+
+
+def test_botocore_validation_is_really_applied() -> None:
+    from botocore.exceptions import ParamValidationError
+
+    request = request_for("pytorch-heterogeneous.json")
+    request["ResourceConfig"]["InstanceGroups"][0]["InstanceCount"] = "1"
+    with mock_aws(), pytest.raises(ParamValidationError, match="InstanceCount"):
+        boto3.client("sagemaker", region_name="us-east-1").create_training_job(**request)
