@@ -1,0 +1,18 @@
+"""boto3 clients for the Lambda handlers, made on first use (never at import), one per service and
+process, so that a warm Lambda reuses its connections and tests can run handlers under moto."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+# Standard retry mode backs off on throttling; the state machine retries what still fails.
+CONFIG = Config(retries={"mode": "standard", "max_attempts": 4})
+
+
+@functools.cache
+def client(service: str) -> Any:
+    return boto3.client(service, config=CONFIG)

@@ -1,0 +1,67 @@
+"""Write results/<run id>/result.json for a finished (or failed) run, never over an existing one.
+
+Event: {"spec", "execution_arn", "job_name"?, "failure"?: {"Error", "Cause"}}. The step times come from
+the trainer's summary.json inside the job's output.tar.gz; cost from the fallback price table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from botocore.exceptions import ClientError
+
+from lambdas.clients import client
+from lambdas.core.execution import run_id
+from lambdas.core.job_spec import validate_job_spec
+from lambdas.core.price_performance import FALLBACK_PRICES
+from lambdas.core.results import ResultExistsError, result_document, summary_from_output_archive
+
+logger = Logger(service="collect-results")
+
+
+@logger.inject_lambda_context
+def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    spec = validate_job_spec(event["spec"])
+    job_name = event.get("job_name")
+    describe = client("sagemaker").describe_training_job(TrainingJobName=job_name) if job_name else None
+    failure = event.get("failure")
+    document = result_document(
+        run_id=run_id(event["execution_arn"]),
+        spec=spec,
+        raw_spec=event["spec"],
+        job_name=job_name,
+        describe=describe,
+        summary=_summary(describe) if describe else None,
+        prices=FALLBACK_PRICES,
+        failure=f"{failure.get('Error')}: {failure.get('Cause')}" if failure else None,
+    )
+    bucket, key = os.environ["RESULTS_BUCKET"], f"results/{document['run_id']}/result.json"
+    try:
+        client("s3").put_object(
+            Bucket=bucket, Key=key, Body=json.dumps(document, indent=2, default=str).encode(), ContentType="application/json",
+            IfNoneMatch="*",
+        )
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
+            raise ResultExistsError(f"s3://{bucket}/{key} exists already; results are never overwritten") from None
+        raise
+    logger.info("result written", extra={"key": key, "status": document["status"]})
+    return {"result_uri": f"s3://{bucket}/{key}", "status": document["status"], "step_time_ms": document["step_time_ms"]}
+
+
+def _summary(describe: dict[str, Any]) -> dict[str, Any] | None:
+    output = describe.get("OutputDataConfig", {}).get("S3OutputPath", "").rstrip("/")
+    if not output.startswith("s3://"):
+        return None
+    bucket, _, prefix = output[len("s3://"):].partition("/")
+    key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
+    try:
+        archive = client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
+            return None
+        raise
+    return summary_from_output_archive(archive)

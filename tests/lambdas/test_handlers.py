@@ -1,0 +1,116 @@
+"""The Lambda handlers, each run for real against moto: validate, launch, collect, stop."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from botocore.stub import Stubber
+
+from lambdas.clients import client
+from lambdas.collect_results.handler import handler as collect
+from lambdas.core.execution import job_name_for_execution
+from lambdas.core.job_spec import JobSpecError
+from lambdas.core.results import ResultExistsError
+from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled
+from lambdas.launch_job.handler import handler as launch
+from lambdas.stop_job.handler import handler as stop
+from lambdas.validate_spec.handler import handler as validate
+from tests.lambdas.conftest import RESULTS_BUCKET
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXECUTION = "arn:aws:states:us-east-1:123456789012:execution:training-run:run-0001"
+
+
+def spec(name: str = "pytorch-heterogeneous.json") -> dict:
+    return json.loads((EXAMPLES / name).read_text())
+
+
+def output_archive(summary: dict) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = json.dumps(summary).encode()
+        info = tarfile.TarInfo("summary.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_validate_summarises_a_valid_spec_and_refuses_an_invalid_one(context) -> None:
+    assert validate(spec(), context) == {"run_name": "vision-hetero", "variant": "pytorch", "heterogeneous": True, "instances": 2}
+    with pytest.raises(JobSpecError, match="instance_groups"):
+        validate(spec() | {"instance_groups": []}, context)
+
+
+def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
+    first = launch({"spec": spec(), "execution_arn": EXECUTION}, context)
+    assert first["job_name"] == job_name_for_execution("vision-hetero", EXECUTION)
+    described = aws.sagemaker.describe_training_job(TrainingJobName=first["job_name"])
+    assert [g["InstanceGroupName"] for g in described["ResourceConfig"]["InstanceGroups"]] == ["data_group", "dnn_group"]
+    assert len(described["HyperParameters"]["shutdown_token"]) >= 32
+    again = launch({"spec": spec(), "execution_arn": EXECUTION}, context)  # a retried launch
+    assert again == first and aws.training_jobs() == [first["job_name"]]
+
+
+def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:
+    with pytest.raises(JobSpecError):
+        launch({"spec": spec() | {"variant": "jax"}, "execution_arn": EXECUTION}, context)
+    assert aws.training_jobs() == []
+
+
+@pytest.mark.parametrize(("code", "error"), [("ThrottlingException", LaunchThrottled), ("ResourceLimitExceeded", CapacityUnavailable)])
+def test_launch_names_the_errors_the_state_machine_retries(aws, context, code: str, error: type) -> None:
+    with Stubber(client("sagemaker")) as stubber:
+        stubber.add_client_error("create_training_job", service_error_code=code, service_message="slow down")
+        with pytest.raises(error, match="slow down"):
+            launch({"spec": spec(), "execution_arn": EXECUTION}, context)
+
+
+def test_collect_writes_the_result_once(aws, context) -> None:
+    name = launch({"spec": spec(), "execution_arn": EXECUTION}, context)["job_name"]
+    job = aws.training_job(name)
+    job.billable_time_in_seconds = 1800
+    summary = {"step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 347.8}
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{name}/output/output.tar.gz", Body=output_archive(summary))
+    reply = collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
+    assert reply["result_uri"] == f"s3://{RESULTS_BUCKET}/results/run-0001/result.json"
+    result = json.loads(aws.s3.get_object(Bucket=RESULTS_BUCKET, Key="results/run-0001/result.json")["Body"].read())
+    assert result["status"] == "Completed" and result["step_time_ms"]["p50"] == 184.0
+    assert result["usd_per_hour"] == pytest.approx(5.661)  # 1× ml.c5.9xlarge + 1× ml.p3.2xlarge
+    assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.184 / 3.6, rel=1e-4)
+    assert result["run_cost_usd"] == pytest.approx(5.661 / 2, rel=1e-3)
+    assert result["prices"]["source"].startswith("fallback table") and result["prices"]["date"]
+    with pytest.raises(ResultExistsError, match="never overwritten"):
+        collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
+
+
+def test_collect_records_a_failure_without_a_job(aws, context) -> None:
+    failure = {"Error": "CapacityUnavailable", "Cause": "no ml.p3.2xlarge capacity"}
+    reply = collect({"spec": spec(), "execution_arn": EXECUTION, "failure": failure}, context)
+    result = json.loads(aws.s3.get_object(Bucket=RESULTS_BUCKET, Key="results/run-0001/result.json")["Body"].read())
+    assert reply["status"] == "NotStarted" and result["failure_reason"] == "CapacityUnavailable: no ml.p3.2xlarge capacity"
+    assert result["step_time_ms"] is None and result["cost_per_1k_steps_usd"] is None
+
+
+def test_stop_stops_a_running_job_and_leaves_others(aws, context) -> None:
+    name = launch({"spec": spec(), "execution_arn": EXECUTION}, context)["job_name"]
+    assert stop({"job_name": name}, context)["stopped"] is False  # moto's jobs complete at once
+    aws.training_job(name).training_job_status = "InProgress"
+    assert stop({"job_name": name}, context) == {"job_name": name, "stopped": True, "status": "Stopping"}
+    assert aws.sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobStatus"] == "Stopping"
+    assert stop({"job_name": "never-launched"}, context)["status"] == "NotStarted"
+
+
+def test_stop_finds_the_job_of_an_aborted_execution(aws, context) -> None:
+    name = launch({"spec": spec(), "execution_arn": EXECUTION}, context)["job_name"]
+    aws.training_job(name).training_job_status = "InProgress"
+    event = {
+        "detail-type": "Step Functions Execution Status Change",
+        "detail": {"executionArn": EXECUTION, "status": "ABORTED", "input": json.dumps(spec())},
+    }
+    assert stop(event, context)["stopped"] is True
+    garbage = {"detail": {"executionArn": EXECUTION, "status": "TIMED_OUT", "input": "not json"}}
+    assert stop(garbage, context) == {"job_name": None, "stopped": False, "status": "NotStarted"}
