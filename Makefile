@@ -6,28 +6,49 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-REQUIREMENTS := requirements/pytorch.txt requirements/dlc-pytorch.txt requirements/test.txt \
+REQUIREMENTS := requirements/dev.txt requirements/dlc-pytorch.txt requirements/infra.txt requirements/test.txt \
                 training/images/pytorch/requirements.txt
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.requirements-$(REQUIREMENTS_HASH)
 PROTO := training/data_service/data_service.proto
+NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json | sha256sum | cut -c1-16)
+# jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv test demo bench lint proto clean
+.PHONY: venv node test demo bench lint proto synth deploy clean
 
 venv: $(STAMP)
 
+node: $(NODE_STAMP)
+
+$(NODE_STAMP):
+	npm ci --no-audit --no-fund --loglevel=error
+	@rm -f node_modules/.installed-*
+	@touch $@
+
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/pytorch.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
-test: venv
+test: venv node
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 demo: venv
 	$(PY) -m training.local.demo
+	$(PY) app.py > /dev/null && echo "synthesized the platform stack into cdk.out/ (cdk-nag clean)"
+
+synth: venv node
+	node_modules/.bin/cdk synth --quiet
+
+# Builds the training images (Docker) and deploys. The DLC base images live in AWS's account
+# 763104351884; log in to that registry in the target region first.
+REGION ?= $(shell $(PY) -c "import json; print(json.load(open('cdk.json'))['context']['platform']['region'])")
+deploy: venv node
+	aws ecr get-login-password --region $(REGION) | docker login --username AWS --password-stdin 763104351884.dkr.ecr.$(REGION).amazonaws.com
+	node_modules/.bin/cdk deploy --require-approval broadening
 
 bench: venv
 	$(PY) bench/transport.py
@@ -42,4 +63,4 @@ proto: venv
 		--python_out=. --grpc_python_out=. $(PROTO)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) node_modules cdk.out build .pytest_cache

@@ -12,8 +12,8 @@ import hashlib
 from lambdas.core.training_request import job_name
 
 
-def job_name_for_execution(run_name: str, execution_arn: str) -> str:
-    return job_name(run_name, hashlib.sha256(execution_arn.encode()).hexdigest()[:12])
+def job_name_for_execution(prefix: str, run_name: str, execution_arn: str) -> str:
+    return job_name(prefix, run_name, hashlib.sha256(execution_arn.encode()).hexdigest()[:10])
 
 
 def run_id(execution_arn: str) -> str:

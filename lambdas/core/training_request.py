@@ -51,9 +51,10 @@ class LaunchSettings:
     inter_container_encryption: bool = True
 
 
-def job_name(run_name: str, suffix: str) -> str:
-    """``<run name>-<suffix>``, unique per execution; run names are ≤ 40 characters, leaving room."""
-    name = f"{run_name}-{suffix}"[:63].rstrip("-")
+def job_name(prefix: str, run_name: str, suffix: str) -> str:
+    """``<platform prefix>-<run name>-<suffix>``, unique per execution. The prefix lets IAM scope the
+    platform's SageMaker permissions to its own jobs; run names are ≤ 40 characters, leaving room."""
+    name = f"{prefix}-{run_name}-{suffix}"[:63].rstrip("-")
     if not JOB_NAME.match(name):
         raise RequestError(f"{name!r} is not a valid training job name")
     return name

@@ -51,7 +51,7 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"])
-    name = job_name_for_execution(spec.run_name, event["execution_arn"])
+    name = job_name_for_execution(os.environ["JOB_NAME_PREFIX"], spec.run_name, event["execution_arn"])
     request = create_training_job_request(
         spec, settings_from_environment(dict(os.environ)), name=name, shutdown_token=secrets.token_urlsafe(32)
     )

@@ -9,6 +9,7 @@ derived from them as the launch derived it).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from aws_lambda_powertools import Logger
@@ -29,7 +30,7 @@ def job_name_from_event(event: dict[str, Any]) -> str | None:
         run_name = json.loads(detail.get("input") or "{}")["run_name"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return None  # an input that never validated launched nothing
-    return job_name_for_execution(run_name, detail["executionArn"])
+    return job_name_for_execution(os.environ["JOB_NAME_PREFIX"], run_name, detail["executionArn"])
 
 
 @logger.inject_lambda_context

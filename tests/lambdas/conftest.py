@@ -24,6 +24,7 @@ ENVIRONMENT = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "RESULTS_BUCKET": RESULTS_BUCKET,
+    "JOB_NAME_PREFIX": "hetero",
     "IMAGE_URIS": json.dumps({"pytorch": f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/training-pytorch:abc"}),
     "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/training-sagemaker",
     "OUTPUT_S3_URI": f"s3://{RESULTS_BUCKET}/artifacts/",

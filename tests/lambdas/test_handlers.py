@@ -47,7 +47,8 @@ def test_validate_summarises_a_valid_spec_and_refuses_an_invalid_one(context) ->
 
 def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
     first = launch({"spec": spec(), "execution_arn": EXECUTION}, context)
-    assert first["job_name"] == job_name_for_execution("vision-hetero", EXECUTION)
+    assert first["job_name"] == job_name_for_execution("hetero", "vision-hetero", EXECUTION)
+    assert first["job_name"].startswith("hetero-vision-hetero-")
     described = aws.sagemaker.describe_training_job(TrainingJobName=first["job_name"])
     assert [g["InstanceGroupName"] for g in described["ResourceConfig"]["InstanceGroups"]] == ["data_group", "dnn_group"]
     assert len(described["HyperParameters"]["shutdown_token"]) >= 32

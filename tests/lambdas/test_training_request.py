@@ -28,7 +28,7 @@ TOKEN = "a-random-token-for-this-job-0123"
 
 def request_for(example: str) -> dict:
     spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
-    return create_training_job_request(spec, SETTINGS, name=job_name(spec.run_name, "20261129T101500-ab12"), shutdown_token=TOKEN)
+    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN)
 
 
 def test_heterogeneous_spec_uses_instance_groups_and_routes_the_channel() -> None:
@@ -66,10 +66,10 @@ def test_metric_definitions_capture_the_trainers_lines() -> None:
 def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
     request = request_for("pytorch-heterogeneous.json")
     assert request["CheckpointConfig"] == {"S3Uri": "s3://results-bucket/checkpoints/vision-hetero/", "LocalPath": "/opt/ml/checkpoints"}
-    assert request["TrainingJobName"] == "vision-hetero-20261129T101500-ab12"
-    assert len(job_name("a" * 40, "x" * 40)) == 63
+    assert request["TrainingJobName"] == "hetero-vision-hetero-ab12cd34ef"
+    assert len(job_name("platform10", "a" * 40, "x" * 10)) == 62
     with pytest.raises(RequestError):
-        job_name("run", "bad_suffix")
+        job_name("hetero", "run", "bad_suffix")
 
 
 def test_a_variant_without_an_image_is_refused() -> None:

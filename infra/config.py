@@ -1,0 +1,55 @@
+"""The platform's settings, read from cdk context (cdk.json, or -c on the command line) into a frozen
+dataclass. Everything the stacks vary by lives here, with its default and what it means."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+CONTEXT_KEY = "platform"
+
+
+class PlatformConfigError(ValueError):
+    """A context value the platform cannot be built with."""
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    # Prefix of every resource name and of every training job name (IAM scopes permissions by it).
+    prefix: str = "hetero"
+    # Region the stacks deploy to; the DLC base images are pulled from this region's ECR.
+    region: str = "us-east-1"
+    # variant → AWS Deep Learning Container image the training image extends; {region} is filled in.
+    base_images: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker"
+        }
+    )
+    # Seconds between two DescribeTrainingJob polls of a running job.
+    poll_interval_s: int = 60
+    # Longest a training run may take end to end: SageMaker's 5-day limit plus launch and collection.
+    run_timeout_h: int = 122
+    # Days before checkpoints in the results bucket expire (a finished run needs them no more).
+    checkpoint_retention_days: int = 30
+    # Days of Lambda and state machine logs kept.
+    log_retention_days: int = 90
+
+    def __post_init__(self) -> None:
+        if not self.prefix.isalnum() or not self.prefix.islower() or len(self.prefix) > 10:
+            raise PlatformConfigError(f"prefix {self.prefix!r} must be 1-10 lowercase letters or digits (it starts job names)")
+        if self.log_retention_days not in (30, 90, 180, 365):
+            raise PlatformConfigError(f"log_retention_days must be 30, 90, 180 or 365, got {self.log_retention_days}")
+        if not 1 <= self.poll_interval_s <= 3600:
+            raise PlatformConfigError(f"poll_interval_s must be in 1..3600, got {self.poll_interval_s}")
+
+    def base_image(self, variant: str) -> str:
+        return self.base_images[variant].format(region=self.region)
+
+    @classmethod
+    def from_context(cls, raw: Mapping[str, Any] | None) -> PlatformConfig:
+        raw = dict(raw or {})
+        unknown = sorted(set(raw) - {item.name for item in fields(cls)})
+        if unknown:
+            raise PlatformConfigError(f"unknown platform settings {unknown}; known: {sorted(item.name for item in fields(cls))}")
+        return cls(**raw)

@@ -1,0 +1,42 @@
+"""The platform's S3 buckets: datasets (read by training), results (artifacts, checkpoints, results,
+reports; versioned), and the access-log bucket both log to. All encrypted, SSL-only, private."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from infra.nag import acknowledge
+
+
+def _bucket(scope: Construct, construct_id: str, **overrides: object) -> s3.Bucket:
+    return s3.Bucket(
+        scope,
+        construct_id,
+        encryption=s3.BucketEncryption.S3_MANAGED,
+        enforce_ssl=True,
+        block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+        object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+        removal_policy=RemovalPolicy.RETAIN,
+        **overrides,
+    )
+
+
+class Buckets(Construct):
+    def __init__(self, scope: Construct, construct_id: str, *, checkpoint_retention_days: int) -> None:
+        super().__init__(scope, construct_id)
+        self.access_logs = _bucket(self, "AccessLogs", lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(365))])
+        acknowledge(self.access_logs, "This is the access-log bucket; logging it into itself would loop.", "S1")
+        self.datasets = _bucket(self, "Datasets", server_access_logs_bucket=self.access_logs, server_access_logs_prefix="datasets/")
+        self.results = _bucket(
+            self,
+            "Results",
+            versioned=True,
+            server_access_logs_bucket=self.access_logs,
+            server_access_logs_prefix="results/",
+            lifecycle_rules=[
+                s3.LifecycleRule(prefix="checkpoints/", expiration=Duration.days(checkpoint_retention_days)),
+                s3.LifecycleRule(noncurrent_version_expiration=Duration.days(90)),
+            ],
+        )

@@ -1,0 +1,157 @@
+"""The Lambda functions of the training run: validate, launch, collect, stop. One code asset holds the
+handlers and the pure modules they share with the training image (job spec, container contract, metric
+names); Powertools comes from its public layer. Each function has its own role: its log group, and the
+few SageMaker/S3 actions it needs, scoped to the platform's job-name prefix and bucket prefixes."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_ssm as ssm
+from constructs import Construct
+
+from infra.nag import S3_READ_ACTIONS, acknowledge, arn_token, training_jobs_arn, wildcard_actions, wildcard_resources
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# What the handlers import, and nothing else (no torch, no grpc: these modules are standard library).
+LAMBDA_SOURCES = (
+    "lambdas/*.py",
+    "lambdas/core/*.py",
+    "lambdas/*/handler.py",
+    "lambdas/*/__init__.py",
+    "training/__init__.py",
+    "training/cluster.py",
+    "training/hyperparameters.py",
+    "training/metrics.py",
+    "training/variants.py",
+    "training/trainers/__init__.py",
+    "training/trainers/config.py",
+)
+RUNTIME = lambda_.Runtime.PYTHON_3_14
+POWERTOOLS_LAYER_PARAMETER = "/aws/service/powertools/python/x86_64/python3.14/latest"
+
+
+def stage_lambda_code(target: Path) -> Path:
+    """Copy the handlers' sources into ``target`` (replacing it), so the asset is exactly those files."""
+    shutil.rmtree(target, ignore_errors=True)
+    for pattern in LAMBDA_SOURCES:
+        for source in sorted(REPO_ROOT.glob(pattern)):
+            destination = target / source.relative_to(REPO_ROOT)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, destination)
+    return target
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    name: str
+    handler_package: str
+    description: str
+    timeout_s: int = 30
+
+
+class TrainingRunFunctions(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        prefix: str,
+        sagemaker_role: iam.IRole,
+        results: s3.IBucket,
+        image_uris: dict[str, str],
+        log_retention_days: int,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        stack = Stack.of(self)
+        code = lambda_.Code.from_asset(str(stage_lambda_code(REPO_ROOT / "build" / "lambda-code")))
+        layer = lambda_.LayerVersion.from_layer_version_arn(
+            self, "Powertools", ssm.StringParameter.value_for_string_parameter(self, POWERTOOLS_LAYER_PARAMETER)
+        )
+        jobs_arn = stack.format_arn(service="sagemaker", resource="training-job", resource_name=f"{prefix}-*")
+        environment = {
+            "JOB_NAME_PREFIX": prefix,
+            "RESULTS_BUCKET": results.bucket_name,
+            "POWERTOOLS_LOG_LEVEL": "INFO",
+        }
+
+        def function(spec: FunctionSpec, extra_environment: dict[str, str] | None = None) -> lambda_.Function:
+            log_group = logs.LogGroup(
+                self, f"{spec.name}Logs", retention=retention(log_retention_days), removal_policy=RemovalPolicy.DESTROY
+            )
+            role = iam.Role(self, f"{spec.name}Role", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
+            log_group.grant_write(role)
+            fn = lambda_.Function(
+                self,
+                spec.name,
+                runtime=RUNTIME,
+                handler=f"lambdas.{spec.handler_package}.handler.handler",
+                code=code,
+                layers=[layer],
+                role=role,
+                log_group=log_group,
+                timeout=Duration.seconds(spec.timeout_s),
+                memory_size=256,
+                tracing=lambda_.Tracing.ACTIVE,
+                description=spec.description,
+                environment=environment | {"POWERTOOLS_SERVICE_NAME": spec.handler_package} | (extra_environment or {}),
+            )
+            acknowledge(
+                role, "X-Ray's PutTraceSegments and PutTelemetryRecords take no resource ARN.", *wildcard_resources("*")
+            )
+            return fn
+
+        self.validate = function(FunctionSpec("ValidateSpec", "validate_spec", "Validate a training run's job spec"))
+        self.launch = function(
+            FunctionSpec("LaunchJob", "launch_job", "CreateTrainingJob with instance groups for a job spec"),
+            {
+                "IMAGE_URIS": stack.to_json_string(image_uris),
+                "SAGEMAKER_ROLE_ARN": sagemaker_role.role_arn,
+                "OUTPUT_S3_URI": results.s3_url_for_object("artifacts/"),
+                "CHECKPOINT_S3_URI": results.s3_url_for_object("checkpoints/"),
+                "JOB_TAGS": stack.to_json_string({"platform": prefix}),
+            },
+        )
+        self.collect = function(FunctionSpec("CollectResults", "collect_results", "Write results/<run id>/result.json", 60))
+        self.stop = function(FunctionSpec("StopJob", "stop_job", "Stop a run's training job after a failure or an abort"))
+
+        self.launch.add_to_role_policy(
+            iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob"], resources=[jobs_arn])
+        )
+        self.launch.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=["iam:PassRole"],
+                resources=[sagemaker_role.role_arn],
+                conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}},
+            )
+        )
+        for fn in (self.collect, self.stop):
+            fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:DescribeTrainingJob"], resources=[jobs_arn]))
+        self.stop.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob"], resources=[jobs_arn]))
+        results.grant_read(self.collect, "artifacts/*")
+        results.grant_put(self.collect, "results/*")
+        jobs = training_jobs_arn(stack, prefix)
+        for fn in (self.launch, self.collect, self.stop):
+            acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))
+        acknowledge(
+            self.collect.role,
+            "Reads job outputs under artifacts/ and writes results under results/ of the results bucket only.",
+            *wildcard_actions(*S3_READ_ACTIONS, "s3:Abort*"),
+            *wildcard_resources(f"{arn_token(results)}/artifacts/*", f"{arn_token(results)}/results/*"),
+        )
+        self.all = (self.validate, self.launch, self.collect, self.stop)
+
+
+RETENTION = {30: logs.RetentionDays.ONE_MONTH, 90: logs.RetentionDays.THREE_MONTHS, 180: logs.RetentionDays.SIX_MONTHS,
+             365: logs.RetentionDays.ONE_YEAR}
+
+
+def retention(days: int) -> logs.RetentionDays:
+    return RETENTION[days]

@@ -1,0 +1,34 @@
+"""One Docker image asset per training variant (training/images/<variant>/Dockerfile), built by
+`cdk deploy` from the repository root on top of the region's Deep Learning Container."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from aws_cdk import aws_ecr_assets as ecr_assets
+from constructs import Construct
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class TrainingImages(Construct):
+    def __init__(self, scope: Construct, construct_id: str, *, base_images: Mapping[str, str]) -> None:
+        super().__init__(scope, construct_id)
+        self.images: dict[str, ecr_assets.DockerImageAsset] = {}
+        for variant, base_image in sorted(base_images.items()):
+            dockerfile = Path("training") / "images" / variant / "Dockerfile"
+            if not (REPO_ROOT / dockerfile).exists():
+                raise FileNotFoundError(f"variant {variant!r} has no {dockerfile}")
+            self.images[variant] = ecr_assets.DockerImageAsset(
+                self,
+                f"{variant.capitalize()}Image",
+                directory=str(REPO_ROOT),
+                file=str(dockerfile),
+                build_args={"BASE_IMAGE": base_image},
+                platform=ecr_assets.Platform.LINUX_AMD64,
+            )
+
+    @property
+    def image_uris(self) -> dict[str, str]:
+        return {variant: asset.image_uri for variant, asset in self.images.items()}

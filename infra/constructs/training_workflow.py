@@ -1,0 +1,112 @@
+"""The "training run" state machine: validate → launch → poll → collect, with retries on what is
+transient, cleanup on what fails, and a failure recorded in results/ either way.
+
+    Validate spec ──JobSpecError──▶ Fail "InvalidJobSpec"        (nothing launched)
+    Launch job (retries LaunchThrottled, CapacityUnavailable with backoff)
+        └─any error──▶ Record launch failure ▶ Fail "LaunchFailed"
+    Wait ▶ Describe job ▶ Completed? ─yes─▶ Collect results ▶ Succeed
+                           Failed/Stopped? ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
+                           otherwise ▶ Wait
+        any error while polling or collecting ▶ Stop job ▶ Record failure ▶ Fail "RunFailed"
+
+An aborted or timed-out execution runs none of this; the AbortCleanup construct stops its job.
+"""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_stepfunctions as sfn
+from aws_cdk import aws_stepfunctions_tasks as tasks
+from constructs import Construct
+
+from infra.constructs.functions import TrainingRunFunctions, retention
+from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
+
+SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
+EXECUTION_ARN = sfn.JsonPath.execution_id
+
+
+class TrainingWorkflow(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        prefix: str,
+        functions: TrainingRunFunctions,
+        poll_interval_s: int,
+        timeout_h: int,
+        log_retention_days: int,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        stack = Stack.of(self)
+        jobs_arn = stack.format_arn(service="sagemaker", resource="training-job", resource_name=f"{prefix}-*")
+
+        def invoke(name: str, function, payload: dict, result_path: str | None) -> tasks.LambdaInvoke:
+            return tasks.LambdaInvoke(
+                self, name, lambda_function=function, payload=sfn.TaskInput.from_object(payload),
+                payload_response_only=True, result_path=result_path or sfn.JsonPath.DISCARD,
+            )
+
+        validate = tasks.LambdaInvoke(
+            self, "Validate spec", lambda_function=functions.validate, payload_response_only=True, result_path="$.validation"
+        )
+        launch = invoke("Launch job", functions.launch, {"spec": SPEC, "execution_arn": EXECUTION_ARN}, "$.launch")
+        launch.add_retry(errors=["LaunchThrottled"], interval=Duration.seconds(10), backoff_rate=2, max_attempts=6,
+                         jitter_strategy=sfn.JitterType.FULL)
+        launch.add_retry(errors=["CapacityUnavailable"], interval=Duration.minutes(5), backoff_rate=2, max_attempts=4,
+                         jitter_strategy=sfn.JitterType.FULL)
+        wait = sfn.Wait(self, "Wait", time=sfn.WaitTime.duration(Duration.seconds(poll_interval_s)))
+        describe = tasks.CallAwsService(
+            self, "Describe job", service="sagemaker", action="describeTrainingJob",
+            parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
+            iam_resources=[jobs_arn], result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")}, result_path="$.job",
+        )
+        describe.add_retry(errors=["SageMaker.ThrottlingException", "SageMaker.SageMakerException"], interval=Duration.seconds(5),
+                           backoff_rate=2, max_attempts=5)
+        job = {"spec": SPEC, "execution_arn": EXECUTION_ARN, "job_name": sfn.JsonPath.string_at("$.launch.job_name")}
+        collect = invoke("Collect results", functions.collect, job, "$.result")
+        collect_failed = invoke("Collect failed run", functions.collect, job, "$.result")
+        stop = invoke("Stop job", functions.stop, {"job_name": sfn.JsonPath.string_at("$.launch.job_name")}, None)
+        record_failure = invoke("Record failure", functions.collect, job | {"failure": sfn.JsonPath.object_at("$.error")}, None)
+        record_launch_failure = invoke(
+            "Record launch failure", functions.collect,
+            {"spec": SPEC, "execution_arn": EXECUTION_ARN, "failure": sfn.JsonPath.object_at("$.error")}, None,
+        )
+        invalid = sfn.Fail(self, "InvalidJobSpec", error="InvalidJobSpec", cause_path="$.error.Cause")
+        validate.add_catch(invalid, errors=["JobSpecError"], result_path="$.error")
+        launch.add_catch(record_launch_failure.next(sfn.Fail(self, "LaunchFailed", error="LaunchFailed", cause_path="$.error.Cause")),
+                         result_path="$.error")
+        cleanup = stop.next(record_failure).next(sfn.Fail(self, "RunFailed", error="RunFailed", cause_path="$.error.Cause"))
+        for state in (describe, collect, collect_failed):
+            state.add_catch(cleanup, result_path="$.error")
+
+        finished = (
+            sfn.Choice(self, "Job finished?")
+            .when(sfn.Condition.string_equals("$.job.status", "Completed"), collect.next(sfn.Succeed(self, "Succeeded")))
+            .when(
+                sfn.Condition.or_(sfn.Condition.string_equals("$.job.status", "Failed"), sfn.Condition.string_equals("$.job.status", "Stopped")),
+                collect_failed.next(sfn.Fail(self, "TrainingJobFailed", error="TrainingJobFailed", cause="The training job failed or was stopped; see results/<run id>/result.json")),
+            )
+            .otherwise(wait)
+        )
+        definition = validate.next(launch).next(wait).next(describe).next(finished)
+        self.log_group = logs.LogGroup(self, "Logs", retention=retention(log_retention_days), removal_policy=RemovalPolicy.DESTROY)
+        self.state_machine = sfn.StateMachine(
+            self,
+            "StateMachine",
+            state_machine_name=f"{prefix}-training-run",
+            definition_body=sfn.DefinitionBody.from_chainable(definition),
+            timeout=Duration.hours(timeout_h),
+            tracing_enabled=True,
+            logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
+        )
+        acknowledge(
+            self.state_machine.role,
+            "Invoking each function includes its versions (<arn>:*); DescribeTrainingJob is held to the platform's "
+            "job-name prefix; log delivery and X-Ray actions take no resource ARN.",
+            *wildcard_resources(
+                "*", training_jobs_arn(stack, prefix), *(f"{arn_token(fn)}:*" for fn in functions.all)
+            ),
+        )

@@ -1,0 +1,38 @@
+"""The platform in one stack: storage, training images, the SageMaker role, the training-run functions
+and state machine, and the abort cleanup. It only composes constructs and exports what users need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_cdk import CfnOutput, Stack
+from constructs import Construct
+
+from infra.config import PlatformConfig
+from infra.constructs.abort_cleanup import AbortCleanup
+from infra.constructs.buckets import Buckets
+from infra.constructs.execution_role import ExecutionRole
+from infra.constructs.functions import TrainingRunFunctions
+from infra.constructs.training_images import TrainingImages
+from infra.constructs.training_workflow import TrainingWorkflow
+
+
+class PlatformStack(Stack):
+    def __init__(self, scope: Construct, construct_id: str, *, config: PlatformConfig, **kwargs: Any) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        buckets = Buckets(self, "Buckets", checkpoint_retention_days=config.checkpoint_retention_days)
+        images = TrainingImages(self, "TrainingImages", base_images={v: config.base_image(v) for v in config.base_images})
+        role = ExecutionRole(self, "SageMakerExecution", datasets=buckets.datasets, results=buckets.results, images=images.images.values())
+        functions = TrainingRunFunctions(
+            self, "TrainingRunFunctions", prefix=config.prefix, sagemaker_role=role.role, results=buckets.results,
+            image_uris=images.image_uris, log_retention_days=config.log_retention_days,
+        )
+        workflow = TrainingWorkflow(
+            self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,
+            timeout_h=config.run_timeout_h, log_retention_days=config.log_retention_days,
+        )
+        AbortCleanup(self, "AbortCleanup", state_machine=workflow.state_machine, stop=functions.stop)
+        self.buckets, self.functions, self.workflow = buckets, functions, workflow
+        CfnOutput(self, "DatasetsBucket", value=buckets.datasets.bucket_name)
+        CfnOutput(self, "ResultsBucket", value=buckets.results.bucket_name)
+        CfnOutput(self, "TrainingRunStateMachine", value=workflow.state_machine.state_machine_arn)

@@ -1,0 +1,160 @@
+"""The synthesized platform: targeted assertions on what matters (storage, IAM, the state machine's
+graph, the abort cleanup), cdk-nag, asl-validator, and a snapshot of the whole template."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aws_cdk.assertions import Match, Template
+
+from tests.infra.conftest import ASSET_HASH, deployed_references, state_machine_definition
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def resources(template_json: dict[str, Any], kind: str) -> dict[str, Any]:
+    return {name: r for name, r in template_json["Resources"].items() if r["Type"] == kind}
+
+
+def statements(template_json: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for resource in template_json["Resources"].values():
+        if resource["Type"] in ("AWS::IAM::Policy", "AWS::IAM::Role"):
+            documents = [resource["Properties"].get("PolicyDocument")] + [
+                p["PolicyDocument"] for p in resource["Properties"].get("Policies", [])
+            ]
+            for document in filter(None, documents):
+                found.extend(document["Statement"])
+    return found
+
+
+def as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def test_synthesis_passes_cdk_nag(synthesized) -> None:
+    assembly, stack = synthesized
+    assert assembly.get_stack_by_name(stack.stack_name).template["Resources"]
+
+
+def test_every_bucket_is_encrypted_private_and_ssl_only(template: Template, template_json) -> None:
+    buckets = resources(template_json, "AWS::S3::Bucket")
+    assert len(buckets) == 3
+    for bucket in buckets.values():
+        properties = bucket["Properties"]
+        assert properties["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+        assert properties["PublicAccessBlockConfiguration"] == {
+            "BlockPublicAcls": True, "BlockPublicPolicy": True, "IgnorePublicAcls": True, "RestrictPublicBuckets": True
+        }
+        assert bucket["DeletionPolicy"] == "Retain"
+    policies = resources(template_json, "AWS::S3::BucketPolicy").values()
+    ssl_denials = [s for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"]
+                   if s["Effect"] == "Deny" and s.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport") == "false"]
+    assert len(ssl_denials) == 3
+
+
+def test_results_are_versioned_and_checkpoints_expire(template: Template) -> None:
+    template.has_resource_properties("AWS::S3::Bucket", {
+        "VersioningConfiguration": {"Status": "Enabled"},
+        "LifecycleConfiguration": {"Rules": Match.array_with([
+            Match.object_like({"Prefix": "checkpoints/", "ExpirationInDays": 30, "Status": "Enabled"})
+        ])},
+        "LoggingConfiguration": Match.object_like({"LogFilePrefix": "results/"}),
+    })
+
+
+def test_no_statement_allows_every_action(template_json) -> None:
+    for statement in statements(template_json):
+        for action in as_list(statement.get("Action", [])):
+            assert action != "*" and not action.endswith(":*"), statement
+
+
+def test_pass_role_only_hands_our_sagemaker_role_to_sagemaker(template_json) -> None:
+    passing = [s for s in statements(template_json) if "iam:PassRole" in as_list(s["Action"])]
+    assert len(passing) == 1
+    (statement,) = passing
+    assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}
+    (role_name,) = resources(template_json, "AWS::IAM::Role").keys() & {statement["Resource"]["Fn::GetAtt"][0]}
+    role = template_json["Resources"][role_name]
+    assert role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"Service": "sagemaker.amazonaws.com"}
+
+
+def test_sagemaker_permissions_are_held_to_the_platforms_jobs(template_json) -> None:
+    for statement in statements(template_json):
+        if any(action.startswith("sagemaker:") for action in as_list(statement["Action"])):
+            rendered = json.dumps(statement["Resource"])
+            assert "training-job/hetero-*" in rendered, statement
+
+
+def test_functions_run_traced_on_the_latest_python(template: Template, template_json) -> None:
+    functions = resources(template_json, "AWS::Lambda::Function").values()
+    assert len(functions) == 4
+    for function in functions:
+        properties = function["Properties"]
+        assert properties["Runtime"] == "python3.14" and properties["TracingConfig"] == {"Mode": "Active"}
+        assert properties["Environment"]["Variables"]["JOB_NAME_PREFIX"] == "hetero"
+    template.has_resource_properties("AWS::Lambda::Function", {
+        "Handler": "lambdas.launch_job.handler.handler",
+        "Environment": {"Variables": Match.object_like({"IMAGE_URIS": Match.any_value(), "SAGEMAKER_ROLE_ARN": Match.any_value()})},
+    })
+
+
+def test_the_state_machine_graph(template_json) -> None:
+    definition = state_machine_definition(template_json)
+    states = definition["States"]
+    assert definition["StartAt"] == "Validate spec"
+    assert states["Validate spec"]["Next"] == "Launch job"
+    assert states["Validate spec"]["Catch"] == [{"ErrorEquals": ["JobSpecError"], "ResultPath": "$.error", "Next": "InvalidJobSpec"}]
+    retried = {error for retry in states["Launch job"]["Retry"] for error in retry["ErrorEquals"]}
+    assert {"LaunchThrottled", "CapacityUnavailable"} <= retried
+    assert states["Launch job"]["Catch"][0]["Next"] == "Record launch failure"
+    assert states["Launch job"]["Next"] == "Wait" and states["Wait"]["Next"] == "Describe job"
+    assert states["Describe job"]["Resource"].endswith(":states:::aws-sdk:sagemaker:describeTrainingJob")
+    choice = states["Job finished?"]
+    assert choice["Default"] == "Wait"
+    assert {rule["Next"] for rule in choice["Choices"]} == {"Collect results", "Collect failed run"}
+    for name in ("Describe job", "Collect results", "Collect failed run"):
+        assert states[name]["Catch"][0]["Next"] == "Stop job"
+    assert states["Stop job"]["Next"] == "Record failure" and states["Record failure"]["Next"] == "RunFailed"
+    assert definition["TimeoutSeconds"] == 122 * 3600
+
+
+def test_state_machine_logs_everything_and_traces(template: Template) -> None:
+    template.has_resource_properties("AWS::StepFunctions::StateMachine", {
+        "LoggingConfiguration": Match.object_like({"Level": "ALL", "IncludeExecutionData": True}),
+        "TracingConfiguration": {"Enabled": True},
+    })
+
+
+def test_an_ended_execution_triggers_the_stop_function(template: Template, template_json) -> None:
+    (rule,) = resources(template_json, "AWS::Events::Rule").values()
+    pattern = rule["Properties"]["EventPattern"]
+    assert pattern["source"] == ["aws.states"] and set(pattern["detail"]["status"]) == {"ABORTED", "TIMED_OUT", "FAILED"}
+    assert pattern["detail"]["stateMachineArn"] == [{"Ref": next(iter(resources(template_json, "AWS::StepFunctions::StateMachine")))}]
+    (target,) = rule["Properties"]["Targets"]
+    assert target["RetryPolicy"] == {"MaximumEventAgeInSeconds": 21600, "MaximumRetryAttempts": 8}
+    assert "DeadLetterConfig" in target
+    stop_function = target["Arn"]["Fn::GetAtt"][0]
+    assert template_json["Resources"][stop_function]["Properties"]["Handler"] == "lambdas.stop_job.handler.handler"
+
+
+@pytest.mark.skipif(not (REPO / "node_modules" / ".bin" / "asl-validator").exists(), reason="make test installs asl-validator")
+def test_asl_validator_accepts_the_definition(template_json, tmp_path: Path) -> None:
+    path = tmp_path / "definition.json"
+    path.write_text(json.dumps(state_machine_definition(template_json, deployed_references(template_json))))
+    result = subprocess.run([str(REPO / "node_modules" / ".bin" / "asl-validator"), "--json-path", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def normalised(template_json: dict[str, Any]) -> dict[str, Any]:
+    """Asset hashes change with any source edit; the snapshot should change only with the template."""
+    return json.loads(ASSET_HASH.sub("<asset-hash>", json.dumps(template_json, sort_keys=True)))
+
+
+def test_template_snapshot(template_json, snapshot) -> None:
+    assert normalised(template_json) == snapshot
