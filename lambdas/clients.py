@@ -9,8 +9,9 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-# Standard retry mode backs off on throttling; the state machine retries what still fails.
-CONFIG = Config(retries={"mode": "standard", "max_attempts": 4})
+# Standard retry mode backs off on throttling: up to 4 retries (5 attempts) per call; the state machine
+# retries what still fails.
+CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
 
 
 @functools.cache
