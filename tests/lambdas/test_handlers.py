@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from botocore.stub import Stubber
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lambdas.clients import client
 from lambdas.collect_results.handler import handler as collect
@@ -115,3 +117,49 @@ def test_stop_finds_the_job_of_an_aborted_execution(aws, context) -> None:
     assert stop(event, context)["stopped"] is True
     garbage = {"detail": {"executionArn": EXECUTION, "status": "TIMED_OUT", "input": "not json"}}
     assert stop(garbage, context) == {"job_name": None, "stopped": False, "status": "NotStarted"}
+
+
+MUTATIONS = st.sampled_from([
+    ("variant", "jax"), ("workload", "nlp"), ("distribution", "mpi"), ("instance_groups", []),
+    ("max_runtime_s", 5), ("run_name", "bad name"), ("inputs", {}), ("hyperparameters", {"lerning_rate": 1}),
+    ("instance_groups", [{"name": "g", "role": "dnn", "instance_type": "ml.trn1.2xlarge", "count": 1}]),
+    ("hyperparameters", {"steps": -1}), ("spec_version", 9), ("extra", True),
+])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutations=st.lists(MUTATIONS, min_size=1, max_size=3))
+def test_fuzzed_invalid_specs_never_reach_create_training_job(aws, context, mutations) -> None:
+    broken = spec() | dict(mutations)
+    with pytest.raises(JobSpecError):
+        launch({"spec": broken, "execution_arn": EXECUTION}, context)
+    assert aws.training_jobs() == []
+
+
+GROUPS = st.lists(
+    st.builds(lambda count, kind: {"role": "data", "instance_type": kind, "count": count},
+              st.integers(1, 4), st.sampled_from(["ml.c5.xlarge", "ml.c5.4xlarge", "ml.c5.18xlarge"])),
+    max_size=4,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data_groups=GROUPS,
+    dnn=st.tuples(st.integers(1, 3), st.sampled_from(["ml.p3.2xlarge", "ml.p4d.24xlarge"])),
+    steps=st.integers(2, 10_000),
+    batch=st.integers(1, 512),
+)
+def test_valid_specs_make_requests_botocore_accepts(aws, context, data_groups, dnn, steps, batch) -> None:
+    groups = [dict(group, name=f"data_{index}") for index, group in enumerate(data_groups)]
+    groups.append({"name": "dnn_group", "role": "dnn", "instance_type": dnn[1], "count": dnn[0]})
+    channel = {"s3_uri": "s3://datasets-bucket/images/"} | ({"groups": [g["name"] for g in groups if g["role"] == "data"]} if data_groups else {})
+    candidate = spec() | {
+        "instance_groups": groups, "inputs": {"train": channel},
+        "hyperparameters": {"steps": steps, "batch_size": batch, "warmup_steps": 1},
+    }
+    execution = f"{EXECUTION}-{len(aws.training_jobs())}"
+    name = launch({"spec": candidate, "execution_arn": execution}, context)["job_name"]
+    described = aws.sagemaker.describe_training_job(TrainingJobName=name)
+    counts = [g["InstanceCount"] for g in described["ResourceConfig"].get("InstanceGroups", [])] or [described["ResourceConfig"]["InstanceCount"]]
+    assert sum(counts) == sum(g["count"] for g in groups)
