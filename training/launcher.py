@@ -30,6 +30,7 @@ import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, host_addresses, load_cluster
 from training.data_service.dataset import ChannelError, channel_dir, scan_image_folder
+from training.failure import failure_path, write_failure
 from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
 from training.trainers.config import VisionConfig
 from training.variants import VARIANTS, Variant
@@ -162,6 +163,8 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, module: str, stop
         log.error("the trainer was killed by %s", signal.Signals(-returncode).name)
     elif returncode:
         log.error("the trainer failed with exit code %d", returncode)
+    if status and not failure_path().exists():  # the trainer may have written a more precise reason
+        write_failure(f"the trainer on {cluster.current_host} exited with status {status}")
     # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
     # any node whose trainer failed ends them too, since the job is failing anyway.
     if data_targets and (node_rank == 0 or status != 0):
@@ -191,7 +194,9 @@ def main() -> int:
             return run_data_host(cluster, settings, config, stop)
         return run_dnn_host(cluster, settings, variant.module, stop)
     except (ClusterConfigError, HyperparameterError, ChannelError) as error:
-        log.error("%s: %s", type(error).__name__, error)
+        message = f"{type(error).__name__}: {error}"
+        log.error("%s", message)
+        write_failure(message)
         return CONFIG_ERROR_EXIT
 
 

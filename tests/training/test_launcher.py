@@ -107,3 +107,19 @@ def test_bad_input_ends_the_host_with_one_clear_line(tmp_path: Path, images: Pat
     assert message in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
     assert not (base / "output" / "data" / "summary.json").exists()
+    assert message in (base / "output" / "failure").read_text()  # becomes the job's FailureReason
+
+
+def test_a_dnn_host_whose_data_hosts_never_come_fails_within_the_bound(tmp_path: Path) -> None:
+    addresses = {"algo-1": "127.0.79.2", "algo-2": "127.0.79.3", "algo-3": "127.0.79.4"}
+    hyperparameters = platform_hyperparameters(data_connect_timeout_s=3, master_port=29731, data_service_port=29732) | {
+        "model": "cnn", "cnn_width": "8", "image_size": "32", "batch_size": "8", "steps": "5", "warmup_steps": "1",
+    }
+    base = write_host_tree(tmp_path / "opt" / "ml", hetero_resource_config("algo-3"), hyperparameters)
+    env = os.environ | {"SAGEMAKER_BASE_DIR": str(base), "PYTHONPATH": str(REPO), "TRAINING_HOST_ADDRESSES": json.dumps(addresses)}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "training.launcher"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert time.monotonic() - started < 60
+    failure = (base / "output" / "failure").read_text()
+    assert failure.startswith("DataServiceUnavailableError: no data host answered within 3 s")

@@ -157,12 +157,12 @@ def _cpus() -> list[int]:
 
 def render(comparison: Comparison) -> str:
     base = comparison.homogeneous
-    header = f"{'configuration':<44} {'step time':>10} {'samples/s':>10} {'speed-up':>9} {'ideal':>7} {'$/hour':>8} {'$ per 1k steps':>15}"
+    header = f"{'configuration':<52} {'step time':>10} {'samples/s':>10} {'speed-up':>9} {'ideal':>7} {'$/hour':>8} {'$ per 1k steps':>15}"
     rows = [header, "-" * len(header)]
     for run, ideal in ((base, 1.0), (comparison.heterogeneous, comparison.ideal_speed_up)):
         groups = " + ".join(f"{g.count}× {g.instance_type}" for g in run.spec.instance_groups)
         rows.append(
-            f"{run.label + ': ' + groups:<44} {run.step_ms:>7.1f} ms {run.samples_per_s:>10.1f} {base.step_ms / run.step_ms:>8.2f}× "
+            f"{run.label + ': ' + groups:<52} {run.step_ms:>7.1f} ms {run.samples_per_s:>10.1f} {base.step_ms / run.step_ms:>8.2f}× "
             f"{ideal:>6.2f}× {run.usd_per_hour:>8.3f} {run.cost_per_1k_steps:>15.4f}"
         )
     saving = 1 - comparison.heterogeneous.cost_per_1k_steps / base.cost_per_1k_steps

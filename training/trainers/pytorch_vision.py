@@ -38,6 +38,7 @@ from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset, DataServiceError, describe
 from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
 from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError, load_and_augment
+from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.trainers.config import AugmentConfig, VisionConfig
 from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop
@@ -280,6 +281,7 @@ def main() -> int:
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, CorruptDatasetError, DataServiceError, DataExhaustedError) as error:
         log.error("training failed: %s: %s", type(error).__name__, error)
+        write_failure(f"{type(error).__name__}: {error}")
         return 1
     finally:
         if dist.is_initialized():

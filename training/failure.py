@@ -1,0 +1,27 @@
+"""The reason a host failed, where SageMaker looks for it: the first 1024 characters of
+/opt/ml/output/failure become the training job's FailureReason (DescribeTrainingJob, the console, and
+our result.json)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from training.cluster import base_dir
+
+log = logging.getLogger(__name__)
+
+
+def failure_path(environ: Mapping[str, str] = os.environ) -> Path:
+    return base_dir(environ) / "output" / "failure"
+
+
+def write_failure(message: str, environ: Mapping[str, str] = os.environ) -> None:
+    path = failure_path(environ)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(message[:1024])
+    except OSError as error:  # a read-only or missing tree must not hide the original error
+        log.warning("could not write %s: %s", path, error)
