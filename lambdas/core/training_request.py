@@ -60,23 +60,33 @@ def job_name(prefix: str, run_name: str, suffix: str) -> str:
     return name
 
 
+def platform_settings(spec: JobSpec, *, shutdown_token: str, **settings: Any) -> PlatformSettings:
+    """The platform half of the container contract for a spec; ``settings`` are ports and timeouts."""
+    return PlatformSettings(
+        role_map=role_map(spec), shutdown_token=shutdown_token, variant=spec.variant, distribution=spec.distribution, **settings
+    )
+
+
+def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict[str, str]:
+    """SageMaker's HyperParameters: the user's trainer settings and the platform's, as strings."""
+    user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
+    return user | platform.to_hyperparameters()
+
+
 def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, shutdown_token: str) -> dict[str, Any]:
     try:
         image = settings.image_uris[spec.variant]
     except KeyError:
         raise RequestError(f"no training image is deployed for variant {spec.variant!r}") from None
-    platform = PlatformSettings(
-        role_map=role_map(spec),
+    platform = platform_settings(
+        spec,
         shutdown_token=shutdown_token,
-        variant=spec.variant,
-        distribution=spec.distribution,
         data_service_port=settings.data_service_port,
         master_port=settings.master_port,
         data_idle_timeout_s=settings.data_idle_timeout_s,
         data_start_deadline_s=settings.data_start_deadline_s,
         data_connect_timeout_s=settings.data_connect_timeout_s,
     )
-    hyperparameters = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
     return {
         "TrainingJobName": name,
         "AlgorithmSpecification": {
@@ -85,7 +95,7 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
             "MetricDefinitions": [{"Name": metric, "Regex": regex} for metric, regex in METRIC_DEFINITIONS.items()],
             "EnableSageMakerMetricsTimeSeries": True,
         },
-        "HyperParameters": hyperparameters | platform.to_hyperparameters(),
+        "HyperParameters": container_hyperparameters(spec, platform),
         "RoleArn": settings.role_arn,
         "InputDataConfig": [_channel(spec, channel) for channel in spec.inputs],
         "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri},

@@ -3,7 +3,9 @@ moto lacks (StopTrainingJob), added to moto's SageMaker service the way moto imp
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,17 @@ def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
     job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
     job.training_job_status = "Stopping"
     return EmptyResult()
+
+
+def output_archive(summary: dict) -> bytes:
+    """A job's output.tar.gz as SageMaker uploads it, holding the trainer's summary.json."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = json.dumps(summary).encode()
+        info = tarfile.TarInfo("summary.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
 
 
 @dataclass

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled
 from lambdas.launch_job.handler import handler as launch
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
-from tests.lambdas.conftest import RESULTS_BUCKET
+from tests.lambdas.conftest import RESULTS_BUCKET, output_archive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXECUTION = "arn:aws:states:us-east-1:123456789012:execution:training-run:run-0001"
@@ -29,16 +27,6 @@ EXECUTION = "arn:aws:states:us-east-1:123456789012:execution:training-run:run-00
 
 def spec(name: str = "pytorch-heterogeneous.json") -> dict:
     return json.loads((EXAMPLES / name).read_text())
-
-
-def output_archive(summary: dict) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        data = json.dumps(summary).encode()
-        info = tarfile.TarInfo("summary.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 def test_validate_summarises_a_valid_spec_and_refuses_an_invalid_one(context) -> None:

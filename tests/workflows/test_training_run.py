@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 import threading
 import time
 import zipfile
@@ -34,7 +33,7 @@ from lambdas.launch_job.handler import handler as launch
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
 from tests.infra.conftest import ACCOUNT, REGION, deployed_references, render, state_machine_definition
-from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET, LambdaContext, _stop_training_job
+from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET, LambdaContext, _stop_training_job, output_archive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HANDLERS: dict[str, Callable[[dict, Any], dict]] = {
@@ -93,7 +92,7 @@ class Harness:
         execution_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:hetero-training-run:{name}"
         if self.scenario.summary:
             job = job_name_for_execution("hetero", spec["run_name"], execution_arn)
-            self.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{job}/output/output.tar.gz", Body=_archive(self.scenario.summary))
+            self.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{job}/output/output.tar.gz", Body=output_archive(self.scenario.summary))
         return self.sfn.start_execution(stateMachineArn=self.state_machine_arn, name=name, input=json.dumps(spec))["executionArn"]
 
     def wait(self, execution_arn: str, timeout_s: float = 60) -> dict[str, Any]:
@@ -138,16 +137,6 @@ def _zip() -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr("placeholder.py", "")  # moto stores the package; our handlers run in-process
-    return buffer.getvalue()
-
-
-def _archive(summary: dict) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        data = json.dumps(summary).encode()
-        info = tarfile.TarInfo("summary.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
 

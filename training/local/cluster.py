@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from lambdas.core.catalog import CATALOG
-from lambdas.core.job_spec import JobSpec, role_map
+from lambdas.core.job_spec import JobSpec
+from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
-from training.hyperparameters import PlatformSettings, to_hyperparameter_string
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LineCallback = Callable[["EmulatedHost", str], None]
@@ -186,13 +186,11 @@ def resource_config(host: EmulatedHost, hosts: list[EmulatedHost]) -> dict[str, 
     }
 
 
-def container_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int]) -> dict[str, str]:
-    """What the launch Lambda writes into HyperParameters: the user's values plus platform settings."""
-    platform = PlatformSettings(
-        role_map=role_map(spec),
+def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int]) -> dict[str, str]:
+    """What the launch Lambda writes into HyperParameters, with this emulation's ports and timeouts."""
+    platform = platform_settings(
+        spec,
         shutdown_token=secrets.token_urlsafe(24),
-        variant=spec.variant,
-        distribution=spec.distribution,
         data_service_port=ports[0],
         master_port=ports[1],
         data_idle_timeout_s=options.data_idle_timeout_s,
@@ -200,8 +198,7 @@ def container_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: t
         data_connect_timeout_s=options.data_connect_timeout_s,
         processes_per_host=options.processes_per_host,
     )
-    user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
-    return user | platform.to_hyperparameters()
+    return container_hyperparameters(spec, platform)
 
 
 def free_port() -> int:
@@ -241,7 +238,7 @@ class EmulatedCluster:
         missing = sorted({channel.name for channel in self.spec.inputs} - set(self.options.channels))
         if missing:
             raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
-        self.hyperparameters = container_hyperparameters(self.spec, self.options, (free_port(), free_port()))
+        self.hyperparameters = emulated_hyperparameters(self.spec, self.options, (free_port(), free_port()))
         for host in self.hosts:
             config = host.base_dir / "input" / "config"
             config.mkdir(parents=True, exist_ok=True)
