@@ -30,6 +30,9 @@ class PlatformConfig:
     poll_interval_s: int = 60
     # Longest a training run may take end to end: SageMaker's 5-day limit plus launch and collection.
     run_timeout_h: int = 122
+    # Past a spec's max_runtime_s, how long SageMaker gets to stop the job itself before the state machine
+    # stops it and fails the run with RunTimedOut.
+    deadline_grace_s: int = 900
     # Days before checkpoints in the results bucket expire (a finished run needs them no more).
     checkpoint_retention_days: int = 30
     # Days of Lambda and state machine logs kept.

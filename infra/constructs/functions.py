@@ -68,6 +68,8 @@ class TrainingRunFunctions(Construct):
         results: s3.IBucket,
         image_uris: dict[str, str],
         log_retention_days: int,
+        deadline_grace_s: int,
+        poll_interval_s: int,
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -117,6 +119,8 @@ class TrainingRunFunctions(Construct):
                 "OUTPUT_S3_URI": results.s3_url_for_object("artifacts/"),
                 "CHECKPOINT_S3_URI": results.s3_url_for_object("checkpoints/"),
                 "JOB_TAGS": stack.to_json_string({"platform": prefix}),
+                "DEADLINE_GRACE_S": str(deadline_grace_s),
+                "POLL_INTERVAL_S": str(poll_interval_s),
             },
         )
         self.collect = function(FunctionSpec("CollectResults", "collect_results", "Write results/<run id>/result.json", 60))

@@ -61,7 +61,9 @@ class TrainingWorkflow(Construct):
         describe = tasks.CallAwsService(
             self, "Describe job", service="sagemaker", action="describeTrainingJob",
             parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
-            iam_resources=[jobs_arn], result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")}, result_path="$.job",
+            iam_resources=[jobs_arn],
+            result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
+            result_path="$.job",
         )
         describe.add_retry(errors=["SageMaker.ThrottlingException", "SageMaker.SageMakerException"], interval=Duration.seconds(5),
                            backoff_rate=2, max_attempts=5)
@@ -82,6 +84,15 @@ class TrainingWorkflow(Construct):
         for state in (describe, collect, collect_failed):
             state.add_catch(cleanup, result_path="$.error")
 
+        count_down = sfn.Pass(
+            self, "Count down",
+            parameters={"job_name": sfn.JsonPath.string_at("$.launch.job_name"),
+                        "polls_left": sfn.JsonPath.math_add(sfn.JsonPath.number_at("$.launch.polls_left"), -1)},
+            result_path="$.launch",
+        ).next(wait)
+        # The spec's runtime (plus grace) has passed and SageMaker has not stopped the job: stop it here.
+        timed_out = sfn.Pass(self, "Run timed out", parameters={"Error": "RunTimedOut", "Cause": "the job ran past the spec's max_runtime_s"},
+                             result_path="$.error").next(cleanup)
         finished = (
             sfn.Choice(self, "Job finished?")
             .when(sfn.Condition.string_equals("$.job.status", "Completed"), collect.next(sfn.Succeed(self, "Succeeded")))
@@ -89,7 +100,8 @@ class TrainingWorkflow(Construct):
                 sfn.Condition.or_(sfn.Condition.string_equals("$.job.status", "Failed"), sfn.Condition.string_equals("$.job.status", "Stopped")),
                 collect_failed.next(sfn.Fail(self, "TrainingJobFailed", error="TrainingJobFailed", cause="The training job failed or was stopped; see results/<run id>/result.json")),
             )
-            .otherwise(wait)
+            .when(sfn.Condition.number_less_than_equals("$.launch.polls_left", 0), timed_out)
+            .otherwise(count_down)
         )
         definition = validate.next(launch).next(wait).next(describe).next(finished)
         self.log_group = logs.LogGroup(self, "Logs", retention=retention(log_retention_days), removal_policy=RemovalPolicy.DESTROY)

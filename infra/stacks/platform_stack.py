@@ -25,7 +25,8 @@ class PlatformStack(Stack):
         role = ExecutionRole(self, "SageMakerExecution", datasets=buckets.datasets, results=buckets.results, images=images.images.values())
         functions = TrainingRunFunctions(
             self, "TrainingRunFunctions", prefix=config.prefix, sagemaker_role=role.role, results=buckets.results,
-            image_uris=images.image_uris, log_retention_days=config.log_retention_days,
+            image_uris=images.image_uris, log_retention_days=config.log_retention_days, deadline_grace_s=config.deadline_grace_s,
+            poll_interval_s=config.poll_interval_s,
         )
         workflow = TrainingWorkflow(
             self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,

@@ -2,12 +2,18 @@
 SageMaker task cannot express them). The job name is derived from the execution, so a retried launch
 finds the job it already created instead of starting a second one.
 
+It also returns how many polls the run may take: the spec's max_runtime_s plus a grace period for
+SageMaker to stop the job on its own (its StoppingCondition) and upload what it has, in poll intervals.
+The state machine counts them down; a job still running after the last one is stopped, and the run
+fails with RunTimedOut. (Counting polls needs no clock in the state data, and only ever errs late.)
+
 Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from typing import Any
@@ -63,14 +69,22 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         message = error.response["Error"].get("Message", "")
         if code == "ResourceInUse" and _exists(sagemaker, name):
             logger.info("job already launched by an earlier attempt", extra={"job_name": name})
-            return {"job_name": name}
+            return {"job_name": name, "polls_left": _polls(spec.max_runtime_s)}
         if code in THROTTLING:
             raise LaunchThrottled(message) from None
         if code in CAPACITY:
             raise CapacityUnavailable(message) from None
         raise LaunchRefused(f"{code}: {message}") from None
     logger.info("launched", extra={"job_name": name, "instance_groups": [g.name for g in spec.instance_groups]})
-    return {"job_name": name}
+    return {"job_name": name, "polls_left": _polls(spec.max_runtime_s)}
+
+
+def polls_allowed(max_runtime_s: int, grace_s: int, poll_interval_s: int) -> int:
+    return math.ceil((max_runtime_s + grace_s) / poll_interval_s)
+
+
+def _polls(max_runtime_s: int) -> int:
+    return polls_allowed(max_runtime_s, int(os.environ.get("DEADLINE_GRACE_S", "900")), int(os.environ.get("POLL_INTERVAL_S", "60")))
 
 
 def _exists(sagemaker: Any, name: str) -> bool:

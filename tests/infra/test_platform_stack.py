@@ -115,8 +115,12 @@ def test_the_state_machine_graph(template_json) -> None:
     assert states["Launch job"]["Next"] == "Wait" and states["Wait"]["Next"] == "Describe job"
     assert states["Describe job"]["Resource"].endswith(":states:::aws-sdk:sagemaker:describeTrainingJob")
     choice = states["Job finished?"]
-    assert choice["Default"] == "Wait"
-    assert {rule["Next"] for rule in choice["Choices"]} == {"Collect results", "Collect failed run"}
+    assert choice["Default"] == "Count down" and states["Count down"]["Next"] == "Wait"
+    assert states["Count down"]["Parameters"]["polls_left.$"] == "States.MathAdd($.launch.polls_left, -1)"
+    assert {rule["Next"] for rule in choice["Choices"]} == {"Collect results", "Collect failed run", "Run timed out"}
+    (deadline,) = [rule for rule in choice["Choices"] if rule["Next"] == "Run timed out"]
+    assert deadline == {"Variable": "$.launch.polls_left", "NumericLessThanEquals": 0, "Next": "Run timed out"}
+    assert states["Run timed out"]["Next"] == "Stop job"
     for name in ("Describe job", "Collect results", "Collect failed run"):
         assert states[name]["Catch"][0]["Next"] == "Stop job"
     assert states["Stop job"]["Next"] == "Record failure" and states["Record failure"]["Next"] == "RunFailed"

@@ -46,6 +46,13 @@ def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
     assert again == first and aws.training_jobs() == [first["job_name"]]
 
 
+def test_the_run_may_poll_for_the_specs_runtime_plus_grace() -> None:
+    from lambdas.launch_job.handler import polls_allowed
+
+    assert polls_allowed(3600, 900, 60) == 75
+    assert polls_allowed(60, 0, 7) == 9  # rounded up: the deadline only ever errs late
+
+
 def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:
     with pytest.raises(JobSpecError):
         launch({"spec": spec() | {"variant": "jax"}, "execution_arn": EXECUTION}, context)

@@ -144,6 +144,11 @@ def _zip() -> bytes:
 def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenario], Harness]]:
     for key, value in ENVIRONMENT.items():
         monkeypatch.setenv(key, value)
+    # The launch function's own settings, as synthesized (the others are deploy-time references).
+    (launch_function,) = [r for r in platform["Resources"].values()
+                          if r["Type"] == "AWS::Lambda::Function" and r["Properties"]["Handler"].startswith("lambdas.launch_job.")]
+    for key in ("POLL_INTERVAL_S", "DEADLINE_GRACE_S"):
+        monkeypatch.setenv(key, launch_function["Properties"]["Environment"]["Variables"][key])
     monkeypatch.setattr(SageMakerResponse, "stop_training_job", _stop_training_job, raising=False)
     timers: list[threading.Timer] = []
     state: dict[str, Any] = {}
@@ -235,6 +240,18 @@ def test_an_invalid_spec_fails_naming_the_field_and_launches_nothing(run) -> Non
     assert execution["status"] == "FAILED" and execution["error"] == "InvalidJobSpec"
     assert "instance_groups" in execution["cause"]
     assert harness.training_jobs() == []
+
+
+def test_a_job_running_past_the_specs_runtime_is_stopped_and_the_run_fails(run, monkeypatch) -> None:
+    monkeypatch.setenv("DEADLINE_GRACE_S", "0")  # no grace: the state machine stops the job at the runtime
+    harness = run(Scenario(runs_for_s=600))  # SageMaker never stops it on its own here
+    spec = SPEC | {"max_runtime_s": 60}  # the shortest runtime a spec may ask for
+    execution_arn = harness.start(spec, "run-overtime")
+    execution = harness.wait(execution_arn, timeout_s=120)
+    assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
+    job_name = job_name_for_execution("hetero", SPEC["run_name"], execution_arn)
+    assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopping"
+    assert harness.result("run-overtime")["failure_reason"] == "RunTimedOut: the job ran past the spec's max_runtime_s"
 
 
 @pytest.mark.parametrize("ending", ["ABORTED", "TIMED_OUT"])
