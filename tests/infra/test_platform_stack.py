@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,19 @@ def normalised(template_json: dict[str, Any]) -> dict[str, Any]:
 
 def test_template_snapshot(template_json, snapshot) -> None:
     assert normalised(template_json) == snapshot
+
+
+def test_the_lambda_asset_holds_everything_the_handlers_import(synthesized) -> None:
+    """Import every handler from the staged asset alone (plus boto3 and Powertools, which the runtime and
+    the layer provide): nothing from the training stack may be needed."""
+    staged = REPO / "build" / "lambda-code"
+    script = (
+        "import sys\n"
+        "import lambdas.validate_spec.handler, lambdas.launch_job.handler, lambdas.collect_results.handler, lambdas.stop_job.handler\n"
+        "heavy = sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'numpy', 'grpc', 'PIL', 'torchvision'})\n"
+        "assert not heavy, heavy\n"
+        "assert all(m.__file__.startswith(sys.argv[1]) for n, m in sys.modules.items() if n.startswith(('lambdas', 'training')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(staged)], cwd=staged, capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(staged), "AWS_DEFAULT_REGION": "us-east-1"})
+    assert result.returncode == 0, result.stderr
