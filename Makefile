@@ -6,7 +6,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-REQUIREMENTS := requirements/dev.txt requirements/dlc-pytorch.txt requirements/infra.txt requirements/test.txt \
+REQUIREMENTS := requirements/dev.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt \
                 training/images/pytorch/requirements.txt
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.requirements-$(REQUIREMENTS_HASH)

@@ -13,12 +13,12 @@ import re
 # Each key is preceded by a space or the line start so that no key matches inside another one.
 METRIC_DEFINITIONS: dict[str, str] = {
     name: rf"(?:^|\s){name}=([0-9.eE+-]+)"
-    for name in ("step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms")
+    for name in ("step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms", "eval_accuracy")
 }
 
 
 def metric_line(step: int, total_steps: int, values: dict[str, float]) -> str:
-    return " ".join([f"step={step}/{total_steps}", *(f"{name}={value:.4g}" if name == "loss" else f"{name}={value:.1f}" for name, value in values.items())])
+    return " ".join([f"step={step}/{total_steps}", *(f"{name}={value:.4g}" if name in ("loss", "eval_accuracy") else f"{name}={value:.1f}" for name, value in values.items())])
 
 
 def parse_metric_line(line: str) -> dict[str, float]:

@@ -82,3 +82,24 @@ def _positive(config: object, *names: str) -> None:
     for name in names:
         if getattr(config, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+
+
+@dataclass(frozen=True)
+class TextConfig(LoopConfig):
+    """The PyTorch/XLA sequence-classification trainer (training/trainers/xla_text.py)."""
+
+    model: str = "bert-base-uncased"  # a Hugging Face name already in the image's cache, or a saved model folder
+    model_channel: str = ""  # when set, the model and tokenizer load from this input channel instead
+    eval_channel: str = ""  # CSV channel to evaluate on at the end (and every eval_every steps)
+    eval_every: int = 0  # steps between evaluations; 0: only at the end
+    max_seq_len: int = 128  # tokens per example after truncation and padding
+    learning_rate: float = 5e-5  # AdamW
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "max_seq_len", "learning_rate")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be ≥ 0, got {self.eval_every}")
+        if self.eval_every and not self.eval_channel:
+            raise ValueError("eval_every needs an eval_channel to evaluate on")

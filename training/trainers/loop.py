@@ -102,6 +102,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
     def save_model(self, model_dir: Path) -> None:
         """Write the trained model (chief only)."""
 
+    def after_step(self, step: int) -> None:
+        """Runs on every process after each step (periodic evaluation, for instance)."""
+
     def barrier(self) -> None:
         """Wait for every process of the job; a no-op for a single process."""
 
@@ -134,7 +137,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             fetched = time.perf_counter()
             loss = self.train_step(batch)
             now = time.perf_counter()
-            elapsed, waited, last = (now - last) * 1000, (fetched - last) * 1000, now
+            elapsed, waited = (now - last) * 1000, (fetched - last) * 1000
             timed = step - start_step > config.warmup_steps
             (step_ms if timed else warmup_ms).append(elapsed)
             if timed:
@@ -150,8 +153,10 @@ class TrainingLoop(ABC, Generic[BatchT]):
                 else:
                     values["warmup_ms"] = elapsed
                 print(metric_line(step, config.steps, values), flush=True)
+            self.after_step(step)
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                 self._checkpoint(step)
+            last = time.perf_counter()  # evaluation and checkpoints are not the next step's time
         self._checkpoint(config.steps)
         self.barrier()
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
