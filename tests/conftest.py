@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from training.local.images import write_dataset
+# torch-xla's device must exist before torch's autograd engine first runs in this process, or a later
+# XLA backward pass trips an engine assertion (the trainers themselves run in processes of their own).
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+import torch_xla  # noqa: E402
+
+torch_xla.device()
+
+from training.local.images import write_dataset  # noqa: E402
 
 TOKEN = "test-shutdown-token-0123456789"
 

@@ -60,7 +60,7 @@ def test_the_container_reads_back_exactly_what_the_request_carries() -> None:
 def test_metric_definitions_capture_the_trainers_lines() -> None:
     definitions = {d["Name"]: d["Regex"] for d in request_for("pytorch-heterogeneous.json")["AlgorithmSpecification"]["MetricDefinitions"]}
     assert parse_metric_line("step=9/40 loss=0.5 step_time_ms=86.1 data_wait_ms=1.0 samples_per_s=371.7")["step_time_ms"] == 86.1
-    assert set(definitions) == {"step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms"}
+    assert set(definitions) == {"step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms", "eval_accuracy"}
 
 
 def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
