@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 REQUIREMENTS := requirements/dev.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt \
-                training/images/pytorch/requirements.txt
+                training/images/pytorch/requirements.txt training/images/neuron/requirements.txt
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.requirements-$(REQUIREMENTS_HASH)
 PROTO := training/data_service/data_service.proto

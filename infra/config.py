@@ -23,7 +23,8 @@ class PlatformConfig:
     # variant → AWS Deep Learning Container image the training image extends; {region} is filled in.
     base_images: Mapping[str, str] = field(
         default_factory=lambda: {
-            "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker"
+            "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker",
+            "neuron": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training-neuronx:2.8.0-neuronx-py311-sdk2.26.0-ubuntu22.04",
         }
     )
     # Seconds between two DescribeTrainingJob polls of a running job.

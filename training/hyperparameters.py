@@ -73,6 +73,8 @@ class PlatformSettings:
     data_start_deadline_s: float = 900.0
     # How long a DNN process waits for the data hosts to come up, and for a lost host to come back.
     data_connect_timeout_s: float = 300.0
+    # Where the Neuron compiler keeps compiled graphs between jobs (s3://...); empty: no persistent cache.
+    neuron_compile_cache_uri: str = ""
 
     def __post_init__(self) -> None:
         bad_roles = {group: role for group, role in self.role_map.items() if role not in ROLES}

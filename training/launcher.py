@@ -19,6 +19,7 @@ line. The trainer's exit code is this host's exit code; a trainer killed by a si
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from concurrent import futures
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, host_addresses, load_cluster
-from training.data_service.dataset import ChannelError, channel_dir, scan_image_folder
+from training.data_service.dataset import ChannelError, channel_dir, scan_csv_channel, scan_image_folder
 from training.failure import failure_path, write_failure
 from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
 from training.trainers.config import VisionConfig
@@ -76,6 +77,14 @@ def trainer_command(
         f"--master-port={master_port}",
         "-m", module,
     ]
+
+
+def trainer_environment(settings: PlatformSettings, environ: dict[str, str]) -> dict[str, str]:
+    """The trainer's environment: ours, plus the Neuron compile cache when the job has one, so that a
+    graph compiled by an earlier job is not compiled again."""
+    if settings.neuron_compile_cache_uri:
+        return environ | {"NEURON_COMPILE_CACHE_URL": settings.neuron_compile_cache_uri}
+    return environ
 
 
 def gpu_count() -> int:
@@ -136,16 +145,20 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, config: VisionCo
     return reason.exit_code
 
 
-def run_dnn_host(cluster: Cluster, settings: PlatformSettings, module: str, stop: threading.Event) -> int:
+# How each input format's training channel is checked before a trainer starts.
+CHANNEL_CHECKS = {"image_folder": scan_image_folder, "csv": scan_csv_channel}
+
+
+def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event) -> int:
     addresses = host_addresses()
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)
     if not data_targets:
         # Homogeneous: the channel must be here; fail now rather than after torchrun started.
-        scan_image_folder(channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+        CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
     node_rank = dnn_hosts.index(cluster.current_host)
     command = trainer_command(
-        module,
+        variant.module,
         distribution=settings.distribution,
         nnodes=len(dnn_hosts),
         processes_per_host=settings.processes_per_host or max(1, gpu_count()),
@@ -154,7 +167,7 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, module: str, stop
         master_port=settings.master_port,
     )
     log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
-    trainer = subprocess.Popen(command)
+    trainer = subprocess.Popen(command, env=trainer_environment(settings, dict(os.environ)))
     forwarder = threading.Thread(target=_forward_stop, args=(stop, trainer), daemon=True)
     forwarder.start()
     returncode = trainer.wait()
@@ -192,7 +205,7 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         if role == DATA:
             return run_data_host(cluster, settings, config, stop)
-        return run_dnn_host(cluster, settings, variant.module, stop)
+        return run_dnn_host(cluster, settings, variant, stop)
     except (ClusterConfigError, HyperparameterError, ChannelError) as error:
         message = f"{type(error).__name__}: {error}"
         log.error("%s", message)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.trainers.config import VisionConfig
+from training.trainers.config import TextConfig, VisionConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Variant:
     distributions: tuple[str, ...]
     has_data_service: bool  # whether CPU data groups can feed it
     accelerator: str  # "gpu": NVIDIA (or CPU) instances; "trainium": ml.trn* instances
+    input_format: str  # what its training channel holds: "image_folder" or "csv"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -31,5 +32,16 @@ VARIANTS: dict[str, Variant] = {
         distributions=("torchrun", "none"),
         has_data_service=True,
         accelerator="gpu",
+        input_format="image_folder",
+    ),
+    "neuron": Variant(
+        name="neuron",
+        module="training.trainers.xla_text",
+        config=TextConfig,
+        workloads=("text",),
+        distributions=("torchrun",),
+        has_data_service=False,  # the text trainer tokenises once per node; no CPU data group feeds it
+        accelerator="trainium",
+        input_format="csv",
     ),
 }

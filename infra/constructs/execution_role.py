@@ -32,6 +32,7 @@ class ExecutionRole(Construct):
         datasets.grant_read(self.role)
         results.grant_read_write(self.role, "artifacts/*")
         results.grant_read_write(self.role, "checkpoints/*")
+        results.grant_read_write(self.role, "neuron-cache/*")  # compiled Neuron graphs, reused across jobs
         for image in images:
             image.repository.grant_pull(self.role)
         self.role.add_to_policy(
@@ -50,7 +51,7 @@ class ExecutionRole(Construct):
         acknowledge(
             self.role,
             "S3 action families from grant_read/grant_read_write, held to the datasets bucket and the results "
-            "bucket's artifacts/ and checkpoints/ prefixes; SageMaker's training log group; PutMetricData and "
+            "bucket's artifacts/, checkpoints/ and neuron-cache/ prefixes; SageMaker's training log group; PutMetricData and "
             "ecr:GetAuthorizationToken take no resource ARN (the former is held to SageMaker's namespace).",
             *wildcard_actions(*S3_READ_ACTIONS, *S3_WRITE_ACTIONS),
             *wildcard_resources(
@@ -58,6 +59,7 @@ class ExecutionRole(Construct):
                 f"{arn_token(datasets)}/*",
                 f"{arn_token(results)}/artifacts/*",
                 f"{arn_token(results)}/checkpoints/*",
+                f"{arn_token(results)}/neuron-cache/*",
                 f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{SAGEMAKER_NAMESPACE}:*",
             ),
         )

@@ -118,6 +118,7 @@ class TrainingRunFunctions(Construct):
                 "SAGEMAKER_ROLE_ARN": sagemaker_role.role_arn,
                 "OUTPUT_S3_URI": results.s3_url_for_object("artifacts/"),
                 "CHECKPOINT_S3_URI": results.s3_url_for_object("checkpoints/"),
+                "NEURON_CACHE_S3_URI": results.s3_url_for_object("neuron-cache/"),
                 "JOB_TAGS": stack.to_json_string({"platform": prefix}),
                 "DEADLINE_GRACE_S": str(deadline_grace_s),
                 "POLL_INTERVAL_S": str(poll_interval_s),

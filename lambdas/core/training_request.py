@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec, role_map
 from training.hyperparameters import PlatformSettings, to_hyperparameter_string
 from training.metrics import METRIC_DEFINITIONS
@@ -49,6 +50,8 @@ class LaunchSettings:
     data_connect_timeout_s: float = 300.0
     # Encrypts traffic between the job's hosts (the batches and the shutdown token travel on it).
     inter_container_encryption: bool = True
+    # s3://<results bucket>/neuron-cache/: compiled Neuron graphs persist there between jobs.
+    neuron_cache_s3_uri: str = ""
 
 
 def job_name(prefix: str, run_name: str, suffix: str) -> str:
@@ -86,6 +89,7 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         data_idle_timeout_s=settings.data_idle_timeout_s,
         data_start_deadline_s=settings.data_start_deadline_s,
         data_connect_timeout_s=settings.data_connect_timeout_s,
+        **_neuron_settings(spec, settings),
     )
     return {
         "TrainingJobName": name,
@@ -105,6 +109,14 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         "EnableInterContainerTrafficEncryption": settings.inter_container_encryption,
         "Tags": [{"Key": key, "Value": value} for key, value in ({"run_name": spec.run_name} | dict(settings.tags)).items()],
     }
+
+
+def _neuron_settings(spec: JobSpec, settings: LaunchSettings) -> dict[str, Any]:
+    """On Trainium: one trainer process per NeuronCore of the instance, and the shared compile cache."""
+    instance = CATALOG[spec.dnn_group.instance_type]
+    if not instance.is_trainium:
+        return {}
+    return {"processes_per_host": instance.neuron_cores, "neuron_compile_cache_uri": settings.neuron_cache_s3_uri}
 
 
 def _resources(spec: JobSpec, volume_size_gb: int) -> dict[str, Any]:

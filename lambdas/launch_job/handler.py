@@ -51,6 +51,7 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
         output_s3_uri=environ["OUTPUT_S3_URI"],
         checkpoint_s3_uri=environ["CHECKPOINT_S3_URI"],
         tags=json.loads(environ.get("JOB_TAGS", "{}")),
+        neuron_cache_s3_uri=environ.get("NEURON_CACHE_S3_URI", ""),
     )
 
 

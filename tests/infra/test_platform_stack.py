@@ -179,3 +179,16 @@ def test_the_lambda_asset_holds_everything_the_handlers_import(synthesized) -> N
     result = subprocess.run([sys.executable, "-c", script, str(staged)], cwd=staged, capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(staged), "AWS_DEFAULT_REGION": "us-east-1"})
     assert result.returncode == 0, result.stderr
+
+
+def test_every_variant_has_an_image_and_trainium_jobs_share_a_compile_cache(template_json, synthesized) -> None:
+    assembly, stack = synthesized
+    (launch,) = [r for r in resources(template_json, "AWS::Lambda::Function").values()
+                 if r["Properties"]["Handler"] == "lambdas.launch_job.handler.handler"]
+    variables = json.dumps(launch["Properties"]["Environment"]["Variables"])
+    assert '\\"neuron\\":' in variables and '\\"pytorch\\":' in variables and "neuron-cache/" in variables
+    manifest = json.loads((Path(assembly.directory) / f"{stack.stack_name}.assets.json").read_text())
+    base_images = sorted(image["source"]["dockerBuildArgs"]["BASE_IMAGE"] for image in manifest["dockerImages"].values())
+    assert sorted(image.split("/")[1].split(":")[0] for image in base_images) == ["pytorch-training", "pytorch-training-neuronx"]
+    sagemaker_role_statements = json.dumps(statements(template_json))
+    assert "/neuron-cache/*" in sagemaker_role_statements

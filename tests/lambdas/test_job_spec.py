@@ -24,6 +24,10 @@ def homogeneous() -> dict[str, Any]:
     return json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text())
 
 
+def neuron() -> dict[str, Any]:
+    return json.loads((EXAMPLES / "neuron-trn1-2xlarge.json").read_text())
+
+
 def changed(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     """A copy of base with the value at a dotted path (list indexes as numbers) set, or removed for
     REMOVE."""
@@ -76,6 +80,10 @@ INVALID: list[tuple[str, Any, str]] = [
     ("count as a boolean", changed(hetero(), "instance_groups.0.count", True), "instance_groups[0].count"),
     ("data group on a GPU instance", changed(hetero(), "instance_groups.0.instance_type", "ml.p3.2xlarge"), "instance_groups[0].instance_type"),
     ("Trainium with the pytorch variant", changed(hetero(), "instance_groups.1.instance_type", "ml.trn1.2xlarge"), "instance_groups[1].instance_type"),
+    ("neuron variant on a GPU instance", changed(neuron(), "instance_groups.0.instance_type", "ml.p3.2xlarge"), "instance_groups[0].instance_type"),
+    ("neuron variant with a data group", changed(neuron(), "instance_groups", [GROUP, neuron()["instance_groups"][0]]), "instance_groups"),
+    ("neuron variant on the vision workload", changed(neuron(), "workload", "vision"), "workload"),
+    ("vision hyperparameter for the text trainer", changed(neuron(), "hyperparameters.augment", "heavy"), "hyperparameters"),
     ("hyperparameters not an object", changed(hetero(), "hyperparameters", [1]), "hyperparameters"),
     ("hyperparameter value a list", changed(hetero(), "hyperparameters.steps", [1, 2]), "hyperparameters.steps"),
     ("hyperparameter value null", changed(hetero(), "hyperparameters.steps", None), "hyperparameters.steps"),
@@ -118,10 +126,10 @@ def test_invalid_specs_are_refused_naming_the_field(spec: Any, field: str) -> No
     assert len(refused.value.problem) > 10  # says what is wrong and what to do
 
 
-@pytest.mark.parametrize("name", ["pytorch-heterogeneous.json", "pytorch-homogeneous.json"])
+@pytest.mark.parametrize("name", sorted(path.name for path in EXAMPLES.glob("*.json")))
 def test_the_examples_are_valid(name: str) -> None:
     spec = validate_job_spec(json.loads((EXAMPLES / name).read_text()))
-    assert isinstance(spec, JobSpec) and spec.variant == "pytorch"
+    assert isinstance(spec, JobSpec) and spec.variant == name.split("-")[0]
 
 
 def test_role_map_of_a_single_group_is_the_homogeneous_cluster() -> None:

@@ -97,3 +97,25 @@ def test_botocore_validation_is_really_applied() -> None:
     request["ResourceConfig"]["InstanceGroups"][0]["InstanceCount"] = "1"
     with mock_aws(), pytest.raises(ParamValidationError, match="InstanceCount"):
         boto3.client("sagemaker", region_name="us-east-1").create_training_job(**request)
+
+
+@pytest.mark.parametrize(("example", "cores"), [("neuron-trn1-2xlarge.json", "2"), ("neuron-trn1-32xlarge.json", "32")])
+def test_trainium_requests_run_one_process_per_neuroncore_with_a_shared_compile_cache(example: str, cores: str) -> None:
+    settings = LaunchSettings(
+        image_uris={"neuron": "123456789012.dkr.ecr.us-east-1.amazonaws.com/training-neuron:abc"}, role_arn=SETTINGS.role_arn,
+        output_s3_uri="s3://results-bucket/artifacts/", checkpoint_s3_uri="s3://results-bucket/checkpoints/",
+        neuron_cache_s3_uri="s3://results-bucket/neuron-cache/",
+    )
+    spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
+    request = create_training_job_request(spec, settings, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN)
+    hyperparameters = request["HyperParameters"]
+    assert hyperparameters["processes_per_host"] == cores and hyperparameters["variant"] == "neuron"
+    assert hyperparameters["neuron_compile_cache_uri"] == "s3://results-bucket/neuron-cache/"
+    assert request["ResourceConfig"]["InstanceType"].startswith("ml.trn1.")
+    with mock_aws():
+        boto3.client("sagemaker", region_name="us-east-1").create_training_job(**request)
+
+
+def test_gpu_requests_leave_the_process_count_to_the_host() -> None:
+    hyperparameters = request_for("pytorch-heterogeneous.json")["HyperParameters"]
+    assert hyperparameters["processes_per_host"] == "0" and hyperparameters["neuron_compile_cache_uri"] == ""

@@ -170,3 +170,25 @@ def test_tokenisation_happens_once_per_node_and_ranks_get_disjoint_shards(tiny_m
     (path_0, shard_0), (path_1, shard_1) = results[0], results[1]
     assert path_0 == path_1
     assert not set(shard_0) & set(shard_1) and len(shard_0) == len(shard_1) == 20
+
+
+@pytest.mark.cluster
+def test_a_trainium_spec_runs_on_the_emulated_cluster(tiny_model, polarity, tmp_path) -> None:
+    """The neuron example spec, shrunk, through the real entrypoint: launcher → torchrun → XLA trainer."""
+    import json
+
+    from lambdas.core.job_spec import validate_job_spec
+    from training.local.cluster import EmulatedCluster, EmulationOptions
+
+    raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / "neuron-trn1-2xlarge.json").read_text())
+    raw["hyperparameters"] |= {"steps": 20, "warmup_steps": 3, "batch_size": 16, "max_seq_len": 16, "eval_every": 10,
+                               "checkpoint_every": 0, "learning_rate": 0.003}
+    lines: list[str] = []
+    channels = {"train": polarity / "train", "test": polarity / "test", "model": tiny_model}
+    cluster = EmulatedCluster(validate_job_spec(raw), EmulationOptions(workdir=tmp_path, channels=channels),
+                              on_line=lambda host, line: lines.append(line))
+    result = cluster.run()
+    assert result.ok, result.report() + "\n".join(lines[-40:])
+    summary = cluster.summary()
+    assert summary["variant"] == "neuron" and summary["steps"] == 20 and summary["eval_accuracy"] is not None
+    assert sum("step_time_ms=" in line for line in lines) == 17 and any("eval_accuracy=" in line for line in lines)

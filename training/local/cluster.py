@@ -281,6 +281,8 @@ class EmulatedCluster:
                 "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": str(len(host.cpus)),
                 "GLOO_SOCKET_IFNAME": "lo",
+                # torch-xla's CPU device stands in for NeuronCores (the neuron variant's trainer).
+                "PJRT_DEVICE": "CPU",
             }
             process = subprocess.Popen(
                 [sys.executable, "-m", "training.launcher"],

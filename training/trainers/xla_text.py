@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from training.cluster import ClusterConfigError, base_dir, load_cluster
-from training.data_service.dataset import ChannelError, EmptyChannelError, MissingChannelError, channel_dir
+from training.data_service.dataset import ChannelError, EmptyChannelError, channel_dir, scan_csv_channel
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.metrics import metric_line
@@ -53,9 +53,7 @@ class TextDataError(ChannelError):
 def read_polarity_csv(folder: Path, channel: str) -> tuple[list[str], list[int]]:
     """Texts ("title. content") and labels from every .csv file of a channel, in file-name order. A
     header row is recognised by a non-numeric label and skipped."""
-    if not folder.is_dir():
-        raise MissingChannelError(f"channel {channel!r} is not on this host ({folder} does not exist)")
-    files = sorted(folder.glob("*.csv"))
+    files = scan_csv_channel(folder, channel, "this host's group")
     texts: list[str] = []
     labels: list[int] = []
     for path in files:
