@@ -45,6 +45,7 @@ CATALOG: dict[str, InstanceType] = {
         # No fallback price: results on these use live prices only.
         InstanceType("ml.trn1.2xlarge", 8, 1, "AWS Trainium", None, neuron_cores=2),
         InstanceType("ml.trn1.32xlarge", 128, 16, "AWS Trainium", None, neuron_cores=32),
+        InstanceType("ml.trn2.48xlarge", 192, 16, "AWS Trainium2", None, neuron_cores=64),
     )
 }
 
