@@ -188,7 +188,10 @@ def test_every_variant_has_an_image_and_trainium_jobs_share_a_compile_cache(temp
     variables = json.dumps(launch["Properties"]["Environment"]["Variables"])
     assert '\\"neuron\\":' in variables and '\\"pytorch\\":' in variables and "neuron-cache/" in variables
     manifest = json.loads((Path(assembly.directory) / f"{stack.stack_name}.assets.json").read_text())
-    base_images = sorted(image["source"]["dockerBuildArgs"]["BASE_IMAGE"] for image in manifest["dockerImages"].values())
+    build_args = [image["source"]["dockerBuildArgs"] for image in manifest["dockerImages"].values()]
+    assert sorted(args["VARIANT"] for args in build_args) == ["neuron", "pytorch"]
+    assert {image["source"]["dockerFile"] for image in manifest["dockerImages"].values()} == {"training/images/Dockerfile"}
+    base_images = [args["BASE_IMAGE"] for args in build_args]
     assert sorted(image.split("/")[1].split(":")[0] for image in base_images) == ["pytorch-training", "pytorch-training-neuronx"]
     sagemaker_role_statements = json.dumps(statements(template_json))
     assert "/neuron-cache/*" in sagemaker_role_statements
