@@ -38,6 +38,11 @@ RUNTIME = lambda_.Runtime.PYTHON_3_14
 POWERTOOLS_LAYER_PARAMETER = "/aws/service/powertools/python/x86_64/python3.14/latest"
 
 
+def training_jobs_resource(stack: Stack, prefix: str) -> str:
+    """The ARN pattern of the platform's own training jobs, which every SageMaker permission is held to."""
+    return stack.format_arn(service="sagemaker", resource="training-job", resource_name=f"{prefix}-*")
+
+
 def stage_lambda_code(target: Path) -> Path:
     """Copy the handlers' sources into ``target`` (replacing it), so the asset is exactly those files."""
     shutil.rmtree(target, ignore_errors=True)
@@ -77,7 +82,7 @@ class TrainingRunFunctions(Construct):
         layer = lambda_.LayerVersion.from_layer_version_arn(
             self, "Powertools", ssm.StringParameter.value_for_string_parameter(self, POWERTOOLS_LAYER_PARAMETER)
         )
-        jobs_arn = stack.format_arn(service="sagemaker", resource="training-job", resource_name=f"{prefix}-*")
+        jobs_arn = training_jobs_resource(stack, prefix)
         environment = {
             "JOB_NAME_PREFIX": prefix,
             "RESULTS_BUCKET": results.bucket_name,

@@ -20,7 +20,7 @@ from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
-from infra.constructs.functions import TrainingRunFunctions, retention
+from infra.constructs.functions import TrainingRunFunctions, retention, training_jobs_resource
 from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
 
 SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
@@ -41,7 +41,7 @@ class TrainingWorkflow(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
-        jobs_arn = stack.format_arn(service="sagemaker", resource="training-job", resource_name=f"{prefix}-*")
+        jobs_arn = training_jobs_resource(stack, prefix)
 
         def invoke(name: str, function, payload: dict, result_path: str | None) -> tasks.LambdaInvoke:
             return tasks.LambdaInvoke(

@@ -44,13 +44,17 @@ def channel_dir(channel: str, environ: Mapping[str, str] = os.environ) -> Path:
     return base_dir(environ) / "input" / "data" / channel
 
 
-def scan_csv_channel(root: Path, channel: str, group: str) -> list[Path]:
-    """The .csv files of a text channel (label, title, content rows), refused when there are none."""
+def _require_channel(root: Path, channel: str, group: str) -> None:
     if not root.is_dir():
         raise MissingChannelError(
             f"channel {channel!r} is not on this host ({root} does not exist): assign it to instance group "
             f"{group!r} in the job spec's inputs (inputs.{channel}.groups)"
         )
+
+
+def scan_csv_channel(root: Path, channel: str, group: str) -> list[Path]:
+    """The .csv files of a text channel (label, title, content rows), refused when there are none."""
+    _require_channel(root, channel, group)
     files = sorted(path for path in root.glob("*.csv") if path.is_file() and path.stat().st_size > 0)
     if not files:
         raise EmptyChannelError(f"channel {channel!r} at {root} holds no non-empty .csv files")
@@ -59,11 +63,7 @@ def scan_csv_channel(root: Path, channel: str, group: str) -> list[Path]:
 
 def scan_image_folder(root: Path, channel: str, group: str) -> ImageFolder:
     """List the samples of a channel; ``group`` only makes the error messages precise."""
-    if not root.is_dir():
-        raise MissingChannelError(
-            f"channel {channel!r} is not on this host ({root} does not exist): assign it to instance group "
-            f"{group!r} in the job spec's inputs (inputs.{channel}.groups)"
-        )
+    _require_channel(root, channel, group)
     classes = tuple(sorted(entry.name for entry in root.iterdir() if entry.is_dir()))
     samples = tuple(
         (str(path), index)
