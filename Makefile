@@ -6,8 +6,13 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Horovod is built from source against the venv's TensorFlow (≈100 s); the wheel is kept under .cache/,
+# keyed by the build script and the TensorFlow pin, so a rebuilt venv reinstalls it without compiling.
+HOROVOD_BUILD := training/images/tensorflow/build-horovod.sh
+HOROVOD_WHEELS := .cache/horovod-$(shell cat $(HOROVOD_BUILD) requirements/dlc-tensorflow.txt | sha256sum | cut -c1-16)
 REQUIREMENTS := requirements/dev.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt \
-                training/images/pytorch/requirements.txt training/images/neuron/requirements.txt
+                requirements/dlc-tensorflow.txt training/images/pytorch/requirements.txt training/images/neuron/requirements.txt \
+                training/images/tensorflow/requirements.txt $(HOROVOD_BUILD)
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.requirements-$(REQUIREMENTS_HASH)
 PROTO := training/data_service/data_service.proto
@@ -29,6 +34,8 @@ $(NODE_STAMP):
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
+	@ls $(HOROVOD_WHEELS)/horovod-*.whl >/dev/null 2>&1 || $(HOROVOD_BUILD) $(PY) $(HOROVOD_WHEELS)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(HOROVOD_WHEELS)/horovod-*.whl
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
@@ -63,4 +70,4 @@ proto: venv
 		--python_out=. --grpc_python_out=. $(PROTO)
 
 clean:
-	rm -rf $(VENV) node_modules cdk.out build .pytest_cache
+	rm -rf $(VENV) node_modules cdk.out build .pytest_cache .cache

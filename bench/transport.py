@@ -1,14 +1,16 @@
-"""Transport: our gRPC data path against a raw TCP socket on loopback, the same batches, one run.
+"""Transport: our gRPC data path, tf.data.service and a raw TCP socket on loopback, the same batches, one run.
 
     python bench/transport.py [--batches 300] [--rounds 3]
 
-Both servers run in a process pinned to one CPU and send the same pre-made uint8 batches (no
-preprocessing: this times the wire alone); the client, pinned to another CPU, turns every batch into
-torch tensors as the trainer does. The gRPC side is the real DataService server and DataServiceDataset
-client; the socket side sends a small JSON header (dtype, shape) and the raw bytes, and its client has
-the same structure as ours (a reader thread per host, a bounded queue to the trainer), so the two differ
-in their transport only. Reports batches/s,
-MB/s, gRPC / socket throughput (goal ≥ 0.8) and the bytes per sample on the wire against the uint8 sample.
+Every server runs in a process pinned to one CPU and sends the same pre-made uint8 batches (no
+preprocessing: this times the wire alone); the client, pinned to another CPU, takes every batch as its
+trainer does. The gRPC side is the real DataService server and DataServiceDataset client (torch tensors);
+the tf.data.service side is a real dispatcher and worker serving the batches as a registered dataset,
+read with ``from_dataset_id`` as the tensorflow variant's trainer reads it (compression left to
+tf.data.service, as in the real job); the socket side sends a small JSON header (dtype, shape) and the
+raw bytes, and its client has the same structure as ours (a reader thread, a bounded queue to the
+trainer). Rounds are interleaved; reports MB/s of each, the ratios to the socket (goal for ours ≥ 0.8)
+and between the two services, and the bytes per sample on our wire against the uint8 sample.
 """
 
 from __future__ import annotations
@@ -100,6 +102,30 @@ def socket_server(address: str, port: int, batch_size: int, size: int, cpu: int)
                 return
 
 
+def tf_data_server(address: str, port: int, batch_size: int, size: int, cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer(service.DispatcherConfig(port=port))
+    worker = service.WorkerServer(service.WorkerConfig(dispatcher_address=f"{address}:{port}", worker_address=f"{address}:%port%"))
+    images, labels = zip(*make_batches(batch_size, size), strict=True)
+    dataset = tf.data.Dataset.from_tensor_slices((np.stack(images), np.stack(labels))).repeat()
+    service.register_dataset(dispatcher.target, dataset, dataset_id="bench")
+    worker.join()
+
+
+def tf_data_batches(address: str, port: int, batch_size: int, size: int):
+    import tensorflow as tf
+
+    spec = (tf.TensorSpec((batch_size, 3, size, size), tf.uint8), tf.TensorSpec((batch_size,), tf.int64))
+    dataset = tf.data.experimental.service.from_dataset_id(
+        "parallel_epochs", f"grpc://{address}:{port}", dataset_id="bench", element_spec=spec, job_name="bench"
+    ).prefetch(4)  # as deep as the other clients' queues
+    yield from dataset
+
+
 def _receive_exactly(connection: socket.socket, count: int) -> bytearray:
     buffer = bytearray(count)
     view, received = memoryview(buffer), 0
@@ -158,24 +184,34 @@ def timed(batches, count: int, warmup: int = 20) -> float:
     started = time.perf_counter()
     for _ in range(count):
         images, labels = next(iterator)
-        assert images.dtype == torch.uint8
+        assert images.dtype in (torch.uint8, "uint8") or images.dtype.name == "uint8"
     return count / (time.perf_counter() - started)
 
 
 def measure(kind: str, batch_size: int, size: int, count: int, server_cpu: int) -> float:
     context = multiprocessing.get_context("spawn")
     address, port = "127.0.91.2", free_port()
-    target = grpc_server if kind == "grpc" else socket_server
+    target = {"grpc": grpc_server, "tf.data": tf_data_server, "socket": socket_server}[kind]
     server = context.Process(target=target, args=(address, port, batch_size, size, server_cpu), daemon=True)
     server.start()
     try:
         if kind == "grpc":
             dataset = DataServiceDataset([f"{address}:{port}"], batch_size, "bench", connect_timeout_s=30)
             return timed(dataset, count)
+        if kind == "tf.data":
+            return timed(tf_data_batches(address, port, batch_size, size), count)
         return timed(socket_batches(address, port), count)
     finally:
         server.kill()
         server.join()
+
+
+def median_rate(rounds: list[dict[str, float]], kind: str) -> float:
+    return statistics.median(round_[kind] for round_ in rounds)
+
+
+def median_ratio(rounds: list[dict[str, float]], top: str, bottom: str) -> float:
+    return statistics.median(round_[top] / round_[bottom] for round_ in rounds)
 
 
 def main() -> int:
@@ -188,7 +224,10 @@ def main() -> int:
     os.sched_setaffinity(0, {client_cpu})
     torch.set_num_threads(1)
     print(f"client on CPU {client_cpu}, servers on CPU {server_cpu}; {args.rounds} rounds of {args.batches} batches, interleaved")
-    print(f"{'batch':<22} {'sample bytes':>12} {'wire bytes/sample':>18} {'gRPC MB/s':>10} {'socket MB/s':>12} {'gRPC/socket':>12}")
+    print(
+        f"{'batch':<22} {'sample bytes':>12} {'wire bytes/sample':>18} {'gRPC MB/s':>10} {'tf.data MB/s':>13} {'socket MB/s':>12} "
+        f"{'gRPC/socket':>12} {'tf.data/socket':>15} {'gRPC/tf.data':>13}"
+    )
     for batch_size, size in ((32, 64), (32, 224)):
         images, labels = make_batches(batch_size, size, count=1)[0]
         message = pb.Batch.FromString(codec.encode_batch(images, labels))
@@ -196,16 +235,13 @@ def main() -> int:
         rounds = []
         for _ in range(args.rounds):
             count = args.batches if size < 128 else args.batches // 4
-            grpc_rate = measure("grpc", batch_size, size, count, server_cpu)
-            socket_rate = measure("socket", batch_size, size, count, server_cpu)
-            rounds.append((grpc_rate, socket_rate))
-        grpc_rate = statistics.median(rate for rate, _ in rounds)
-        socket_rate = statistics.median(rate for _, rate in rounds)
-        ratio = statistics.median(g / s for g, s in rounds)
+            rounds.append({kind: measure(kind, batch_size, size, count, server_cpu) for kind in ("grpc", "tf.data", "socket")})
+
         megabytes = images.nbytes / 1e6
         print(
             f"{f'{batch_size} × 3 × {size} × {size}':<22} {sample_bytes:>12} {message.ByteSize() / batch_size:>18.1f} "
-            f"{grpc_rate * megabytes:>10.0f} {socket_rate * megabytes:>12.0f} {ratio:>12.2f}",
+            f"{median_rate(rounds, 'grpc') * megabytes:>10.0f} {median_rate(rounds, 'tf.data') * megabytes:>13.0f} {median_rate(rounds, 'socket') * megabytes:>12.0f} "
+            f"{median_ratio(rounds, 'grpc', 'socket'):>12.2f} {median_ratio(rounds, 'tf.data', 'socket'):>15.2f} {median_ratio(rounds, 'grpc', 'tf.data'):>13.2f}",
             flush=True,
         )
     return 0

@@ -25,6 +25,7 @@ class PlatformConfig:
         default_factory=lambda: {
             "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker",
             "neuron": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training-neuronx:2.8.0-neuronx-py311-sdk2.26.0-ubuntu22.04",
+            "tensorflow": "763104351884.dkr.ecr.{region}.amazonaws.com/tensorflow-training:2.19.0-gpu-py312-cu125-ubuntu22.04-sagemaker",
         }
     )
     # Seconds between two DescribeTrainingJob polls of a running job.

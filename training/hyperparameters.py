@@ -33,7 +33,7 @@ from training.cluster import Cluster, address_of, config_dir
 DATA = "data"
 DNN = "dnn"
 ROLES = (DATA, DNN)
-DISTRIBUTIONS = ("torchrun", "none")
+DISTRIBUTIONS = ("torchrun", "horovod", "mirrored", "none")
 RESERVED_PREFIX = "sagemaker_"
 
 T = TypeVar("T")
@@ -57,7 +57,9 @@ class PlatformSettings:
     shutdown_token: str
     # Which trainer runs on the DNN group ("pytorch" here; "tensorflow" and "neuron" follow).
     variant: str = "pytorch"
-    # "torchrun": the launcher starts torchrun across the DNN group; "none": one process per host.
+    # How the trainer spans the DNN group: "torchrun" (PyTorch), "horovod" (one process per device on
+    # every DNN host, gloo rendezvous on the first), "mirrored" (tf.distribute, one process on one host),
+    # "none" (one process). Each variant accepts some of them (training/variants.py).
     distribution: str = "torchrun"
     # Trainer processes per DNN host; 0 means one per GPU, or one on a host without GPUs.
     processes_per_host: int = 0
@@ -65,7 +67,12 @@ class PlatformSettings:
     data_channel: str = "train"
     # Port of the gRPC data service on every data host.
     data_service_port: int = 6000
-    # torchrun's rendezvous port on the first DNN host.
+    # tf.data.service (tensorflow variant): the dispatcher's port on the first data host, and the first
+    # worker port (data host i listens on tf_worker_port + i, so emulated hosts sharing one machine's
+    # wildcard-bound ports do not collide).
+    tf_dispatcher_port: int = 6100
+    tf_worker_port: int = 6200
+    # torchrun's (or Horovod's) rendezvous port on the first DNN host.
     master_port: int = 29500
     # A data host exits when no batch was asked for this long after its last client left.
     data_idle_timeout_s: float = 120.0
@@ -86,7 +93,7 @@ class PlatformSettings:
             raise HyperparameterError(f"distribution {self.distribution!r} is not one of {DISTRIBUTIONS}")
         if not self.shutdown_token or len(self.shutdown_token) < 16:
             raise HyperparameterError("shutdown_token must be a random string of at least 16 characters")
-        for name in ("data_service_port", "master_port"):
+        for name in ("data_service_port", "master_port", "tf_dispatcher_port", "tf_worker_port"):
             if not 1024 <= getattr(self, name) <= 65535:
                 raise HyperparameterError(f"{name} must be a port in 1024..65535, got {getattr(self, name)}")
 
@@ -109,6 +116,12 @@ class PlatformSettings:
     def data_service_targets(self, cluster: Cluster, addresses: Mapping[str, str]) -> list[str]:
         """host:port of the data service on every data host."""
         return [f"{address_of(host, addresses)}:{self.data_service_port}" for host in self.data_hosts(cluster)]
+
+    def tf_data_service_addresses(self, cluster: Cluster, addresses: Mapping[str, str]) -> tuple[str, list[str]]:
+        """The tf.data.service dispatcher (host:port) and every data host's worker address, in order."""
+        hosts = self.data_hosts(cluster)
+        workers = [f"{address_of(host, addresses)}:{self.tf_worker_port + index}" for index, host in enumerate(hosts)]
+        return f"{address_of(hosts[0], addresses)}:{self.tf_dispatcher_port}", workers
 
     def check_cluster(self, cluster: Cluster) -> None:
         """Every group of the running job needs a role, and every group in the map must exist."""

@@ -4,9 +4,11 @@ SageMaker runs one image on every instance of every instance group; the toolkit 
 (``SAGEMAKER_PROGRAM``) on each of them. It reads ``resourceconfig.json`` to learn the host's group, and
 the job's role map (a hyperparameter) to learn what the group does:
 
-* data role: serve preprocessed batches over gRPC (training/data_service/server.py) until an
+* data role: serve preprocessed batches (our gRPC stream, training/data_service/server.py, or
+  tf.data.service for the tensorflow variant, training/data_service/tf_service.py) until an
   authenticated shutdown, an idle timeout (the DNN hosts are gone), or a start deadline;
-* dnn role: run the trainer through torchrun across the DNN group (or as one plain process), then tell
+* dnn role: run the trainer across the DNN group (torchrun; Horovod ranks started per host,
+  training/horovod_launch.py; or one plain process), keep the data hosts told that it runs, then tell
   every data host to shut down so none keeps running, and billing, after training.
 
 Everything is checked before anything starts: a malformed resourceconfig.json, a group missing from the
@@ -18,22 +20,27 @@ line. The trainer's exit code is this host's exit code; a trainer killed by a si
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
+from typing import Any
 
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, host_addresses, load_cluster
 from training.data_service.dataset import ChannelError, channel_dir, scan_csv_channel, scan_image_folder
+from training.data_service.server import StopReason
+from training.data_service.tf_service import TfServiceError
 from training.failure import failure_path, write_failure
 from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
-from training.trainers.config import VisionConfig
 from training.variants import VARIANTS, Variant
 
 log = logging.getLogger("training.launcher")
@@ -60,13 +67,18 @@ def trainer_command(
     master_port: int,
     python: str = sys.executable,
 ) -> list[str]:
-    """The command that runs the trainer on one DNN host."""
-    if distribution == "none":
-        if nnodes * processes_per_host > 1:
-            raise HyperparameterError(
-                f"distribution 'none' runs one process, but the DNN group has {nnodes} hosts × "
-                f"{processes_per_host} processes: use distribution 'torchrun'"
-            )
+    """The command that runs the trainer on one DNN host (for Horovod: each of its ranks)."""
+    if distribution == "none" and nnodes * processes_per_host > 1:
+        raise HyperparameterError(
+            f"distribution 'none' runs one process, but the DNN group has {nnodes} hosts × "
+            f"{processes_per_host} processes: use torchrun (PyTorch) or horovod (TensorFlow)"
+        )
+    if distribution == "mirrored" and nnodes > 1:
+        raise HyperparameterError(
+            f"distribution 'mirrored' runs on one host (one process, every local device), but the DNN group has "
+            f"{nnodes} hosts: use distribution 'horovod'"
+        )
+    if distribution in ("none", "mirrored", "horovod"):
         return [python, "-m", module]
     return [
         python, "-m", "torch.distributed.run",
@@ -102,7 +114,7 @@ def exit_status(returncode: int) -> int:
 
 def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
     """Ask every data host to stop, in parallel; a host that is already gone is fine."""
-    from training.data_service.client import request_shutdown
+    from training.data_service.control import request_shutdown
 
     def one(target: str) -> None:
         for attempt in range(3):
@@ -121,11 +133,15 @@ def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
         list(pool.map(one, targets))
 
 
-def run_data_host(cluster: Cluster, settings: PlatformSettings, config: VisionConfig, stop: threading.Event) -> int:
+def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, config: Any, stop: threading.Event) -> int:
+    """Serve the channel until stopped. The control server (Describe, keep-alive, Shutdown) is ours for
+    every variant; the batches come from our gRPC pipeline or from tf.data.service."""
     from training.data_service.server import ServerSettings, default_workers, serve
 
-    folder = scan_image_folder(channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+    root = channel_dir(settings.data_channel)
+    folder = scan_image_folder(root, settings.data_channel, cluster.current_group)
     data_hosts = settings.data_hosts(cluster)
+    host_index = data_hosts.index(cluster.current_host)
     addresses = host_addresses()
     server_settings = ServerSettings(
         host=cluster.current_host,
@@ -141,7 +157,24 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, config: VisionCo
         workers=default_workers(),
         seed=config.seed,
     )
-    reason = serve(server_settings, folder, data_hosts.index(cluster.current_host), stop)
+    source = None
+    if variant.data_service == "tf.data.service":
+        from training.data_service.tf_service import TfDataService, TfServiceSettings
+
+        dispatcher, workers = settings.tf_data_service_addresses(cluster, addresses)
+        source = TfDataService(
+            TfServiceSettings(
+                dispatcher_address=dispatcher,
+                worker_address=workers[host_index],
+                channel_dir=root,
+                dispatcher=host_index == 0,
+                batch_size=config.batch_size,
+                image_size=config.image_size,
+                augment=config.augment,
+                seed=config.seed + host_index,
+            )
+        )
+    reason = serve(server_settings, folder, host_index, stop, source=source)
     return reason.exit_code
 
 
@@ -154,28 +187,33 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)
     if not data_targets:
-        # Homogeneous: the channel must be here; fail now rather than after torchrun started.
+        # Homogeneous: the channel must be here; fail now rather than after the trainer started.
         CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
     node_rank = dnn_hosts.index(cluster.current_host)
+    processes_per_host = settings.processes_per_host or max(1, gpu_count())
+    master_address = address_of(dnn_hosts[0], addresses)
     command = trainer_command(
         variant.module,
         distribution=settings.distribution,
         nnodes=len(dnn_hosts),
-        processes_per_host=settings.processes_per_host or max(1, gpu_count()),
+        processes_per_host=processes_per_host,
         node_rank=node_rank,
-        master_address=address_of(dnn_hosts[0], addresses),
+        master_address=master_address,
         master_port=settings.master_port,
     )
-    log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
-    trainer = subprocess.Popen(command, env=trainer_environment(settings, dict(os.environ)))
-    forwarder = threading.Thread(target=_forward_stop, args=(stop, trainer), daemon=True)
-    forwarder.start()
-    returncode = trainer.wait()
-    status = exit_status(returncode)
-    if returncode < 0:
-        log.error("the trainer was killed by %s", signal.Signals(-returncode).name)
-    elif returncode:
-        log.error("the trainer failed with exit code %d", returncode)
+    environment = trainer_environment(settings, dict(os.environ))
+    with contextlib.ExitStack() as stack:
+        if settings.distribution == "horovod":
+            processes = _start_horovod_ranks(stack, cluster, settings, command, environment, dnn_hosts, processes_per_host, addresses)
+        else:
+            log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
+            processes = [subprocess.Popen(command, env=environment)]
+        if data_targets and variant.data_service != "grpc":
+            # Batches bypass our data hosts' control servers: tell them the trainers are alive.
+            from training.data_service.control import KeepAlive
+
+            stack.enter_context(KeepAlive(data_targets, interval_s=min(5.0, settings.data_idle_timeout_s / 3)))
+        status = wait_for_trainers(processes, stop)
     if status and not failure_path().exists():  # the trainer may have written a more precise reason
         write_failure(f"the trainer on {cluster.current_host} exited with status {status}")
     # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
@@ -185,10 +223,71 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
     return status
 
 
-def _forward_stop(stop: threading.Event, trainer: subprocess.Popen) -> None:
-    stop.wait()
-    if trainer.poll() is None:
-        trainer.send_signal(signal.SIGTERM)
+def _start_horovod_ranks(
+    stack: contextlib.ExitStack,
+    cluster: Cluster,
+    settings: PlatformSettings,
+    command: list[str],
+    environment: dict[str, str],
+    dnn_hosts: list[str],
+    processes_per_host: int,
+    addresses: dict[str, str],
+) -> list[subprocess.Popen]:
+    """This host's Horovod ranks; the first DNN host also runs the gloo rendezvous for all of them."""
+    from training.horovod_launch import RendezvousServer, interface_of, rank_environment, slot_plan
+
+    plan = slot_plan(dnn_hosts, processes_per_host)
+    master_address = address_of(dnn_hosts[0], addresses)
+    own_address = address_of(cluster.current_host, addresses)
+    if cluster.current_host == dnn_hosts[0]:
+        stack.enter_context(RendezvousServer(addresses.get(cluster.current_host, "0.0.0.0"), settings.master_port, plan))
+    interface = interface_of(socket.gethostbyname(own_address))
+    slots = [slot for slot in plan if slot.hostname == cluster.current_host]
+    log.info(
+        "host %s (dnn) starting Horovod ranks %s of %d (gloo on %s, rendezvous %s:%d): %s",
+        cluster.current_host, [slot.rank for slot in slots], len(plan), interface, master_address, settings.master_port,
+        " ".join(command[1:]),
+    )
+    return [
+        subprocess.Popen(command, env=environment | rank_environment(slot, master_address, settings.master_port, interface))
+        for slot in slots
+    ]
+
+
+def wait_for_trainers(processes: list[subprocess.Popen], stop: threading.Event, grace_s: float = 10.0) -> int:
+    """Wait for every trainer process of this host. The first to fail fails the host: the others are
+    stopped (a Horovod rank whose peer died would otherwise wait for ever); SIGTERM to the launcher is
+    passed on to all of them. Returns this host's exit status."""
+    status = 0
+    stopping_since: float | None = None
+    while any(process.poll() is None for process in processes):
+        failed = [process for process in processes if process.returncode not in (None, 0)]
+        if (failed or stop.is_set()) and stopping_since is None:
+            if failed:
+                status = exit_status(failed[0].returncode)
+                _log_trainer_end(failed[0].returncode)
+            stopping_since = time.monotonic()
+            for process in processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+        if stopping_since is not None and time.monotonic() - stopping_since > grace_s:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+        time.sleep(0.1)
+    if not status:
+        failed = [process for process in processes if process.returncode != 0]
+        if failed:
+            status = exit_status(failed[0].returncode)
+            _log_trainer_end(failed[0].returncode)
+    return status
+
+
+def _log_trainer_end(returncode: int) -> None:
+    if returncode < 0:
+        log.error("the trainer was killed by %s", signal.Signals(-returncode).name)
+    else:
+        log.error("the trainer failed with exit code %d", returncode)
 
 
 def main() -> int:
@@ -199,18 +298,27 @@ def main() -> int:
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
         settings, config = parse_settings(hyperparameters, variant.config)
         settings.check_cluster(cluster)
+        if settings.distribution not in variant.distributions:
+            raise HyperparameterError(
+                f"variant {variant.name!r} runs with distribution {list(variant.distributions)}, not {settings.distribution!r}"
+            )
         role = settings.role_of(cluster.current_group)
         log.info("host %s is in instance group %s (%s): role %s", cluster.current_host, cluster.current_group, cluster.current_instance_type, role)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         if role == DATA:
-            return run_data_host(cluster, settings, config, stop)
+            return run_data_host(cluster, settings, variant, config, stop)
         return run_dnn_host(cluster, settings, variant, stop)
     except (ClusterConfigError, HyperparameterError, ChannelError) as error:
         message = f"{type(error).__name__}: {error}"
         log.error("%s", message)
         write_failure(message)
         return CONFIG_ERROR_EXIT
+    except TfServiceError as error:
+        message = f"{type(error).__name__}: {error}"
+        log.error("%s", message)
+        write_failure(message)
+        return StopReason.FAILED.exit_code
 
 
 if __name__ == "__main__":

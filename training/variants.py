@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.trainers.config import TextConfig, VisionConfig
+from training.trainers.config import KerasVisionConfig, TextConfig, VisionConfig
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,8 @@ class Variant:
     has_data_service: bool  # whether CPU data groups can feed it
     accelerator: str  # "gpu": NVIDIA (or CPU) instances; "trainium": ml.trn* instances
     input_format: str  # what its training channel holds: "image_folder" or "csv"
+    # What data hosts run for it: "grpc" (training/data_service/server.py) or "tf.data.service".
+    data_service: str = "grpc"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -33,6 +35,17 @@ VARIANTS: dict[str, Variant] = {
         has_data_service=True,
         accelerator="gpu",
         input_format="image_folder",
+    ),
+    "tensorflow": Variant(
+        name="tensorflow",
+        module="training.trainers.tf_vision",
+        config=KerasVisionConfig,
+        workloads=("vision",),
+        distributions=("horovod", "mirrored", "none"),
+        has_data_service=True,
+        accelerator="gpu",
+        input_format="image_folder",
+        data_service="tf.data.service",
     ),
     "neuron": Variant(
         name="neuron",

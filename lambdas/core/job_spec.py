@@ -9,7 +9,7 @@ The same JSON starts a training run on SageMaker (the Step Functions input) and 
      "instance_groups": [                      # 1–5 groups, exactly one with role "dnn"
         {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": 1},
         {"name": "dnn_group",  "role": "dnn",  "instance_type": "ml.p3.2xlarge", "count": 1}],
-     "distribution": "torchrun",               # "torchrun" or "none"
+     "distribution": "torchrun",               # per variant (training/variants.py); default: its first
      "hyperparameters": {"batch_size": 64, "steps": 500},   # scalar values only
      "inputs": {"train": {"s3_uri": "s3://bucket/prefix/", "groups": ["data_group"]}},
      "max_runtime_s": 3600}
@@ -23,6 +23,7 @@ every data host, and hyperparameters the trainer knows, with valid values. Nothi
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ def parse_job_spec(raw: Any) -> JobSpec:
         variant=_string(raw, "variant"),
         workload=_string(raw, "workload"),
         instance_groups=groups,
-        distribution=_string(raw, "distribution", default="torchrun"),
+        # Absent: the variant's default, filled in by validate_job_spec.
+        distribution=_string(raw, "distribution") if "distribution" in raw else "",
         hyperparameters=_hyperparameters(raw.get("hyperparameters", {})),
         inputs=_inputs(raw.get("inputs", {}), groups),
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
@@ -232,10 +234,16 @@ def validate_job_spec(raw: Any) -> JobSpec:
         raise JobSpecError("variant", f"{spec.variant!r} is not a variant of this platform; use one of {sorted(VARIANTS)}")
     if spec.workload not in variant.workloads:
         raise JobSpecError("workload", f"variant {variant.name!r} trains {list(variant.workloads)}, not {spec.workload!r}")
+    if not spec.distribution:
+        spec = dataclasses.replace(spec, distribution=variant.distributions[0])
     if spec.distribution not in variant.distributions:
         raise JobSpecError("distribution", f"variant {variant.name!r} supports {list(variant.distributions)}, not {spec.distribution!r}")
-    if spec.distribution == "none" and spec.dnn_group.count > 1:
-        raise JobSpecError("distribution", f"'none' runs one process but the dnn group has {spec.dnn_group.count} instances: use 'torchrun'")
+    if spec.distribution in ("none", "mirrored") and spec.dnn_group.count > 1:
+        multi_host = [name for name in variant.distributions if name not in ("none", "mirrored")]
+        raise JobSpecError(
+            "distribution",
+            f"{spec.distribution!r} runs on one host but the dnn group has {spec.dnn_group.count} instances: use {multi_host[0]!r}",
+        )
     for index, group in enumerate(spec.instance_groups):
         _check_instance_type(index, group, variant.accelerator, variant.name)
     if spec.data_groups and not variant.has_data_service:

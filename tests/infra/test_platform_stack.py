@@ -13,6 +13,7 @@ import pytest
 from aws_cdk.assertions import Match, Template
 
 from tests.infra.conftest import ASSET_HASH, deployed_references, state_machine_definition
+from training.variants import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -186,12 +187,14 @@ def test_every_variant_has_an_image_and_trainium_jobs_share_a_compile_cache(temp
     (launch,) = [r for r in resources(template_json, "AWS::Lambda::Function").values()
                  if r["Properties"]["Handler"] == "lambdas.launch_job.handler.handler"]
     variables = json.dumps(launch["Properties"]["Environment"]["Variables"])
-    assert '\\"neuron\\":' in variables and '\\"pytorch\\":' in variables and "neuron-cache/" in variables
+    assert all(f'\\"{variant}\\":' in variables for variant in VARIANTS) and "neuron-cache/" in variables
     manifest = json.loads((Path(assembly.directory) / f"{stack.stack_name}.assets.json").read_text())
     build_args = [image["source"]["dockerBuildArgs"] for image in manifest["dockerImages"].values()]
-    assert sorted(args["VARIANT"] for args in build_args) == ["neuron", "pytorch"]
+    assert sorted(args["VARIANT"] for args in build_args) == sorted(VARIANTS) == ["neuron", "pytorch", "tensorflow"]
     assert {image["source"]["dockerFile"] for image in manifest["dockerImages"].values()} == {"training/images/Dockerfile"}
     base_images = [args["BASE_IMAGE"] for args in build_args]
-    assert sorted(image.split("/")[1].split(":")[0] for image in base_images) == ["pytorch-training", "pytorch-training-neuronx"]
+    assert sorted(image.split("/")[1].split(":")[0] for image in base_images) == [
+        "pytorch-training", "pytorch-training-neuronx", "tensorflow-training",
+    ]
     sagemaker_role_statements = json.dumps(statements(template_json))
     assert "/neuron-cache/*" in sagemaker_role_statements

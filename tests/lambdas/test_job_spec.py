@@ -28,6 +28,10 @@ def neuron() -> dict[str, Any]:
     return json.loads((EXAMPLES / "neuron-trn1-2xlarge.json").read_text())
 
 
+def tensorflow() -> dict[str, Any]:
+    return json.loads((EXAMPLES / "tensorflow-heterogeneous.json").read_text())
+
+
 def changed(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     """A copy of base with the value at a dotted path (list indexes as numbers) set, or removed for
     REMOVE."""
@@ -111,7 +115,22 @@ INVALID: list[tuple[str, Any, str]] = [
     ("runtime too short", changed(hetero(), "max_runtime_s", 10), "max_runtime_s"),
     ("runtime beyond SageMaker's limit", changed(hetero(), "max_runtime_s", 6 * 24 * 3600), "max_runtime_s"),
     ("runtime as a float", changed(hetero(), "max_runtime_s", 3600.5), "max_runtime_s"),
+    ("tensorflow with a PyTorch distribution", changed(tensorflow(), "distribution", "torchrun"), "distribution"),
+    ("tensorflow mirrored across two DNN hosts", changed(changed(tensorflow(), "distribution", "mirrored"), "instance_groups.1.count", 2), "distribution"),
+    ("pytorch with horovod", changed(hetero(), "distribution", "horovod"), "distribution"),
+    ("a ResNet18 asked of the Keras trainer", changed(tensorflow(), "hyperparameters.model", "resnet18"), "hyperparameters"),
+    ("tensorflow data group without the channel", changed(tensorflow(), "inputs.train.groups", ["dnn_group"]), "inputs.train.groups"),
 ]
+
+
+def test_a_spec_without_a_distribution_gets_its_variants_default() -> None:
+    assert validate_job_spec(changed(tensorflow(), "distribution", REMOVE)).distribution == "horovod"
+    assert validate_job_spec(changed(hetero(), "distribution", REMOVE)).distribution == "torchrun"
+
+
+def test_mirrored_names_horovod_as_the_multi_host_choice() -> None:
+    with pytest.raises(JobSpecError, match="use 'horovod'"):
+        validate_job_spec(changed(changed(tensorflow(), "distribution", "mirrored"), "instance_groups.1.count", 2))
 
 
 def test_the_corpus_is_large() -> None:

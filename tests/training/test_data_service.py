@@ -16,13 +16,8 @@ import pytest
 from tests.conftest import TOKEN
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
-from training.data_service.client import (
-    DataServiceDataset,
-    DataServiceRefusedError,
-    DataServiceUnavailableError,
-    describe,
-    request_shutdown,
-)
+from training.data_service.client import DataServiceDataset
+from training.data_service.control import DataServiceRefusedError, DataServiceUnavailableError, describe, request_shutdown
 from training.data_service.dataset import scan_image_folder
 from training.data_service.server import Activity, ServerSettings, StopReason, sample_order, serve, stop_verdict
 from training.local.cluster import free_port

@@ -33,8 +33,16 @@ def test_torchrun_spans_the_dnn_group() -> None:
 def test_no_distribution_runs_one_plain_process_and_refuses_more() -> None:
     kwargs = dict(distribution="none", node_rank=0, master_address="a", master_port=29500, python="python")
     assert trainer_command("m", nnodes=1, processes_per_host=1, **kwargs) == ["python", "-m", "m"]
-    with pytest.raises(HyperparameterError, match="use distribution 'torchrun'"):
+    with pytest.raises(HyperparameterError, match="use torchrun \\(PyTorch\\) or horovod \\(TensorFlow\\)"):
         trainer_command("m", nnodes=1, processes_per_host=2, **kwargs)
+
+
+def test_horovod_and_mirrored_start_the_module_itself_and_mirrored_stays_on_one_host() -> None:
+    kwargs = dict(node_rank=0, master_address="a", master_port=29500, python="python")
+    assert trainer_command("m", distribution="horovod", nnodes=2, processes_per_host=8, **kwargs) == ["python", "-m", "m"]
+    assert trainer_command("m", distribution="mirrored", nnodes=1, processes_per_host=8, **kwargs) == ["python", "-m", "m"]
+    with pytest.raises(HyperparameterError, match="'mirrored' runs on one host .* use distribution 'horovod'"):
+        trainer_command("m", distribution="mirrored", nnodes=2, processes_per_host=1, **kwargs)
 
 
 @pytest.mark.parametrize(("returncode", "status"), [(0, 0), (1, 1), (-9, 137), (-15, 143)])
@@ -92,7 +100,19 @@ CASES = {
             platform_hyperparameters(role_map=json.dumps({"homogeneousCluster": "dnn"}), distribution="none"),
             {"train": images},
         ),
-        "use distribution 'torchrun'",
+        "use torchrun (PyTorch) or horovod (TensorFlow)",
+    ),
+    "tensorflow with a PyTorch distribution": (
+        lambda tmp, images: (hetero_resource_config("algo-3"), platform_hyperparameters(variant="tensorflow", distribution="torchrun"), {}),
+        "variant 'tensorflow' runs with distribution ['horovod', 'mirrored', 'none'], not 'torchrun'",
+    ),
+    "tensorflow data host without its channel": (
+        lambda tmp, images: (hetero_resource_config("algo-2"), platform_hyperparameters(variant="tensorflow", distribution="horovod"), {}),
+        "MissingChannelError: channel 'train' is not on this host",
+    ),
+    "a ResNet18 asked of the Keras trainer": (
+        lambda tmp, images: (hetero_resource_config("algo-3"), platform_hyperparameters(variant="tensorflow", distribution="horovod", model="resnet18"), {}),
+        "model must be one of ('cnn', 'resnet50'), got 'resnet18'",
     ),
 }
 

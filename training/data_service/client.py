@@ -28,19 +28,12 @@ from torch.utils.data import IterableDataset
 
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
-from training.data_service import data_service_pb2_grpc as pb_grpc
-from training.data_service.server import GRPC_OPTIONS, MAX_BATCHES, STREAM_BATCHES, StopReason, put_until_stopped
+from training.data_service.control import CLIENT_OPTIONS, DataServiceRefusedError, DataServiceUnavailableError
+from training.data_service.server import MAX_BATCHES, STREAM_BATCHES, StopReason, put_until_stopped
 
-# gRPC backs off exponentially (up to 2 minutes) between attempts to reach a host that is not up yet, and
-# channels to the same target share that state. Data hosts start at different times: retry every second.
-CLIENT_OPTIONS = GRPC_OPTIONS + [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    # Read a stream on the calling thread (each data host has a thread of its own already) instead of
-    # handing every message over from gRPC's thread.
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
-]
+# Read a stream on the calling thread (each data host has a thread of its own already) instead of handing
+# every message over from gRPC's thread.
+STREAM_OPTIONS = CLIENT_OPTIONS + [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +47,6 @@ REFUSALS = frozenset({
 })
 
 CLEAN_ENDS = frozenset({MAX_BATCHES, StopReason.SHUTDOWN.value})
-
-
-class DataServiceError(RuntimeError):
-    """The data service cannot feed this trainer."""
-
-
-class DataServiceUnavailableError(DataServiceError):
-    """No data host can serve batches any more."""
-
-
-class DataServiceRefusedError(DataServiceError):
-    """A data host refused the request (e.g. a batch size that is not the job's)."""
 
 
 @dataclass
@@ -99,21 +80,6 @@ class StreamStats:
             address for address, state in self.hosts.items()
             if state.lost or (not state.streaming and not (state.ended or "").startswith("end of stream"))
         ]
-
-
-def describe(addresses: list[str], timeout_s: float) -> pb.DatasetInfo:
-    """DatasetInfo from the first data host that answers within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    errors: dict[str, str] = {}
-    while time.monotonic() < deadline:
-        for address in addresses:
-            with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
-                try:
-                    return pb_grpc.DataServiceStub(channel).Describe(pb.DescribeRequest(), timeout=2.0)
-                except grpc.RpcError as error:
-                    errors[address] = f"{error.code().name}: {error.details()}"
-        time.sleep(0.5)
-    raise DataServiceUnavailableError(f"no data host answered within {timeout_s:.0f} s: {errors}")
 
 
 class DataServiceDataset(IterableDataset):
@@ -176,7 +142,7 @@ class DataServiceDataset(IterableDataset):
         # The first connection may wait for a host that is still starting; later ones only briefly.
         retry_until = time.monotonic() + self.connect_timeout_s
         while not stop.is_set():
-            channel = grpc.insecure_channel(state.address, options=CLIENT_OPTIONS)
+            channel = grpc.insecure_channel(state.address, options=STREAM_OPTIONS)
             call = None
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))
@@ -234,8 +200,3 @@ def _to_tensor(array: np.ndarray) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
 
-
-def request_shutdown(address: str, token: str, requester: str, timeout_s: float = 5.0) -> pb.ShutdownReply:
-    """Ask one data host to stop. Raises grpc.RpcError (PERMISSION_DENIED for a wrong token)."""
-    with grpc.insecure_channel(address) as channel:
-        return pb_grpc.DataServiceStub(channel).Shutdown(pb.ShutdownRequest(token=token, requester=requester), timeout=timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODELS = ("cnn", "resnet18", "resnet50")
+KERAS_MODELS = ("cnn", "resnet50")
 AUGMENTATIONS = ("standard", "heavy")
 
 
@@ -72,6 +73,33 @@ class VisionConfig(LoopConfig):
         if self.cached_input_batches < 0:
             raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
         AugmentConfig(image_size=self.image_size, augment=self.augment)  # raises on a bad size or augmentation
+
+    @property
+    def augment_config(self) -> AugmentConfig:
+        return AugmentConfig(image_size=self.image_size, augment=self.augment)
+
+
+@dataclass(frozen=True)
+class KerasVisionConfig(LoopConfig):
+    """The TensorFlow (Keras 3) image-classification trainer (training/trainers/tf_vision.py)."""
+
+    model: str = "resnet50"  # "cnn" (small, width cnn_width) or "resnet50" (keras.applications, untrained)
+    cnn_width: int = 32  # channels of the first "cnn" layer; doubles per stage
+    image_size: int = 128  # side of the square crops fed to the model
+    augment: str = "standard"  # "standard" or "heavy" (training/data_service/tf_pipeline.py)
+    learning_rate: float = 0.05  # SGD with momentum, scaled by nothing: set it for the global batch
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    cached_input_batches: int = 0  # N > 0: cycle the first N real batches in memory; the model alone
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in KERAS_MODELS:
+            raise ValueError(f"model must be one of {KERAS_MODELS}, got {self.model!r}")
+        _positive(self, "cnn_width", "learning_rate")
+        if self.cached_input_batches < 0:
+            raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
+        AugmentConfig(image_size=self.image_size, augment=self.augment)
 
     @property
     def augment_config(self) -> AugmentConfig:

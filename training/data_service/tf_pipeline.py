@@ -1,0 +1,145 @@
+"""The TensorFlow variant's input pipeline: JPEG decode and augmentation as a tf.data graph.
+
+The same graph runs in two places, doing identical work per sample:
+
+* on the data hosts, inside tf.data.service workers (training/data_service/tf_service.py registers it
+  with the dispatcher under ``DATASET_ID``), when the job has a data group;
+* in the trainer's own process otherwise (a homogeneous job).
+
+Only TensorFlow ops are used (no Python functions), so the graph serialises to the tf.data.service
+workers. Files are listed relative to the channel folder and read relative to the process's working
+directory: every data host runs its workers in its own copy of the channel, wherever that is mounted.
+Batches leave as uint8 (batch, size, size, 3): normalisation happens on the trainer, which keeps the
+bytes on the wire at one per pixel and channel, as in the PyTorch data service.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import tensorflow as tf
+
+from training.data_service.dataset import ImageFolder
+from training.trainers.config import AugmentConfig
+
+# The id the dispatcher host registers the pipeline under and the trainers read it by.
+DATASET_ID = "train"
+# The tf.data.service job every trainer process shares: each batch goes to exactly one of them.
+JOB_NAME = "train"
+
+
+def element_spec(batch_size: int, image_size: int) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+    """What one batch looks like, so a trainer without the channel can read the registered dataset."""
+    return (
+        tf.TensorSpec((batch_size, image_size, image_size, 3), tf.uint8),
+        tf.TensorSpec((batch_size,), tf.int32),
+    )
+
+
+def relative_samples(folder: ImageFolder) -> tuple[list[str], list[int]]:
+    """The folder's files relative to its root (and their labels), in the folder's sorted order."""
+    paths = [os.path.relpath(path, folder.root) for path, _ in folder.samples]
+    return paths, [label for _, label in folder.samples]
+
+
+def augmentation_pipeline(paths: list[str], labels: list[int], batch_size: int, augment: AugmentConfig, seed: int) -> tf.data.Dataset:
+    """Endless shuffled batches of augmented images. Files that do not decode are skipped (the batch is
+    filled from the next ones), as the PyTorch data service replaces them."""
+    if not paths:
+        raise ValueError("the pipeline needs at least one image")
+    dataset = tf.data.Dataset.from_tensor_slices((tf.constant(paths), tf.constant(labels, tf.int32)))
+    dataset = dataset.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True).repeat()
+    dataset = dataset.map(lambda path, label: (load_and_augment(path, augment), label), num_parallel_calls=tf.data.AUTOTUNE)
+    dataset = dataset.ignore_errors()
+    return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def load_and_augment(path: tf.Tensor, config: AugmentConfig) -> tf.Tensor:
+    """One sample: decode, random resized crop, flip, colour jitter (and for "heavy": rotation, blur,
+    sharpening, autocontrast); uint8 (size, size, 3)."""
+    image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+    image = random_resized_crop(image, config.image_size)
+    image = tf.image.random_flip_left_right(image)
+    image = colour_jitter(image, strength=0.4)
+    if config.augment == "heavy":
+        image = rotate(image, tf.random.uniform((), -15.0, 15.0) * math.pi / 180)
+        image = gaussian_blur(image, sigma=tf.random.uniform((), 0.1, 1.5))
+        image = sharpen(image, factor=tf.random.uniform((), 0.5, 2.0))
+        image = autocontrast(image)
+    image = tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+    return tf.ensure_shape(image, (config.image_size, config.image_size, 3))  # the static shape trainers expect
+
+
+def random_resized_crop(image: tf.Tensor, size: int) -> tf.Tensor:
+    """Inception-style crop (area 8–100 %, aspect 3/4–4/3, ten tries, else the whole image), resized to
+    size × size; float32 out."""
+    begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
+        tf.shape(image),
+        bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+        area_range=(0.08, 1.0),
+        aspect_ratio_range=(3 / 4, 4 / 3),
+        max_attempts=10,
+        use_image_if_no_bounding_boxes=True,
+    )
+    crop = tf.slice(image, begin, crop_size)
+    return tf.image.resize(crop, (size, size), method="bilinear", antialias=True)
+
+
+def colour_jitter(image: tf.Tensor, strength: float) -> tf.Tensor:
+    """Brightness, contrast and saturation each scaled by a random factor in [1 − s, 1 + s]."""
+    image = image * tf.random.uniform((), 1 - strength, 1 + strength)
+    image = tf.image.adjust_contrast(image, tf.random.uniform((), 1 - strength, 1 + strength))
+    image = tf.image.adjust_saturation(image, tf.random.uniform((), 1 - strength, 1 + strength))
+    return tf.clip_by_value(image, 0.0, 255.0)
+
+
+def rotate(image: tf.Tensor, angle: tf.Tensor) -> tf.Tensor:
+    """Rotate about the centre by ``angle`` radians, bilinear, black corners."""
+    height = tf.cast(tf.shape(image)[0], tf.float32)
+    width = tf.cast(tf.shape(image)[1], tf.float32)
+    cos, sin = tf.cos(angle), tf.sin(angle)
+    # The projective transform maps output to input coordinates: rotate by -angle about the centre.
+    x_offset = ((width - 1) - (cos * (width - 1) - sin * (height - 1))) / 2
+    y_offset = ((height - 1) - (sin * (width - 1) + cos * (height - 1))) / 2
+    transform = tf.stack([cos, -sin, x_offset, sin, cos, y_offset, 0.0, 0.0])[tf.newaxis]
+    rotated = tf.raw_ops.ImageProjectiveTransformV3(
+        images=image[tf.newaxis],
+        transforms=transform,
+        output_shape=tf.shape(image)[:2],
+        fill_value=0.0,
+        interpolation="BILINEAR",
+        fill_mode="CONSTANT",
+    )
+    return rotated[0]
+
+
+def gaussian_blur(image: tf.Tensor, sigma: tf.Tensor, radius: int = 3) -> tf.Tensor:
+    """Separable Gaussian blur with a (2·radius + 1)-tap kernel."""
+    offsets = tf.range(-radius, radius + 1, dtype=tf.float32)
+    kernel = tf.exp(-(offsets**2) / (2 * sigma**2))
+    kernel = kernel / tf.reduce_sum(kernel)
+    channels = tf.shape(image)[-1]
+    horizontal = tf.tile(tf.reshape(kernel, (1, -1, 1, 1)), (1, 1, channels, 1))
+    vertical = tf.tile(tf.reshape(kernel, (-1, 1, 1, 1)), (1, 1, channels, 1))
+    batch = image[tf.newaxis]
+    batch = tf.nn.depthwise_conv2d(batch, horizontal, strides=(1, 1, 1, 1), padding="SAME")
+    batch = tf.nn.depthwise_conv2d(batch, vertical, strides=(1, 1, 1, 1), padding="SAME")
+    return batch[0]
+
+
+def sharpen(image: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    """PIL's ImageEnhance.Sharpness: blend with a smoothed copy; factor 1 is the original."""
+    smooth = tf.constant([[1, 1, 1], [1, 5, 1], [1, 1, 1]], tf.float32) / 13
+    kernel = tf.tile(tf.reshape(smooth, (3, 3, 1, 1)), (1, 1, tf.shape(image)[-1], 1))
+    blurred = tf.nn.depthwise_conv2d(image[tf.newaxis], kernel, strides=(1, 1, 1, 1), padding="SAME")[0]
+    return tf.clip_by_value(blurred + factor * (image - blurred), 0.0, 255.0)
+
+
+def autocontrast(image: tf.Tensor) -> tf.Tensor:
+    """Stretch each channel to the full 0–255 range; a flat channel is left as it is."""
+    low = tf.reduce_min(image, axis=(0, 1), keepdims=True)
+    high = tf.reduce_max(image, axis=(0, 1), keepdims=True)
+    span = high - low
+    stretched = (image - low) * 255.0 / tf.maximum(span, 1e-3)
+    return tf.where(span > 0, stretched, image)

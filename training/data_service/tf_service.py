@@ -1,0 +1,202 @@
+"""tf.data.service on a data host: the dispatcher (first data host only) and a worker (every data host).
+
+The launcher's data role runs this module as a child process (``TfDataService``) and keeps the
+control plane itself: our gRPC server answers Describe, keep-alives and the token-checked Shutdown
+(training/data_service/server.py), and stopping the host ends this child. TensorFlow's servers have no
+public stop that returns promptly (workers take 10–20 s), so the launcher ends the process instead:
+SIGTERM, then SIGKILL after a grace period. The child also dies with its parent (PR_SET_PDEATHSIG), so
+a killed launcher never leaves tf.data.service running, and billing, on its own.
+
+The dispatcher host registers the augmentation pipeline (training/data_service/tf_pipeline.py) under
+a fixed dataset id; trainers read it with ``from_dataset_id`` and one shared job name, so each batch goes
+to exactly one trainer process. The child runs in the channel folder: the pipeline lists files relative
+to it, so every worker reads its own host's copy of the channel.
+
+    python -m training.data_service.tf_service --worker-address 10.0.0.5:6200 \
+        --dispatcher-address 10.0.0.5:6100 [--dispatcher --batch-size 32 --image-size 224 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("training.tf_service")
+
+# A lost worker is noticed by the dispatcher after this long without a heartbeat, and its tasks are
+# dropped so the trainers stop waiting on it (TensorFlow's default is 10 minutes).
+WORKER_HEARTBEAT_MS = 1000
+WORKER_TIMEOUT_MS = 10_000
+# Printed by the child once its servers run (and, on the dispatcher host, the dataset is registered).
+READY_LINE = "tf.data.service ready"
+# Seconds between SIGTERM and SIGKILL when the host stops.
+STOP_GRACE_S = 3.0
+
+
+class TfServiceError(RuntimeError):
+    """tf.data.service did not start on this data host."""
+
+
+@dataclass(frozen=True)
+class TfServiceSettings:
+    dispatcher_address: str  # host:port of the dispatcher (on the first data host)
+    worker_address: str  # host:port this host's worker listens on and is reached at
+    channel_dir: Path  # the child runs here; the pipeline's file names are relative to it
+    dispatcher: bool  # this host also runs the dispatcher and registers the pipeline
+    batch_size: int
+    image_size: int
+    augment: str
+    seed: int
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        command = [
+            python, "-m", "training.data_service.tf_service",
+            "--dispatcher-address", self.dispatcher_address,
+            "--worker-address", self.worker_address,
+            "--batch-size", str(self.batch_size),
+            "--image-size", str(self.image_size),
+            "--augment", self.augment,
+            "--seed", str(self.seed),
+        ]
+        return command + (["--dispatcher"] if self.dispatcher else [])
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the launcher that started it dies."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+class TfDataService:
+    """The tf.data.service child process, as the data host's batch source (server.BatchSource): the
+    control server runs in the launcher, the batches flow from this child straight to the trainers."""
+
+    def __init__(self, settings: TfServiceSettings, ready_timeout_s: float = 120.0) -> None:
+        self.settings = settings
+        self.ready_timeout_s = ready_timeout_s
+        self.batches: queue.Queue = queue.Queue()  # never filled: batches do not pass through our server
+        self.skipped_samples = 0  # undecodable files are skipped inside the tf.data graph, uncounted
+        self._process: subprocess.Popen | None = None
+        self._ready = threading.Event()
+        self._stopping = False
+
+    def start(self) -> None:
+        self._process = subprocess.Popen(
+            self.settings.command(),
+            cwd=self.settings.channel_dir,
+            env=dict(os.environ) | {"PYTHONPATH": _code_root()},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
+        threading.Thread(target=self._relay, name="tf-service-output", daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self._ready.wait(timeout=0.2):
+            if self._process.poll() is not None:
+                raise TfServiceError(f"tf.data.service exited with code {self._process.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TfServiceError(f"tf.data.service was not ready within {self.ready_timeout_s:.0f} s")
+
+    def _relay(self) -> None:
+        """Pass the child's output on (so its pipe never fills) and notice when it is ready."""
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            sys.stdout.write(line)
+            if line.rstrip().endswith(READY_LINE):
+                self._ready.set()
+
+    @property
+    def failure(self) -> str | None:
+        if self._process is None or self._stopping:
+            return None
+        code = self._process.poll()
+        return None if code is None else f"tf.data.service exited on its own with code {code}"
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._process is None or self._process.poll() is not None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def _code_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+# The child ------------------------------------------------------------------------------------------
+
+
+def run_servers(args: argparse.Namespace) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO lines are noise here
+    import tensorflow as tf
+
+    from training.data_service.dataset import scan_image_folder
+    from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, relative_samples
+    from training.trainers.config import AugmentConfig
+
+    service = tf.data.experimental.service
+    dispatcher = None
+    if args.dispatcher:
+        dispatcher = service.DispatchServer(
+            service.DispatcherConfig(port=port_of(args.dispatcher_address), worker_timeout_ms=WORKER_TIMEOUT_MS)
+        )
+        log.info("dispatcher listening on port %d", port_of(args.dispatcher_address))
+    worker = service.WorkerServer(
+        service.WorkerConfig(
+            dispatcher_address=args.dispatcher_address,
+            worker_address=args.worker_address,
+            port=port_of(args.worker_address),
+            heartbeat_interval_ms=WORKER_HEARTBEAT_MS,
+        )
+    )
+    log.info("worker %s serving for dispatcher %s", args.worker_address, args.dispatcher_address)
+    if dispatcher is not None:
+        folder = scan_image_folder(Path.cwd(), "train", "data")
+        paths, labels = relative_samples(folder)
+        augment = AugmentConfig(image_size=args.image_size, augment=args.augment)
+        dataset = augmentation_pipeline(paths, labels, args.batch_size, augment, args.seed)
+        service.register_dataset(f"grpc://{args.dispatcher_address}", dataset, dataset_id=DATASET_ID)
+        log.info("registered the augmentation pipeline (%d images, %d classes) as %r", len(paths), len(folder.classes), DATASET_ID)
+    print(READY_LINE, flush=True)
+    worker.join()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dispatcher-address", required=True)
+    parser.add_argument("--worker-address", required=True)
+    parser.add_argument("--dispatcher", action="store_true")
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--image-size", type=int, required=True)
+    parser.add_argument("--augment", default="standard")
+    parser.add_argument("--seed", type=int, default=0)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the servers hold no state worth a slow stop
+    run_servers(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
