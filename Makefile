@@ -45,6 +45,7 @@ test: venv node
 
 demo: venv
 	$(PY) -m training.local.demo
+	$(PY) -m training.local.demo --variant tensorflow
 	$(PY) app.py > /dev/null && echo "synthesized the platform stack into cdk.out/ (cdk-nag clean)"
 
 synth: venv node

@@ -21,6 +21,7 @@ line. The trainer's exit code is this host's exit code; a trainer killed by a si
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -208,12 +210,14 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         else:
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
+        watchdog = None
         if data_targets and variant.data_service != "grpc":
             # Batches bypass our data hosts' control servers: tell them the trainers are alive.
             from training.data_service.control import KeepAlive
 
-            stack.enter_context(KeepAlive(data_targets, interval_s=min(5.0, settings.data_idle_timeout_s / 3)))
-        status = wait_for_trainers(processes, stop)
+            keepalive = stack.enter_context(KeepAlive(data_targets, interval_s=min(5.0, settings.data_idle_timeout_s / 3)))
+            watchdog = functools.partial(dispatcher_lost, keepalive, data_targets[0], DISPATCHER_LOSS_S)
+        status = wait_for_trainers(processes, stop, abort=watchdog)
     if status and not failure_path().exists():  # the trainer may have written a more precise reason
         write_failure(f"the trainer on {cluster.current_host} exited with status {status}")
     # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
@@ -254,15 +258,36 @@ def _start_horovod_ranks(
     ]
 
 
-def wait_for_trainers(processes: list[subprocess.Popen], stop: threading.Event, grace_s: float = 10.0) -> int:
+# tf.data.service has one dispatcher: once its host is gone no trainer gets another batch, and its
+# client would wait for an hour. The job fails after this long without an answer from that host.
+DISPATCHER_LOSS_S = 20.0
+
+
+def dispatcher_lost(keepalive: Any, dispatcher_target: str, bound_s: float) -> str | None:
+    """Why the job must stop, if the dispatcher's host has been silent for longer than ``bound_s``."""
+    silent = keepalive.silent_for(dispatcher_target)
+    if silent <= bound_s:
+        return None
+    return f"the tf.data.service dispatcher host ({dispatcher_target}) has not answered for {silent:.0f} s: no trainer can get batches"
+
+
+def wait_for_trainers(
+    processes: list[subprocess.Popen], stop: threading.Event, grace_s: float = 10.0, abort: Callable[[], str | None] | None = None
+) -> int:
     """Wait for every trainer process of this host. The first to fail fails the host: the others are
     stopped (a Horovod rank whose peer died would otherwise wait for ever); SIGTERM to the launcher is
-    passed on to all of them. Returns this host's exit status."""
+    passed on to all of them; ``abort`` returning a reason stops them all and fails the host with it.
+    Returns this host's exit status."""
     status = 0
     stopping_since: float | None = None
     while any(process.poll() is None for process in processes):
         failed = [process for process in processes if process.returncode not in (None, 0)]
-        if (failed or stop.is_set()) and stopping_since is None:
+        reason = abort() if abort is not None and stopping_since is None else None
+        if reason:
+            log.error("%s", reason)
+            write_failure(reason)
+            status = 1
+        if (failed or reason or stop.is_set()) and stopping_since is None:
             if failed:
                 status = exit_status(failed[0].returncode)
                 _log_trainer_end(failed[0].returncode)

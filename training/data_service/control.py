@@ -83,15 +83,19 @@ def request_shutdown(address: str, token: str, requester: str, timeout_s: float 
 
 
 class KeepAlive:
-    """Tells every data host, every ``interval_s``, that a trainer is still running on this host.
+    """Tells every data host, every ``interval_s``, that a trainer is still running on this host, and
+    tracks when each last answered.
 
-    A host that does not answer is simply asked again next time (it may be starting, or gone).
+    A host that does not answer is simply asked again next time (it may be starting, or gone);
+    ``silent_for`` says for how long it has not answered.
     """
 
     def __init__(self, addresses: list[str], interval_s: float) -> None:
+        self.addresses = addresses
         self._channels = [grpc.insecure_channel(address, options=CLIENT_OPTIONS) for address in addresses]
         self._interval_s = interval_s
         self._stop = threading.Event()
+        self._last_answer = {address: time.monotonic() for address in addresses}
         self._thread = threading.Thread(target=self._run, name="data-host-keepalive", daemon=True)
 
     def __enter__(self) -> KeepAlive:
@@ -107,9 +111,14 @@ class KeepAlive:
     def _run(self) -> None:
         stubs = [pb_grpc.DataServiceStub(channel) for channel in self._channels]
         while not self._stop.is_set():
-            for stub in stubs:
+            for address, stub in zip(self.addresses, stubs, strict=True):
                 try:
                     stub.Describe(pb.DescribeRequest(), timeout=2.0)
+                    self._last_answer[address] = time.monotonic()
                 except grpc.RpcError:
                     pass
             self._stop.wait(self._interval_s)
+
+    def silent_for(self, address: str) -> float:
+        """Seconds since ``address`` last answered (since the start, if it never did)."""
+        return time.monotonic() - self._last_answer[address]

@@ -4,14 +4,16 @@
 2. profiles the two halves of the work: the data pipeline alone on one data host's CPU, and the model
    alone on the DNN host's CPU with input already in memory (training/local/profile.py);
 3. runs the example job specs on the emulated cluster: homogeneous (the DNN host decodes and augments on
-   its own CPU, between training steps) and heterogeneous (+1 data host streaming batches over gRPC);
+   its own CPU, between training steps) and heterogeneous (+ data hosts streaming batches: over our gRPC
+   service for pytorch, through tf.data.service for tensorflow);
 4. prints step time, samples/s, speed-up against the ideal, and cost per 1k steps.
 
-The job specs are examples/pytorch-{homogeneous,heterogeneous}.json, shrunk to fit a laptop CPU by
+The job specs are examples/<variant>-{homogeneous,heterogeneous}.json, shrunk to fit a laptop CPU by
 LOCAL_OVERRIDES. Costs are *emulated*: local step times × SageMaker list prices of the spec's instance
-types, a price-performance estimate of the same shape as the cloud's, not a cloud measurement.
+types, a price-performance estimate of the same shape as the cloud's, not a cloud measurement. Data hosts
+that share cores here (2 data hosts on one spare core) count for the cores they really have in the ideal.
 
-    python -m training.local.demo [--workdir build/demo] [--steps 80]
+    python -m training.local.demo [--variant pytorch|tensorflow] [--workdir build/demo] [--steps 80]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptio
 from training.local.images import write_dataset
 from training.local.profile import Profile, preprocess_ms_per_batch, train_ms_per_step
 from training.metrics import parse_metric_line
-from training.trainers.config import VisionConfig
+from training.variants import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -65,6 +67,12 @@ class Comparison:
     profile: Profile
     homogeneous: RunFigures
     heterogeneous: RunFigures
+    # Data hosts' worth of CPUs the emulated data group really has (hosts sharing a core count once).
+    effective_data_hosts: float = 0.0
+
+    @property
+    def data_capacity(self) -> float:
+        return self.effective_data_hosts or self.heterogeneous.data_hosts
 
     @property
     def speed_up(self) -> float:
@@ -72,12 +80,12 @@ class Comparison:
 
     @property
     def ideal_speed_up(self) -> float:
-        return self.profile.ideal_step_ms(0) / self.profile.ideal_step_ms(self.heterogeneous.data_hosts)
+        return self.profile.ideal_step_ms(0) / self.profile.ideal_step_ms(self.data_capacity)
 
     @property
     def offload_efficiency(self) -> float:
         """Heterogeneous step time / the ideal one; 1.0 means the data service costs nothing."""
-        return self.heterogeneous.step_ms / self.profile.ideal_step_ms(self.heterogeneous.data_hosts)
+        return self.heterogeneous.step_ms / self.profile.ideal_step_ms(self.data_capacity)
 
 
 class Progress:
@@ -127,19 +135,21 @@ def run_job(label: str, spec: JobSpec, options: EmulationOptions, progress: bool
     return RunFigures(label, spec, summary["step_time_ms"]["p50"], summary["samples_per_s"])
 
 
-def run_comparison(workdir: Path, steps: int) -> Comparison:
+def run_comparison(workdir: Path, steps: int, variant: str = "pytorch") -> Comparison:
     images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
     overrides = LOCAL_OVERRIDES | {"steps": steps}
-    homogeneous, heterogeneous = load_spec("pytorch-homogeneous.json", overrides), load_spec("pytorch-heterogeneous.json", overrides)
-    config = VisionConfig(**overrides)
+    homogeneous, heterogeneous = load_spec(f"{variant}-homogeneous.json", overrides), load_spec(f"{variant}-heterogeneous.json", overrides)
+    config = VARIANTS[variant].config(**overrides)
 
     def options(name: str) -> EmulationOptions:
         shutil.rmtree(workdir / name, ignore_errors=True)
         return EmulationOptions(workdir=workdir / name, channels={"train": images})
 
-    data_host_cpus = next(host.cpus for host in plan_hosts(heterogeneous, options("plan"), _cpus(), 0) if host.role == "data")
+    data_cpus = [host.cpus for host in plan_hosts(heterogeneous, options("plan"), _cpus(), 0) if host.role == "data"]
+    data_host_cpus = data_cpus[0]
+    effective = min(len(data_cpus), len(set().union(*data_cpus)) / len(data_host_cpus))
     print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
-    preprocess = preprocess_ms_per_batch(images, config, data_host_cpus)
+    preprocess = preprocess_ms_per_batch(images, config, data_host_cpus, data_service=VARIANTS[variant].data_service)
     train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
     profile = Profile(preprocess, train)
     print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
@@ -148,6 +158,7 @@ def run_comparison(workdir: Path, steps: int) -> Comparison:
         profile,
         run_job("homogeneous", homogeneous, options("homogeneous")),
         run_job("heterogeneous", heterogeneous, options("heterogeneous")),
+        effective_data_hosts=effective,
     )
 
 
@@ -170,7 +181,8 @@ def render(comparison: Comparison) -> str:
         "",
         f"profile: preprocessing {comparison.profile.preprocess_ms_per_batch:.1f} ms/batch on one data-host CPU, "
         f"training {comparison.profile.train_ms_per_step:.1f} ms/step with input in memory",
-        f"ideal = (preprocess + train) / max(train, preprocess / data hosts); "
+        f"ideal = (preprocess + train) / max(train, preprocess / data hosts) with {comparison.data_capacity:g} data hosts' "
+        f"worth of CPUs here; "
         f"heterogeneous step / ideal step = {comparison.offload_efficiency:.3f}",
         f"price-performance: {abs(saving):.0%} {'lower' if saving >= 0 else 'higher'} cost per step with the data host "
         f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
@@ -182,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo")
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--variant", choices=[name for name, variant in VARIANTS.items() if variant.has_data_service], default="pytorch")
     args = parser.parse_args(argv)
-    comparison = run_comparison(args.workdir, args.steps)
+    workdir = args.workdir / args.variant if args.variant != "pytorch" else args.workdir
+    comparison = run_comparison(workdir, args.steps, args.variant)
     print()
     print(render(comparison))
-    print(f"\nhost trees and logs: {args.workdir}")
+    print(f"\nhost trees and logs: {workdir}")
     return 0
 
 

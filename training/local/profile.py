@@ -3,8 +3,9 @@
 Together they give the ideal a heterogeneous job can reach: with the CPU work moved to data hosts, a step
 can be no faster than the slower of the two, ``max(train-only step, preprocessing per batch / data hosts)``.
 
-* preprocessing alone: the data host's real pipeline (BatchProducer, its worker processes) in a process
-  pinned to the CPUs a data host gets, timed in steady state;
+* preprocessing alone: the data host's real pipeline (BatchProducer and its worker processes, or the
+  tensorflow variant's tf.data graph) in a process pinned to the CPUs a data host gets, timed in steady
+  state;
 * training alone: the real job on the emulated cluster with ``cached_input_batches``: real batches made
   once and cycled in memory, so the step time is the model's alone.
 """
@@ -23,7 +24,7 @@ from lambdas.core.job_spec import JobSpec
 from training.data_service.dataset import scan_image_folder
 from training.data_service.server import BatchProducer
 from training.local.cluster import EmulatedCluster, EmulationOptions, LineCallback
-from training.trainers.config import VisionConfig
+from training.trainers.config import KerasVisionConfig, VisionConfig
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,35 @@ def _time_pipeline(channel: str, config: VisionConfig, cpus: tuple[int, ...], ba
         producer.stop()
 
 
-def preprocess_ms_per_batch(channel: Path, config: VisionConfig, cpus: tuple[int, ...], batches: int = 20) -> float:
+def _time_tf_pipeline(channel: str, config: KerasVisionConfig, cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
+    os.sched_setaffinity(0, cpus)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from training.data_service.tf_pipeline import augmentation_pipeline
+
+    tf.config.threading.set_intra_op_parallelism_threads(len(cpus))
+    folder = scan_image_folder(Path(channel), "train", "profile")
+    dataset = augmentation_pipeline(
+        [path for path, _ in folder.samples], [label for _, label in folder.samples], config.batch_size, config.augment_config, config.seed
+    )
+    iterator = iter(dataset)
+    for _ in range(3):  # graph start-up and autotuning
+        next(iterator)
+    started = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    result.put((time.perf_counter() - started) * 1000 / batches)
+
+
+def preprocess_ms_per_batch(
+    channel: Path, config: VisionConfig | KerasVisionConfig, cpus: tuple[int, ...], batches: int = 20, data_service: str = "grpc"
+) -> float:
+    """One data host's preprocessing time per batch, with the pipeline its variant's data hosts run."""
     context = multiprocessing.get_context("spawn")
     result = context.Queue()
-    process = context.Process(target=_time_pipeline, args=(str(channel), config, cpus, batches, result))
+    target = _time_tf_pipeline if data_service == "tf.data.service" else _time_pipeline
+    process = context.Process(target=target, args=(str(channel), config, cpus, batches, result))
     process.start()
     try:
         # Read before joining: a child does not exit until what it put on the queue has been taken.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,24 @@ def test_the_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture)
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p3.2xlarge" in out and "heterogeneous: 1× ml.c5.9xlarge" in out
     assert "preprocessing" in out and "EMULATED" in out
+
+
+def test_data_hosts_sharing_a_core_count_once_in_the_ideal() -> None:
+    comparison = Comparison(
+        Profile(60, 40),
+        figures("homogeneous", "tensorflow-homogeneous.json", 100),
+        figures("heterogeneous", "tensorflow-heterogeneous.json", 63),
+        effective_data_hosts=1.0,  # the spec's 2 data hosts share one core here
+    )
+    assert comparison.heterogeneous.data_hosts == 2
+    assert comparison.ideal_speed_up == pytest.approx(100 / 60)  # not 100 / 40, as 2 real hosts would give
+    assert "with 1 data hosts' worth of CPUs" in render(comparison)
+
+
+@pytest.mark.cluster
+def test_the_tensorflow_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("horovod.tensorflow")
+    assert main(["--variant", "tensorflow", "--workdir", str(tmp_path), "--steps", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "homogeneous: 1× ml.p4d.24xlarge" in out and "heterogeneous: 2× ml.c5.18xlarge + 1× ml.p4d.24xlarge" in out
+    assert re.search(r"preprocessing \d+\.\d ms/batch", out) and "EMULATED" in out

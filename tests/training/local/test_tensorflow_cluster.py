@@ -119,3 +119,20 @@ def test_an_unreachable_dispatcher_fails_the_trainer_within_the_bound(tmp_path: 
     assert result.returncode == 1, result.stdout[-2000:]
     assert time.monotonic() - started < 60
     assert (base / "output" / "failure").read_text().startswith("DataServiceUnavailableError: no data host answered within 3 s")
+
+
+@pytest.mark.cluster
+def test_losing_the_dispatcher_host_fails_the_job_instead_of_hanging(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=2, steps=10_000), tmp_path, images)
+    try:
+        watcher.wait_for("algo-3", r"^step=3/")
+        cluster.kill("algo-1")  # the dispatcher's host: no batch can come any more
+        killed_at = time.monotonic()
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    dnn = result.outcome("algo-3")
+    assert dnn.exit_code == 1 and dnn.ended_at - killed_at < 60
+    failure = (cluster.host("algo-3").base_dir / "output" / "failure").read_text()
+    assert failure.startswith("the tf.data.service dispatcher host") and "has not answered" in failure
+    assert result.outcome("algo-2").exit_code == 0 and result.orphans == []  # told to stop by the failing DNN host
