@@ -1,0 +1,224 @@
+"""Benchmark sweeps: which configurations to run, and which one is cheapest per step. Pure.
+
+A sweep's input (the "benchmark sweep" state machine's execution input, or the schedule's):
+
+    {"sweep_name": "resnet-weekly",                       # letters, digits, hyphens
+     "configurations": [<job spec>, ...]}                 # explicit, 1–16
+  or
+    {"sweep_name": "resnet-weekly",
+     "base": <job spec>,                                  # its dnn group and hyperparameters
+     "data_hosts": [0, 1, 2, 4],                          # one configuration per data-group size
+     "data_instance_type": "ml.c5.9xlarge",               # default: the base's data group type, else this
+     "extra": [<job spec>, ...],                          # e.g. Trainium configurations
+     "step_time_target_ms": 150}                          # optional: only configurations this fast qualify
+
+Each configuration is a full job spec, validated as a training run would be, with a run name of its own
+(``<base run name>-d<n>`` for the generated ones). The comparison takes each run's result.json and the
+day's prices: cost per 1k steps, improvement over the baseline (the first configuration that
+succeeded; for generated sweeps that is the GPU alone), and the recommended configuration: the cheapest
+per step among those that succeeded within the step-time target.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lambdas.core.job_spec import JobSpecError, validate_job_spec
+from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
+
+SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,31}$")
+MAX_CONFIGURATIONS = 16
+DEFAULT_DATA_INSTANCE_TYPE = "ml.c5.9xlarge"
+SWEEP_KEYS = {"sweep_name", "configurations", "base", "data_hosts", "data_instance_type", "extra", "step_time_target_ms"}
+
+
+class SweepSpecError(ValueError):
+    """The sweep's input is not one the platform can run; names the field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    sweep_name: str
+    configurations: tuple[dict[str, Any], ...]  # job specs, each valid, run names unique
+    step_time_target_ms: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sweep_name": self.sweep_name,
+            "configurations": [{"index": index, "name": spec["run_name"], "spec": spec} for index, spec in enumerate(self.configurations)],
+            "step_time_target_ms": self.step_time_target_ms,
+        }
+
+
+def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str) -> dict[str, Any]:
+    """The base spec with a data group of ``count`` hosts (0: the DNN group alone, preprocessing on its
+    own CPUs), its channels assigned accordingly, and a run name that says so."""
+    spec = copy.deepcopy(dict(base))
+    dnn = [group for group in spec.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "dnn"]
+    if len(dnn) != 1:
+        raise SweepSpecError("base.instance_groups", "needs exactly one group with role 'dnn' to build configurations from")
+    spec["run_name"] = f"{spec.get('run_name', 'sweep')}-d{count}"[:40]
+    if count == 0:
+        spec["instance_groups"] = dnn
+        spec["inputs"] = {name: {key: value for key, value in channel.items() if key != "groups"}
+                          for name, channel in dict(spec.get("inputs", {})).items()}
+    else:
+        spec["instance_groups"] = [{"name": "data_group", "role": "data", "instance_type": data_instance_type, "count": count}, *dnn]
+        spec["inputs"] = {name: dict(channel) | {"groups": ["data_group"]} for name, channel in dict(spec.get("inputs", {})).items()}
+    return spec
+
+
+def plan_sweep(raw: Any) -> SweepPlan:
+    if not isinstance(raw, dict):
+        raise SweepSpecError("$", "a sweep input is a JSON object")
+    unknown = sorted(set(raw) - SWEEP_KEYS)
+    if unknown:
+        raise SweepSpecError(unknown[0], f"unknown field; a sweep takes {sorted(SWEEP_KEYS)}")
+    name = raw.get("sweep_name")
+    if not isinstance(name, str) or not SWEEP_NAME.match(name):
+        raise SweepSpecError("sweep_name", f"{name!r} must be 1–32 letters, digits or hyphens")
+    target = raw.get("step_time_target_ms")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or target <= 0):
+        raise SweepSpecError("step_time_target_ms", f"must be a positive number of milliseconds, got {target!r}")
+    if ("configurations" in raw) == ("base" in raw):
+        raise SweepSpecError("configurations", "give either 'configurations' (job specs) or 'base' with 'data_hosts', not both or neither")
+    specs = list(raw["configurations"]) if "configurations" in raw else _generated(raw)
+    specs += list(raw.get("extra", []))
+    if not 1 <= len(specs) <= MAX_CONFIGURATIONS:
+        raise SweepSpecError("configurations", f"a sweep runs 1–{MAX_CONFIGURATIONS} configurations, got {len(specs)}")
+    for index, spec in enumerate(specs):
+        try:
+            validate_job_spec(spec)
+        except JobSpecError as error:
+            raise SweepSpecError(f"configurations[{index}].{error.field}", error.problem) from None
+    names = [spec["run_name"] for spec in specs]
+    duplicates = sorted({run for run in names if names.count(run) > 1})
+    if duplicates:
+        raise SweepSpecError("configurations", f"run names must differ within a sweep: {duplicates} appear twice")
+    return SweepPlan(name, tuple(specs), float(target) if target is not None else None)
+
+
+def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
+    base, counts = raw["base"], raw.get("data_hosts")
+    if not isinstance(base, dict):
+        raise SweepSpecError("base", "must be a job spec (a JSON object)")
+    if not isinstance(counts, list) or not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 20 for n in counts):
+        raise SweepSpecError("data_hosts", f"must be a non-empty list of data-group sizes 0–20, got {counts!r}")
+    if len(set(counts)) != len(counts):
+        raise SweepSpecError("data_hosts", f"sizes must differ, got {counts}")
+    data_groups = [group for group in base.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "data"]
+    instance = raw.get("data_instance_type") or (data_groups[0].get("instance_type") if data_groups else DEFAULT_DATA_INSTANCE_TYPE)
+    return [with_data_hosts(base, count, instance) for count in counts]
+
+
+# Comparison -------------------------------------------------------------------------------------------
+
+
+def data_host_count(spec: Mapping[str, Any]) -> int:
+    return sum(group["count"] for group in spec["instance_groups"] if group.get("role") == "data")
+
+
+def describe_cluster(spec: Mapping[str, Any]) -> str:
+    return " + ".join(f"{group['count']}× {group['instance_type']}" for group in spec["instance_groups"])
+
+
+def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_target_ms: float | None) -> dict[str, Any]:
+    """The report: one row per configuration, in sweep order, and the recommendation.
+
+    ``outcomes``: per configuration, {"name", "spec", "status": "SUCCEEDED"|"FAILED", "error"?, "result"?: result.json}.
+    """
+    rows = []
+    for outcome in outcomes:
+        spec, result = outcome["spec"], outcome.get("result") or {}
+        step = (result.get("step_time_ms") or {}).get("p50")
+        succeeded = outcome["status"] == "SUCCEEDED" and step is not None
+        row: dict[str, Any] = {
+            "name": outcome["name"],
+            "cluster": describe_cluster(spec),
+            "variant": spec["variant"],
+            "data_hosts": data_host_count(spec),
+            "status": "succeeded" if succeeded else "failed",
+            "error": None if succeeded else (outcome.get("error") or result.get("failure_reason") or "no step time in the result"),
+            "step_time_ms": step if succeeded else None,
+            "usd_per_hour": None,
+            "cost_per_1k_steps_usd": None,
+            "price_note": None,
+        }
+        try:
+            row["usd_per_hour"] = round(hourly_cost([(g["instance_type"], g["count"]) for g in spec["instance_groups"]], prices), 4)
+        except KeyError as error:
+            row["price_note"] = str(error).strip("'\"")
+        if succeeded and row["usd_per_hour"] is not None:
+            row["cost_per_1k_steps_usd"] = round(cost_per_1k_steps(row["usd_per_hour"], step), 6)
+        rows.append(row)
+    priced = [row for row in rows if row["cost_per_1k_steps_usd"] is not None]
+    baseline = priced[0] if priced else None
+    for row in rows:
+        row["improvement_vs_baseline"] = (
+            round(improvement(row["cost_per_1k_steps_usd"], baseline["cost_per_1k_steps_usd"]), 4)
+            if baseline and row["cost_per_1k_steps_usd"] is not None else None
+        )
+        row["meets_target"] = row["step_time_ms"] is not None and (step_time_target_ms is None or row["step_time_ms"] <= step_time_target_ms)
+    eligible = [row for row in priced if row["meets_target"]]
+    recommended = min(eligible, key=lambda row: row["cost_per_1k_steps_usd"]) if eligible else None
+    return {
+        "configurations": rows,
+        "baseline": baseline["name"] if baseline else None,
+        "recommended": recommended["name"] if recommended else None,
+        "recommended_data_hosts": recommended["data_hosts"] if recommended else None,
+        "step_time_target_ms": step_time_target_ms,
+        "failed": [row["name"] for row in rows if row["status"] == "failed"],
+        "prices": {"source": prices.source, "date": prices.date},
+    }
+
+
+def render_markdown(report: Mapping[str, Any], title: str) -> str:
+    lines = [f"# {title}", ""]
+    target = report["step_time_target_ms"]
+    lines += [
+        "| configuration | cluster | data hosts | status | step time (ms) | $/hour | $ per 1k steps | vs baseline |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in report["configurations"]:
+        mark = " **(recommended)**" if row["name"] == report["recommended"] else ""
+        status = row["status"] if row["status"] == "succeeded" else f"FAILED: {row['error']}"
+        lines.append(
+            f"| {row['name']}{mark} | {row['cluster']} | {row['data_hosts']} | {status} | {_number(row['step_time_ms'], 1)} | "
+            f"{_number(row['usd_per_hour'], 3)} | {_number(row['cost_per_1k_steps_usd'], 4)} | {_percent(row['improvement_vs_baseline'])} |"
+        )
+    lines.append("")
+    if report["recommended"]:
+        rule = f"within the {target:g} ms step-time target" if target else "with no step-time target"
+        lines.append(f"**Recommended:** {report['recommended']} ({report['recommended_data_hosts']} data hosts): the lowest cost per step {rule}.")
+    else:
+        lines.append("**No recommendation:** no configuration succeeded" + (f" within the {target:g} ms step-time target." if target else "."))
+    if report["baseline"]:
+        lines.append(f"Baseline: {report['baseline']} (the first configuration that succeeded).")
+    if report["failed"]:
+        lines.append(f"Failed: {', '.join(report['failed'])}.")
+    prices = report["prices"]
+    lines += ["", f"Prices: {prices['source']}, {prices['date']}."]
+    notes = sorted({row["price_note"] for row in report["configurations"] if row["price_note"]})
+    lines += [f"Not priced: {note}." for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _percent(value: float | None) -> str:
+    """An improvement as readers say it: 0.46 → "46% cheaper", −0.1 → "10% dearer"."""
+    if value is None:
+        return "–"
+    if abs(value) < 0.005:
+        return "±0%"
+    return f"{value:.0%} cheaper" if value > 0 else f"{-value:.0%} dearer"

@@ -1,0 +1,120 @@
+"""lambdas/core/sweep.py and chart.py: sweep inputs planned or refused by name, the comparison and its
+recommendation, the markdown table and the PNG chart (decoded with Pillow and checked)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from lambdas.core.chart import BAR, BEST, FAILED, render_chart
+from lambdas.core.price_performance import FALLBACK_PRICES
+from lambdas.core.sweep import SweepSpecError, compare, plan_sweep, render_markdown, with_data_hosts
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TF = json.loads((EXAMPLES / "tensorflow-heterogeneous.json").read_text())
+PYTORCH = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+TRAINIUM = json.loads((EXAMPLES / "neuron-trn1-2xlarge.json").read_text())
+
+
+def test_a_base_and_data_group_sizes_make_one_valid_configuration_each() -> None:
+    plan = plan_sweep({"sweep_name": "resnet-weekly", "base": TF, "data_hosts": [0, 1, 2, 4]})
+    names = [spec["run_name"] for spec in plan.configurations]
+    assert names == ["resnet50-hetero-d0", "resnet50-hetero-d1", "resnet50-hetero-d2", "resnet50-hetero-d4"]
+    alone, two = plan.configurations[0], plan.configurations[2]
+    assert [g["role"] for g in alone["instance_groups"]] == ["dnn"] and "groups" not in alone["inputs"]["train"]
+    assert two["instance_groups"][0] == {"name": "data_group", "role": "data", "instance_type": "ml.c5.18xlarge", "count": 2}
+    assert two["inputs"]["train"]["groups"] == ["data_group"]
+    assert plan.to_json()["configurations"][3]["index"] == 3
+
+
+def test_extra_configurations_join_and_explicit_lists_are_taken_as_they_are() -> None:
+    plan = plan_sweep({"sweep_name": "mixed", "base": PYTORCH, "data_hosts": [0, 1], "extra": [TRAINIUM]})
+    assert [spec["variant"] for spec in plan.configurations] == ["pytorch", "pytorch", "neuron"]
+    explicit = plan_sweep({"sweep_name": "two", "configurations": [PYTORCH, TF], "step_time_target_ms": 150})
+    assert len(explicit.configurations) == 2 and explicit.step_time_target_ms == 150.0
+
+
+BAD: list[tuple[str, Any, str]] = [
+    ("not an object", [], "$"),
+    ("unknown field", {"sweep_name": "s", "base": TF, "data_hosts": [0], "concurrency": 9}, "concurrency"),
+    ("bad sweep name", {"sweep_name": "no spaces please", "configurations": [TF]}, "sweep_name"),
+    ("both forms", {"sweep_name": "s", "configurations": [TF], "base": TF, "data_hosts": [0]}, "configurations"),
+    ("neither form", {"sweep_name": "s"}, "configurations"),
+    ("sizes not a list", {"sweep_name": "s", "base": TF, "data_hosts": 2}, "data_hosts"),
+    ("negative size", {"sweep_name": "s", "base": TF, "data_hosts": [0, -1]}, "data_hosts"),
+    ("repeated size", {"sweep_name": "s", "base": TF, "data_hosts": [1, 1]}, "data_hosts"),
+    ("an invalid configuration", {"sweep_name": "s", "configurations": [TF, TF | {"variant": "jax"}]}, "configurations[1].variant"),
+    ("run names collide", {"sweep_name": "s", "configurations": [TF, TF]}, "configurations"),
+    ("GPU data hosts", {"sweep_name": "s", "base": TF, "data_hosts": [1], "data_instance_type": "ml.p3.2xlarge"},
+     "configurations[0].instance_groups[0].instance_type"),
+    ("target not positive", {"sweep_name": "s", "configurations": [TF], "step_time_target_ms": 0}, "step_time_target_ms"),
+    ("too many", {"sweep_name": "s", "base": TF, "data_hosts": list(range(17))}, "configurations"),
+]
+
+
+@pytest.mark.parametrize(("raw", "field"), [(raw, field) for _, raw, field in BAD], ids=[name for name, _, _ in BAD])
+def test_bad_sweep_inputs_are_refused_naming_the_field(raw: Any, field: str) -> None:
+    with pytest.raises(SweepSpecError) as refused:
+        plan_sweep(raw)
+    assert refused.value.field == field and len(refused.value.problem) > 10
+
+
+def outcomes(steps: dict[int, float | None]) -> list[dict[str, Any]]:
+    rows = []
+    for count, step in steps.items():
+        spec = with_data_hosts(TF, count, "ml.c5.18xlarge")
+        rows.append({
+            "name": spec["run_name"], "spec": spec, "status": "SUCCEEDED" if step else "FAILED",
+            "error": None if step else "TrainingJobFailed: AlgorithmError", "result": {"step_time_ms": {"p50": step}} if step else None,
+        })
+    return rows
+
+
+def test_the_public_resnet_table_picks_two_data_hosts_and_marks_the_failure() -> None:
+    report = compare(outcomes({0: 192.0, 1: 120.0, 2: 86.0, 4: None}), FALLBACK_PRICES, None)
+    rows = {row["name"]: row for row in report["configurations"]}
+    assert report["baseline"] == "resnet50-hetero-d0" and report["recommended"] == "resnet50-hetero-d2"
+    assert report["recommended_data_hosts"] == 2 and report["failed"] == ["resnet50-hetero-d4"]
+    assert round(rows["resnet50-hetero-d2"]["improvement_vs_baseline"] * 100) == 46  # the public figure
+    assert rows["resnet50-hetero-d4"]["status"] == "failed" and rows["resnet50-hetero-d4"]["cost_per_1k_steps_usd"] is None
+    markdown = render_markdown(report, "resnet sweep")
+    assert "| resnet50-hetero-d2 **(recommended)** |" in markdown and "46% cheaper" in markdown
+    assert "FAILED: TrainingJobFailed: AlgorithmError" in markdown and FALLBACK_PRICES.date in markdown
+
+
+def test_a_step_time_target_can_exclude_the_cheapest() -> None:
+    steps = {0: 192.0, 1: 80.0, 2: 75.0}  # per 1k steps: d1 41.36 $/h × 80 ms = $0.919, d2 45.03 $/h × 75 ms = $0.938
+    assert compare(outcomes(steps), FALLBACK_PRICES, None)["recommended"] == "resnet50-hetero-d1"
+    report = compare(outcomes(steps), FALLBACK_PRICES, step_time_target_ms=78)
+    assert report["recommended"] == "resnet50-hetero-d2"  # d1 is cheaper but misses the target
+    too_strict = compare(outcomes({0: 192.0, 1: 90.0}), FALLBACK_PRICES, step_time_target_ms=50)
+    assert too_strict["recommended"] is None and "No recommendation" in render_markdown(too_strict, "t")
+
+
+def test_unpriced_configurations_are_reported_but_not_recommended() -> None:
+    trainium = {"name": "bert-trn1", "spec": TRAINIUM, "status": "SUCCEEDED", "result": {"step_time_ms": {"p50": 10.0}}}
+    report = compare([*outcomes({0: 192.0}), trainium], FALLBACK_PRICES, None)
+    (row,) = [r for r in report["configurations"] if r["name"] == "bert-trn1"]
+    assert row["cost_per_1k_steps_usd"] is None and "ml.trn1.2xlarge" in row["price_note"]
+    assert report["recommended"] == "resnet50-hetero-d0"
+
+
+def test_the_chart_is_a_png_with_a_bar_per_configuration(tmp_path: Path) -> None:
+    report = compare(outcomes({0: 192.0, 1: 120.0, 2: 86.0, 4: None}), FALLBACK_PRICES, None)
+    png = render_chart(report, "resnet-weekly 2026-11-29")
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    assert image.format is None or image.size[0] >= 900
+    colours = {colour for _, colour in image.getcolors(maxcolors=1 << 16)}
+    assert {BAR, BEST, FAILED} <= colours  # ordinary bars, the recommended one, the failed stub
+    # The tallest bar (192 ms, the GPU alone) stands higher than the recommended one (86 ms).
+    columns = [x for x in range(image.size[0] // 2) if image.getpixel((x, 390)) == BAR]
+    best = [x for x in range(image.size[0] // 2) if image.getpixel((x, 390)) == BEST]
+    tallest = min(y for y in range(480) if image.getpixel((columns[0], y)) == BAR)
+    shortest = min(y for y in range(480) if image.getpixel((best[0], y)) == BEST)
+    assert tallest < shortest
+    (tmp_path / "chart.png").write_bytes(png)
