@@ -39,12 +39,20 @@ class PlatformConfig:
     checkpoint_retention_days: int = 30
     # Days of Lambda and state machine logs kept.
     log_retention_days: int = 90
+    # Benchmark sweeps: configurations running at once, and the longest a whole sweep may take.
+    sweep_max_concurrency: int = 2
+    sweep_timeout_h: int = 336
+    # A schedule for the sweep, or none: {"expression": "cron(0 6 ? * MON *)", "input": <sweep input>,
+    # "enabled": false}. Created only when given, and disabled unless "enabled" is true.
+    sweep_schedule: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix.isalnum() or not self.prefix.islower() or len(self.prefix) > 10:
             raise PlatformConfigError(f"prefix {self.prefix!r} must be 1-10 lowercase letters or digits (it starts job names)")
         if self.log_retention_days not in (30, 90, 180, 365):
             raise PlatformConfigError(f"log_retention_days must be 30, 90, 180 or 365, got {self.log_retention_days}")
+        if not 1 <= self.sweep_max_concurrency <= 16:
+            raise PlatformConfigError(f"sweep_max_concurrency must be in 1..16, got {self.sweep_max_concurrency}")
         if not 1 <= self.poll_interval_s <= 3600:
             raise PlatformConfigError(f"poll_interval_s must be in 1..3600, got {self.poll_interval_s}")
 

@@ -17,3 +17,11 @@ CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
 @functools.cache
 def client(service: str) -> Any:
     return boto3.client(service, config=CONFIG)
+
+
+@functools.cache
+def pricing_client() -> Any:
+    """The Price List API answers only in a few regions (us-east-1 among them), for every region."""
+    from lambdas.core.pricing import PRICING_REGION
+
+    return boto3.client("pricing", region_name=PRICING_REGION, config=CONFIG)

@@ -1,7 +1,8 @@
-"""The Lambda functions of the training run: validate, launch, collect, stop. One code asset holds the
-handlers and the pure modules they share with the training image (job spec, container contract, metric
-names); Powertools comes from its public layer. Each function has its own role: its log group, and the
-few SageMaker/S3 actions it needs, scoped to the platform's job-name prefix and bucket prefixes."""
+"""The platform's Lambda functions: validate, launch, collect, stop (the training run) and plan, compare
+(the benchmark sweep). One code asset holds the handlers and the pure modules they share with the
+training image (job spec, container contract, metric names); Powertools comes from its public layer. Each
+function has its own role: its log group, and the few SageMaker/S3/pricing actions it needs, scoped to the
+platform's job-name prefix and bucket prefixes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra.nag import S3_READ_ACTIONS, acknowledge, arn_token, training_jobs_arn, wildcard_actions, wildcard_resources
+from lambdas.core.sweep import METRIC_NAMESPACE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # What the handlers import, and nothing else (no torch, no grpc: these modules are standard library).
@@ -156,7 +158,36 @@ class TrainingRunFunctions(Construct):
             *wildcard_actions(*S3_READ_ACTIONS, "s3:Abort*"),
             *wildcard_resources(f"{arn_token(results)}/artifacts/*", f"{arn_token(results)}/results/*"),
         )
-        self.all = (self.validate, self.launch, self.collect, self.stop)
+        self.training_run = (self.validate, self.launch, self.collect, self.stop)
+
+        # The benchmark sweep's two steps (infra/constructs/benchmark_sweep.py).
+        self.plan_sweep = function(FunctionSpec("PlanSweep", "plan_sweep", "Validate a benchmark sweep and expand it into job specs"))
+        self.compare_sweep = function(
+            FunctionSpec("CompareSweep", "compare_sweep", "Write a sweep's report, chart and metrics, and recommend a configuration", 120),
+            {"PRICING_REGION_CODE": stack.region},
+        )
+        results.grant_read(self.compare_sweep, "results/*")
+        results.grant_read(self.compare_sweep, "prices/*")
+        results.grant_put(self.compare_sweep, "prices/*")
+        results.grant_put(self.compare_sweep, "benchmarks/*")
+        self.compare_sweep.add_to_role_policy(iam.PolicyStatement(actions=["pricing:GetProducts"], resources=["*"]))
+        self.compare_sweep.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=["cloudwatch:PutMetricData"], resources=["*"],
+                conditions={"StringEquals": {"cloudwatch:namespace": METRIC_NAMESPACE}},
+            )
+        )
+        acknowledge(
+            self.compare_sweep.role,
+            "Reads run results and the day's price cache, writes the price cache and sweep reports, each under its own "
+            "prefix of the results bucket; the Price List API and PutMetricData take no resource ARN (metrics are held "
+            "to the platform's namespace by condition).",
+            *wildcard_actions(*S3_READ_ACTIONS, "s3:Abort*"),
+            *wildcard_resources(
+                "*", f"{arn_token(results)}/results/*", f"{arn_token(results)}/prices/*", f"{arn_token(results)}/benchmarks/*"
+            ),
+        )
+        self.sweep = (self.plan_sweep, self.compare_sweep)
 
 
 RETENTION = {30: logs.RetentionDays.ONE_MONTH, 90: logs.RetentionDays.THREE_MONTHS, 180: logs.RetentionDays.SIX_MONTHS,

@@ -119,6 +119,6 @@ class TrainingWorkflow(Construct):
             "Invoking each function includes its versions (<arn>:*); DescribeTrainingJob is held to the platform's "
             "job-name prefix; log delivery and X-Ray actions take no resource ARN.",
             *wildcard_resources(
-                "*", training_jobs_arn(stack, prefix), *(f"{arn_token(fn)}:*" for fn in functions.all)
+                "*", training_jobs_arn(stack, prefix), *(f"{arn_token(fn)}:*" for fn in functions.training_run)
             ),
         )

@@ -1,5 +1,6 @@
-"""The platform in one stack: storage, training images, the SageMaker role, the training-run functions
-and state machine, and the abort cleanup. It only composes constructs and exports what users need."""
+"""The platform in one stack: storage, training images, the SageMaker role, the functions, the
+training-run and benchmark-sweep state machines (with the sweep's schedule, dashboard and alarm), and the
+abort cleanup. It only composes constructs and exports what users need."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from constructs import Construct
 
 from infra.config import PlatformConfig
 from infra.constructs.abort_cleanup import AbortCleanup
+from infra.constructs.benchmark_sweep import BenchmarkSweep
 from infra.constructs.buckets import Buckets
 from infra.constructs.execution_role import ExecutionRole
 from infra.constructs.functions import TrainingRunFunctions
@@ -33,7 +35,14 @@ class PlatformStack(Stack):
             timeout_h=config.run_timeout_h, log_retention_days=config.log_retention_days,
         )
         AbortCleanup(self, "AbortCleanup", state_machine=workflow.state_machine, stop=functions.stop)
-        self.buckets, self.functions, self.workflow = buckets, functions, workflow
+        sweep = BenchmarkSweep(
+            self, "BenchmarkSweep", prefix=config.prefix, functions=functions, training_run=workflow.state_machine,
+            max_concurrency=config.sweep_max_concurrency, timeout_h=config.sweep_timeout_h,
+            log_retention_days=config.log_retention_days, schedule=config.sweep_schedule,
+        )
+        self.buckets, self.functions, self.workflow, self.sweep = buckets, functions, workflow, sweep
         CfnOutput(self, "DatasetsBucket", value=buckets.datasets.bucket_name)
         CfnOutput(self, "ResultsBucket", value=buckets.results.bucket_name)
         CfnOutput(self, "TrainingRunStateMachine", value=workflow.state_machine.state_machine_arn)
+        CfnOutput(self, "BenchmarkSweepStateMachine", value=sweep.state_machine.state_machine_arn)
+        CfnOutput(self, "BenchmarksDashboard", value=sweep.dashboard.dashboard_name)

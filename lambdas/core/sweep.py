@@ -30,6 +30,8 @@ from typing import Any
 from lambdas.core.job_spec import JobSpecError, validate_job_spec
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
 
+# Where each sweep's figures go in CloudWatch (the dashboard reads them there).
+METRIC_NAMESPACE = "HeterogeneousTraining/Sweeps"
 SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,31}$")
 MAX_CONFIGURATIONS = 16
 DEFAULT_DATA_INSTANCE_TYPE = "ml.c5.9xlarge"

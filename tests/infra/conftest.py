@@ -56,8 +56,17 @@ def render(value: Any, references: dict[str, str] | None = None) -> Any:
     return value
 
 
-def state_machine_definition(template_json: dict[str, Any], references: dict[str, str] | None = None) -> dict[str, Any]:
-    (resource,) = [r for r in template_json["Resources"].values() if r["Type"] == "AWS::StepFunctions::StateMachine"]
+def state_machine_logical_id(template_json: dict[str, Any], construct: str = "TrainingRun") -> str:
+    """The logical ID of the state machine in construct ``TrainingRun`` or ``BenchmarkSweep``."""
+    (logical_id,) = [key for key, r in template_json["Resources"].items()
+                     if r["Type"] == "AWS::StepFunctions::StateMachine" and key.startswith(f"{construct}StateMachine")]
+    return logical_id
+
+
+def state_machine_definition(
+    template_json: dict[str, Any], references: dict[str, str] | None = None, construct: str = "TrainingRun"
+) -> dict[str, Any]:
+    resource = template_json["Resources"][state_machine_logical_id(template_json, construct)]
     return json.loads(render(resource["Properties"]["DefinitionString"], references))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aws_cdk.assertions import Match, Template
 
-from tests.infra.conftest import ASSET_HASH, deployed_references, state_machine_definition
+from tests.infra.conftest import ASSET_HASH, deployed_references, state_machine_definition, state_machine_logical_id
 from training.variants import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_sagemaker_permissions_are_held_to_the_platforms_jobs(template_json) -> 
 
 def test_functions_run_traced_on_the_latest_python(template: Template, template_json) -> None:
     functions = resources(template_json, "AWS::Lambda::Function").values()
-    assert len(functions) == 4
+    assert len(functions) == 6  # training run: validate, launch, collect, stop; sweep: plan, compare
     for function in functions:
         properties = function["Properties"]
         assert properties["Runtime"] == "python3.14" and properties["TracingConfig"] == {"Mode": "Active"}
@@ -140,7 +140,7 @@ def test_an_ended_execution_triggers_the_stop_function(template: Template, templ
     (rule,) = resources(template_json, "AWS::Events::Rule").values()
     pattern = rule["Properties"]["EventPattern"]
     assert pattern["source"] == ["aws.states"] and set(pattern["detail"]["status"]) == {"ABORTED", "TIMED_OUT", "FAILED"}
-    assert pattern["detail"]["stateMachineArn"] == [{"Ref": next(iter(resources(template_json, "AWS::StepFunctions::StateMachine")))}]
+    assert pattern["detail"]["stateMachineArn"] == [{"Ref": state_machine_logical_id(template_json)}]
     (target,) = rule["Properties"]["Targets"]
     assert target["RetryPolicy"] == {"MaximumEventAgeInSeconds": 21600, "MaximumRetryAttempts": 8}
     assert "DeadLetterConfig" in target
@@ -149,9 +149,10 @@ def test_an_ended_execution_triggers_the_stop_function(template: Template, templ
 
 
 @pytest.mark.skipif(not (REPO / "node_modules" / ".bin" / "asl-validator").exists(), reason="make test installs asl-validator")
-def test_asl_validator_accepts_the_definition(template_json, tmp_path: Path) -> None:
+@pytest.mark.parametrize("construct", ["TrainingRun", "BenchmarkSweep"])
+def test_asl_validator_accepts_the_definition(template_json, tmp_path: Path, construct: str) -> None:
     path = tmp_path / "definition.json"
-    path.write_text(json.dumps(state_machine_definition(template_json, deployed_references(template_json))))
+    path.write_text(json.dumps(state_machine_definition(template_json, deployed_references(template_json), construct)))
     result = subprocess.run([str(REPO / "node_modules" / ".bin" / "asl-validator"), "--json-path", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

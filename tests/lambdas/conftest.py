@@ -31,6 +31,7 @@ ENVIRONMENT = {
     "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/training-sagemaker",
     "OUTPUT_S3_URI": f"s3://{RESULTS_BUCKET}/artifacts/",
     "CHECKPOINT_S3_URI": f"s3://{RESULTS_BUCKET}/checkpoints/",
+    "PRICING_REGION_CODE": REGION,
 }
 
 

@@ -1,0 +1,109 @@
+"""Compare a finished sweep: report.json, report.md and chart.png under benchmarks/<sweep id>/, one
+CloudWatch datapoint per configuration, and the recommended configuration.
+
+Event: {"sweep": <plan_sweep's output>, "outcomes": [{"index", "name", "execution_name", "status":
+"SUCCEEDED"|"FAILED", "error"?, "cause"?}]}. Each configuration's figures come from the result.json its
+training run wrote (results/<execution name>/result.json); prices from the Price List API, cached for the
+day, or the dated fallback. Reports are never overwritten (If-None-Match).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from botocore.exceptions import ClientError
+
+from lambdas.clients import client, pricing_client
+from lambdas.core.chart import render_chart
+from lambdas.core.pricing import prices_for
+from lambdas.core.results import ResultExistsError
+from lambdas.core.sweep import METRIC_NAMESPACE, compare, render_markdown
+
+logger = Logger(service="compare-sweep")
+
+
+@logger.inject_lambda_context
+def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    sweep, bucket = event["sweep"], os.environ["RESULTS_BUCKET"]
+    configurations = {item["index"]: item for item in sweep["configurations"]}
+    outcomes = []
+    for outcome in sorted(event["outcomes"], key=lambda item: item["index"]):
+        configuration = configurations[outcome["index"]]
+        outcomes.append({
+            "name": configuration["name"],
+            "spec": configuration["spec"],
+            "status": outcome["status"],
+            "error": _error(outcome),
+            "result": _result(bucket, configuration["execution_name"]),
+        })
+    instance_types = {group["instance_type"] for item in configurations.values() for group in item["spec"]["instance_groups"]}
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    prices = prices_for(instance_types, region=os.environ["PRICING_REGION_CODE"], day=today, pricing=pricing_client(),
+                        s3=client("s3"), bucket=bucket)
+    report = compare(outcomes, prices, sweep.get("step_time_target_ms"))
+    report |= {"sweep_id": sweep["sweep_id"], "sweep_name": sweep["sweep_name"], "date": today}
+    title = f"{sweep['sweep_name']} {today}"
+    prefix = f"benchmarks/{sweep['sweep_id']}"
+    for name, body, content_type in (
+        ("report.json", json.dumps(report, indent=2).encode(), "application/json"),
+        ("report.md", render_markdown(report, f"Benchmark sweep {title}").encode(), "text/markdown"),
+        ("chart.png", render_chart(report, title), "image/png"),
+    ):
+        _put_new(bucket, f"{prefix}/{name}", body, content_type)
+    _publish_metrics(sweep["sweep_name"], report)
+    logger.info("sweep compared", extra={"sweep_id": sweep["sweep_id"], "recommended": report["recommended"], "failed": report["failed"]})
+    return {
+        "report_uri": f"s3://{bucket}/{prefix}/report.json",
+        "recommended": report["recommended"],
+        "recommended_data_hosts": report["recommended_data_hosts"],
+        "failed": report["failed"],
+        "prices": report["prices"],
+    }
+
+
+def _error(outcome: dict[str, Any]) -> str | None:
+    if outcome["status"] == "SUCCEEDED":
+        return None
+    cause = outcome.get("cause") or ""
+    try:  # a failed child execution's cause is its own DescribeExecution, as JSON
+        child = json.loads(cause)
+        cause = f"{child.get('Error', '')}: {child.get('Cause', '')}".strip(": ") if isinstance(child, dict) else cause
+    except json.JSONDecodeError:
+        pass
+    return f"{outcome.get('error') or 'Failed'}: {cause}"[:500]
+
+
+def _result(bucket: str, run_id: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(client("s3").get_object(Bucket=bucket, Key=f"results/{run_id}/result.json")["Body"].read())
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
+            return None  # e.g. refused before launch: no result was written
+        raise
+
+
+def _put_new(bucket: str, key: str, body: bytes, content_type: str) -> None:
+    try:
+        client("s3").put_object(Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*")
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
+            raise ResultExistsError(f"s3://{bucket}/{key} exists already; reports are never overwritten") from None
+        raise
+
+
+def _publish_metrics(sweep_name: str, report: dict[str, Any]) -> None:
+    data = []
+    for row in report["configurations"]:
+        dimensions = [{"Name": "Sweep", "Value": sweep_name}, {"Name": "Configuration", "Value": row["name"]}]
+        if row["step_time_ms"] is not None:
+            data.append({"MetricName": "StepTimeMs", "Dimensions": dimensions, "Value": row["step_time_ms"], "Unit": "Milliseconds"})
+        if row["cost_per_1k_steps_usd"] is not None:
+            data.append({"MetricName": "CostPer1kStepsUsd", "Dimensions": dimensions, "Value": row["cost_per_1k_steps_usd"], "Unit": "None"})
+    data.append({"MetricName": "FailedConfigurations", "Dimensions": [{"Name": "Sweep", "Value": sweep_name}],
+                 "Value": len(report["failed"]), "Unit": "Count"})
+    for start in range(0, len(data), 1000):  # PutMetricData's limit per call
+        client("cloudwatch").put_metric_data(Namespace=METRIC_NAMESPACE, MetricData=data[start:start + 1000])

@@ -1,0 +1,30 @@
+"""Plan a benchmark sweep: validate its input and expand it into job specs, one per configuration.
+
+Event: {"input": <sweep input, see lambdas/core/sweep.py>, "execution_name": <the sweep execution's name>}.
+A refusal raises SweepSpecError naming the field; the state machine fails before any job is launched.
+Each configuration gets the name of the training-run execution that will run it
+(``<sweep id>-<index>``), so its results land under results/<that name>/.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+from lambdas.core.sweep import plan_sweep
+
+logger = Logger(service="plan-sweep")
+
+# Step Functions execution names are at most 80 characters; "-<index>" takes up to 3.
+MAX_SWEEP_ID = 77
+
+
+@logger.inject_lambda_context
+def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    plan = plan_sweep(event["input"]).to_json()
+    sweep_id = event["execution_name"][:MAX_SWEEP_ID]
+    for configuration in plan["configurations"]:
+        configuration["execution_name"] = f"{sweep_id}-{configuration['index']}"
+    logger.info("sweep planned", extra={"sweep_id": sweep_id, "configurations": [c["name"] for c in plan["configurations"]]})
+    return plan | {"sweep_id": sweep_id}

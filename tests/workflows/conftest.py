@@ -1,0 +1,255 @@
+"""The harness for the synthesized state machines, executed by moto's Step Functions interpreter.
+
+Its Lambda tasks run our real handlers (standing in for the Lambda runtime: the event in, the result or
+the error type out, as AWS's Python runtime reports them); SageMaker is moto's, scripted through its
+backend objects (a job runs for a moment, then completes or fails) or made to throttle once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+from moto.awslambda_simple.models import LambdaSimpleBackend
+from moto.core.exceptions import JsonRESTError
+from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
+from moto.sagemaker.responses import SageMakerResponse
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_sfn import StateTaskServiceSfn
+
+from app import build_app
+from lambdas.clients import client
+from lambdas.collect_results.handler import handler as collect
+from lambdas.compare_sweep.handler import handler as compare_sweep
+from lambdas.core.execution import job_name_for_execution
+from lambdas.launch_job.handler import handler as launch
+from lambdas.plan_sweep.handler import handler as plan_sweep
+from lambdas.stop_job.handler import handler as stop
+from lambdas.validate_spec.handler import handler as validate
+from tests.infra.conftest import ACCOUNT, REGION, deployed_references, render, state_machine_definition, state_machine_logical_id
+from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET, LambdaContext, _stop_training_job, output_archive
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+HANDLERS: dict[str, Callable[[dict, Any], dict]] = {
+    "ValidateSpec": validate, "LaunchJob": launch, "CollectResults": collect, "StopJob": stop,
+    "PlanSweep": plan_sweep, "CompareSweep": compare_sweep,
+}
+SPEC = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+
+
+@dataclass
+class Scenario:
+    """How the fake SageMaker behaves for a launched job."""
+
+    final_status: str = "Completed"
+    runs_for_s: float = 1.5
+    failure_reason: str | None = None
+    throttle_first_launches: int = 0
+    summary: dict | None = None
+    # Jobs of these run names end Failed whatever final_status says (one bad configuration in a sweep).
+    failing_runs: frozenset[str] = frozenset()
+
+
+@pytest.fixture(scope="package")
+def platform() -> dict[str, Any]:
+    """The platform synthesized with a 1-second poll interval (a real setting), its template as JSON."""
+    from aws_cdk.assertions import Template
+
+    app, stack = build_app(context={"platform": {"poll_interval_s": 1}})
+    app.synth()
+    return Template.from_stack(stack).to_json()
+
+
+class Harness:
+    def __init__(self, template_json: dict[str, Any], scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.sfn = boto3.client("stepfunctions", region_name=REGION)
+        self.sagemaker = boto3.client("sagemaker", region_name=REGION)
+        self.s3 = boto3.client("s3", region_name=REGION)
+        self.events = boto3.client("events", region_name=REGION)
+        self.cloudwatch = boto3.client("cloudwatch", region_name=REGION)
+        self.template_json = template_json
+        self.s3.create_bucket(Bucket=RESULTS_BUCKET)
+        iam = boto3.client("iam", region_name=REGION)
+        role = iam.create_role(RoleName="workflow", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+        names = {}
+        for logical_id, resource in template_json["Resources"].items():
+            if resource["Type"] == "AWS::Lambda::Function":
+                name = next(key for key in HANDLERS if logical_id.startswith(f"TrainingRunFunctions{key}"))
+                names[logical_id] = name
+                boto3.client("lambda", region_name=REGION).create_function(
+                    FunctionName=name, Runtime="python3.13", Role=role, Handler=resource["Properties"]["Handler"],
+                    Code={"ZipFile": _zip()},
+                )
+        self.definition = state_machine_definition(template_json, deployed_references(template_json, names))
+        self.state_machine_arn = self.sfn.create_state_machine(
+            name="hetero-training-run", definition=json.dumps(self.definition), roleArn=role
+        )["stateMachineArn"]
+        references = deployed_references(template_json, names) | {state_machine_logical_id(template_json): self.state_machine_arn}
+        self.sweep_definition = state_machine_definition(template_json, references, construct="BenchmarkSweep")
+        self.sweep_arn = self.sfn.create_state_machine(
+            name="hetero-benchmark-sweep", definition=json.dumps(self.sweep_definition), roleArn=role
+        )["stateMachineArn"]
+
+    def start(self, spec: dict, name: str) -> str:
+        execution_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:hetero-training-run:{name}"
+        if self.scenario.summary:
+            job = job_name_for_execution("hetero", spec["run_name"], execution_arn)
+            self.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{job}/output/output.tar.gz", Body=output_archive(self.scenario.summary))
+        return self.sfn.start_execution(stateMachineArn=self.state_machine_arn, name=name, input=json.dumps(spec))["executionArn"]
+
+    def start_sweep(self, sweep_input: dict, name: str, summaries: dict[str, dict] | None = None) -> str:
+        """Start a sweep; ``summaries`` (run name → summary.json) are put where each configuration's job
+        will leave its output, the nested execution being named <sweep execution>-<index>."""
+        from lambdas.core.sweep import plan_sweep as plan
+
+        for index, spec in enumerate(plan(sweep_input).configurations if summaries else ()):
+            if summaries and spec["run_name"] in summaries:
+                child = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:hetero-training-run:{name}-{index}"
+                job = job_name_for_execution("hetero", spec["run_name"], child)
+                self.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{job}/output/output.tar.gz",
+                                   Body=output_archive(summaries[spec["run_name"]]))
+        return self.sfn.start_execution(stateMachineArn=self.sweep_arn, name=name, input=json.dumps(sweep_input))["executionArn"]
+
+    def wait(self, execution_arn: str, timeout_s: float = 60) -> dict[str, Any]:
+        give_up = time.monotonic() + timeout_s
+        while time.monotonic() < give_up:
+            described = self.sfn.describe_execution(executionArn=execution_arn)
+            if described["status"] != "RUNNING":
+                return described
+            time.sleep(0.2)
+        raise AssertionError(f"execution still running after {timeout_s} s")
+
+    def route_status_change(self, template_json: dict[str, Any], detail: dict[str, Any]) -> dict[str, Any] | None:
+        """Send a Step Functions status-change event through EventBridge with the synthesized rule's
+        pattern; return the event its target receives, or None when the rule does not match. (moto's
+        EventBridge delivers to SQS but not to Lambda targets, so a queue stands in for the stop function.)"""
+        (rule,) = [r for k, r in template_json["Resources"].items() if r["Type"] == "AWS::Events::Rule" and k.startswith("AbortCleanup")]
+        machine = state_machine_logical_id(template_json)
+        pattern = render(rule["Properties"]["EventPattern"], {machine: self.state_machine_arn})
+        sqs = boto3.client("sqs", region_name=REGION)
+        queue_url = sqs.create_queue(QueueName="abort-cleanup-target")["QueueUrl"]
+        queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        self.events.put_rule(Name="abort-cleanup", EventPattern=json.dumps(pattern))
+        self.events.put_targets(Rule="abort-cleanup", Targets=[{"Id": "stop", "Arn": queue_arn}])
+        self.events.put_events(Entries=[{"Source": "aws.states", "DetailType": "Step Functions Execution Status Change",
+                                         "Detail": json.dumps(detail)}])
+        messages = sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=0).get("Messages", [])
+        for message in messages:
+            sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
+        return json.loads(messages[0]["Body"]) if messages else None
+
+    def result(self, run_id: str) -> dict[str, Any]:
+        return json.loads(self.s3.get_object(Bucket=RESULTS_BUCKET, Key=f"results/{run_id}/result.json")["Body"].read())
+
+    def training_jobs(self) -> list[str]:
+        return [job["TrainingJobName"] for job in self.sagemaker.list_training_jobs()["TrainingJobSummaries"]]
+
+    def job(self, name: str) -> Any:
+        return sagemaker_backends[ACCOUNT][REGION].training_jobs[name]
+
+
+def _zip() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("placeholder.py", "")  # moto stores the package; our handlers run in-process
+    return buffer.getvalue()
+
+
+_moto_normalise_sfn_parameters = StateTaskServiceSfn._normalise_parameters
+
+
+def _start_execution_parameters_as_boto_names(self, parameters: dict, boto_service_name=None, service_action_name=None) -> None:
+    """moto 5.2.5's interpreter passes a states:startExecution task's parameters to boto3 with the ASL
+    names (Input, Name, StateMachineArn) where boto3 expects input, name, stateMachineArn, so every nested
+    execution fails with KeyError 'Input'. Step Functions itself maps them; this does the same for the fake."""
+    _moto_normalise_sfn_parameters(self, parameters, boto_service_name, service_action_name)
+    if service_action_name is None and self._get_boto_service_action() == "start_execution":
+        for key in [key for key in parameters if key[:1].isupper()]:
+            parameters[key[0].lower() + key[1:]] = parameters.pop(key)
+
+
+def _sfn_response_as_step_functions_names(self, response, boto_service_name=None, service_action_name=None) -> None:
+    """The other half of the same gap: Step Functions hands a startExecution task boto3's response with
+    capitalised names (ExecutionArn, Status, Output); moto 5.2.5 leaves them as boto3 spells them, and its
+    own .sync:2 waiter then fails on KeyError 'ExecutionArn'."""
+    if isinstance(response, dict):
+        for key in [key for key in response if key[:1].islower()]:
+            response[key[0].upper() + key[1:]] = response.pop(key)
+
+
+@pytest.fixture
+def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenario], Harness]]:
+    for key, value in ENVIRONMENT.items():
+        monkeypatch.setenv(key, value)
+    # The launch function's own settings, as synthesized (the others are deploy-time references).
+    (launch_function,) = [r for r in platform["Resources"].values()
+                          if r["Type"] == "AWS::Lambda::Function" and r["Properties"]["Handler"].startswith("lambdas.launch_job.")]
+    for key in ("POLL_INTERVAL_S", "DEADLINE_GRACE_S"):
+        monkeypatch.setenv(key, launch_function["Properties"]["Environment"]["Variables"][key])
+    monkeypatch.setattr(SageMakerResponse, "stop_training_job", _stop_training_job, raising=False)
+    monkeypatch.setattr(StateTaskServiceSfn, "_normalise_parameters", _start_execution_parameters_as_boto_names)
+    monkeypatch.setattr(StateTaskServiceSfn, "_normalise_response", _sfn_response_as_step_functions_names)
+    timers: list[threading.Timer] = []
+    state: dict[str, Any] = {}
+
+    def invoke(self, function_name, qualifier, body, headers, response_headers):  # the Lambda runtime's contract
+        name = function_name.rsplit(":", 1)[-1]
+        try:
+            result = HANDLERS[name](json.loads(body), LambdaContext(function_name=name))
+        except Exception as error:  # noqa: BLE001 - the runtime reports any error by its type
+            response_headers["x-amz-function-error"] = "Unhandled"
+            return json.dumps({"errorType": type(error).__name__, "errorMessage": str(error)}).encode()
+        if name == "LaunchJob":
+            script_job(result["job_name"])
+        return json.dumps(result).encode()
+
+    def script_job(job_name: str) -> None:
+        scenario: Scenario = state["scenario"]
+        job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
+        job.training_job_status = "InProgress"
+
+        fails = any(f"-{run}-" in job_name for run in scenario.failing_runs)
+
+        def finish() -> None:
+            if job.training_job_status == "InProgress":
+                job.training_job_status = "Failed" if fails else scenario.final_status
+                job.failure_reason = "AlgorithmError: the trainer exited with 137" if fails else scenario.failure_reason
+                job.billable_time_in_seconds = 600
+
+        timer = threading.Timer(scenario.runs_for_s, finish)
+        timers.append(timer)
+        timer.start()
+
+    original_create = SageMakerModelBackend.create_training_job
+
+    def create_training_job(self, *args, **kwargs):
+        if state["throttles_left"] > 0:
+            state["throttles_left"] -= 1
+            raise JsonRESTError("ThrottlingException", "Rate exceeded")
+        return original_create(self, *args, **kwargs)
+
+    monkeypatch.setattr(LambdaSimpleBackend, "invoke", invoke)
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", create_training_job)
+    client.cache_clear()
+    with mock_aws(config={"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}):
+
+        def make(scenario: Scenario) -> Harness:
+            state["scenario"], state["throttles_left"] = scenario, scenario.throttle_first_launches
+            return Harness(platform, scenario)
+
+        yield make
+    for timer in timers:
+        timer.cancel()
+    client.cache_clear()
+
+
