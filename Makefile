@@ -61,6 +61,7 @@ deploy: venv node
 bench: venv
 	$(PY) bench/transport.py
 	$(PY) bench/offload.py
+	$(PY) -m training.local.sizing
 
 lint: venv
 	$(PY) -m ruff check .

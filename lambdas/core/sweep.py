@@ -7,7 +7,9 @@ A sweep's input (the "benchmark sweep" state machine's execution input, or the s
   or
     {"sweep_name": "resnet-weekly",
      "base": <job spec>,                                  # its dnn group and hyperparameters
-     "data_hosts": [0, 1, 2, 4],                          # one configuration per data-group size
+     "data_hosts": [0, 1, 2, 4],                          # one configuration per data-group size, or
+     "advisor": {"preprocess_ms_per_batch_per_vcpu": 900,  # sizes around the sizing advisor's prediction
+                 "train_ms_per_step": 80},                 #   (lambdas/core/sizing.py)
      "data_instance_type": "ml.c5.9xlarge",               # default: the base's data group type, else this
      "extra": [<job spec>, ...],                          # e.g. Trainium configurations
      "step_time_target_ms": 150}                          # optional: only configurations this fast qualify
@@ -27,15 +29,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lambdas.core.catalog import instance_type
 from lambdas.core.job_spec import JobSpecError, validate_job_spec
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
+from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed
 
 # Where each sweep's figures go in CloudWatch (the dashboard reads them there).
 METRIC_NAMESPACE = "HeterogeneousTraining/Sweeps"
 SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,31}$")
 MAX_CONFIGURATIONS = 16
 DEFAULT_DATA_INSTANCE_TYPE = "ml.c5.9xlarge"
-SWEEP_KEYS = {"sweep_name", "configurations", "base", "data_hosts", "data_instance_type", "extra", "step_time_target_ms"}
+SWEEP_KEYS = {"sweep_name", "configurations", "base", "data_hosts", "advisor", "data_instance_type", "extra", "step_time_target_ms"}
 
 
 class SweepSpecError(ValueError):
@@ -109,16 +113,33 @@ def plan_sweep(raw: Any) -> SweepPlan:
 
 
 def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
-    base, counts = raw["base"], raw.get("data_hosts")
+    base = raw["base"]
     if not isinstance(base, dict):
         raise SweepSpecError("base", "must be a job spec (a JSON object)")
+    data_groups = [group for group in base.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "data"]
+    instance = raw.get("data_instance_type") or (data_groups[0].get("instance_type") if data_groups else DEFAULT_DATA_INSTANCE_TYPE)
+    if ("data_hosts" in raw) == ("advisor" in raw):
+        raise SweepSpecError("data_hosts", "with 'base', give either 'data_hosts' (sizes) or 'advisor' (a profile to size from)")
+    counts = _advised_sizes(raw["advisor"], instance) if "advisor" in raw else raw.get("data_hosts")
     if not isinstance(counts, list) or not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 20 for n in counts):
         raise SweepSpecError("data_hosts", f"must be a non-empty list of data-group sizes 0–20, got {counts!r}")
     if len(set(counts)) != len(counts):
         raise SweepSpecError("data_hosts", f"sizes must differ, got {counts}")
-    data_groups = [group for group in base.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "data"]
-    instance = raw.get("data_instance_type") or (data_groups[0].get("instance_type") if data_groups else DEFAULT_DATA_INSTANCE_TYPE)
     return [with_data_hosts(base, count, instance) for count in counts]
+
+
+def _advised_sizes(advisor: Any, data_instance_type: str) -> list[int]:
+    """None, and the sizes around the advisor's prediction for this data instance type."""
+    fields = {"preprocess_ms_per_batch_per_vcpu", "train_ms_per_step", "dnn_spare_vcpus", "efficiency"}
+    if not isinstance(advisor, dict) or set(advisor) - fields:
+        raise SweepSpecError("advisor", f"must be an object with {sorted(fields)}, got {advisor!r}")
+    try:
+        profile = SizingProfile(**{key: float(value) for key, value in advisor.items()})
+        vcpus = instance_type(data_instance_type).vcpus
+    except (SizingError, TypeError, ValueError, KeyError) as error:
+        raise SweepSpecError("advisor", str(error).strip("'\"")) from None
+    needed = data_hosts_needed(profile, vcpus)
+    return sorted({0, max(needed - 1, 0), needed, needed + 1})
 
 
 # Comparison -------------------------------------------------------------------------------------------

@@ -174,7 +174,16 @@ class BatchProducer:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        # CPython keeps the pool's worker processes here; shutdown(wait=False) does not end a worker that
+        # is blocked handing a large batch to a reader that stopped reading, which would outlive this
+        # process (and hold its stdout open). End them explicitly.
+        workers = list(getattr(self._pool, "_processes", {}).values())
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.join(timeout=2)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=2)
 
     def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int]]]:
         batch_size = self._batch_size

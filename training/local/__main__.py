@@ -2,6 +2,7 @@
 
     python -m training.local run examples/pytorch-heterogeneous.json --channel train=build/demo-images
     python -m training.local run SPEC --channel train=DIR --cpus data_group=1 --set steps=20 --deadline-s 300
+    python -m training.local run SPEC --channel train=DIR --cpu-quota data_group=0.25   # a quarter core per data host
 
 Each host's log lines are prefixed with "[host group]"; the full logs and every host's /opt/ml tree stay
 under --workdir. Exits 0 only if every host exited 0 with no orphan and within the deadline.
@@ -36,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline-s", type=float, default=600.0, help="kill everything and fail after this long")
     run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")
     run.add_argument("--cpus", type=key_value, action="append", default=[], metavar="GROUP=N", help="CPUs per host of a group (default 1)")
+    run.add_argument("--cpu-quota", type=key_value, action="append", default=[], metavar="GROUP=CORES",
+                     help="a fraction of a core per host of a group, e.g. data_group=0.25 (needs a writable cgroup CPU controller)")
     run.add_argument("--processes-per-host", type=int, default=0, help="trainer processes per DNN host (default: one per GPU, or 1)")
     run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
     return root
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline_s=args.deadline_s,
             orphan_grace_s=args.orphan_grace_s,
             cpus_per_host={group: int(count) for group, count in args.cpus},
+            cpu_quota={group: float(cores) for group, cores in args.cpu_quota},
             processes_per_host=args.processes_per_host,
         )
         cluster = EmulatedCluster(spec, options)

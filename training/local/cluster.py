@@ -18,6 +18,7 @@ that host would keep billing, so here it is killed and reported as an orphan.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -36,6 +37,8 @@ from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
+from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
+from training.local.cpu_quota import enter as enter_quota
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LineCallback = Callable[["EmulatedHost", str], None]
@@ -55,6 +58,7 @@ class EmulatedHost:
     address: str
     cpus: tuple[int, ...]
     base_dir: Path
+    cpu_quota: float | None = None  # cores (a fraction of its CPU set) when quotas are set for its group
 
     @property
     def label(self) -> str:
@@ -123,6 +127,9 @@ class EmulationOptions:
     processes_per_host: int = 0
     # CPUs per host of a group (group name → count); default one each.
     cpus_per_host: dict[str, int] = field(default_factory=dict)
+    # A fraction of a core per host of a group (group name → cores, e.g. 0.25), enforced with cgroups on
+    # top of the CPU set: 1, 2 or 4 data hosts of a known size then fit on a small machine.
+    cpu_quota: dict[str, float] = field(default_factory=dict)
     subnet: int | None = None  # the third octet of the hosts' addresses; random when None
 
 
@@ -157,15 +164,22 @@ def plan_hosts(spec: JobSpec, options: EmulationOptions, available_cpus: list[in
         reported = group.name if spec.is_heterogeneous else HOMOGENEOUS_GROUP
         for _ in range(group.count):
             rows.append((reported, group.name, group.role, group.instance_type, options.cpus_per_host.get(group.name, 1)))
-    unknown = sorted(set(options.cpus_per_host) - {group.name for group in spec.instance_groups})
-    if unknown:
-        raise EmulationError(f"--cpus names groups {unknown} that the spec does not have")
+    for option, values in (("--cpus", options.cpus_per_host), ("--cpu-quota", options.cpu_quota)):
+        unknown = sorted(set(values) - {group.name for group in spec.instance_groups})
+        if unknown:
+            raise EmulationError(f"{option} names groups {unknown} that the spec does not have")
+    bad = {group: cores for group, cores in options.cpu_quota.items() if not 0.01 <= cores <= options.cpus_per_host.get(group, 1)}
+    if bad:
+        raise EmulationError(f"--cpu-quota must be between 0.01 and the group's CPUs, got {bad}")
     cpu_sets = assign_cpus([row[2] for row in rows], [row[4] for row in rows], available_cpus)
     hosts = []
     for index, ((group, spec_group, role, instance_type, _), cpus) in enumerate(zip(rows, cpu_sets, strict=True), start=1):
         name = f"algo-{index}"
         address = f"127.0.{subnet}.{index + 1}"
-        hosts.append(EmulatedHost(name, group, spec_group, role, instance_type, address, cpus, options.workdir / name / "opt" / "ml"))
+        hosts.append(EmulatedHost(
+            name, group, spec_group, role, instance_type, address, cpus, options.workdir / name / "opt" / "ml",
+            cpu_quota=options.cpu_quota.get(spec_group),
+        ))
     return hosts
 
 
@@ -223,6 +237,11 @@ class EmulatedCluster:
         self._pumps: list[threading.Thread] = []
         self._started_at = 0.0
         self.hyperparameters: dict[str, str] = {}
+        quotas = {host.name: host.cpu_quota for host in self.hosts if host.cpu_quota is not None}
+        try:
+            self._quotas = ClusterQuotas(f"hetero-emulation-{os.getpid()}-{subnet}", quotas)
+        except CpuQuotaUnavailableError as error:
+            raise EmulationError(str(error)) from None
 
     def add_listener(self, listener: LineCallback) -> None:
         self._listeners.append(listener)
@@ -266,11 +285,13 @@ class EmulatedCluster:
             instance = CATALOG.get(host.instance_type)
             vcpus = f"{instance.vcpus} vCPU" if instance else "vCPUs unknown"
             cpus = ",".join(map(str, host.cpus))
-            lines.append(f"{host.name}  {host.group:<20} {host.role:<4} {host.instance_type} ({vcpus}) → {host.address}, CPUs {{{cpus}}}")
+            quota = f" at {host.cpu_quota:g} core" if host.cpu_quota is not None else ""
+            lines.append(f"{host.name}  {host.group:<20} {host.role:<4} {host.instance_type} ({vcpus}) → {host.address}, CPUs {{{cpus}}}{quota}")
         return "\n".join(lines)
 
     def start(self) -> None:
         self.prepare()
+        self._quotas.create()
         self._started_at = time.monotonic()
         addresses = json.dumps({host.name: host.address for host in self.hosts})
         for host in self.hosts:
@@ -293,7 +314,7 @@ class EmulatedCluster:
                 text=True,
                 bufsize=1,
                 start_new_session=True,
-                preexec_fn=lambda cpus=host.cpus: os.sched_setaffinity(0, cpus),  # noqa: PLW0108
+                preexec_fn=functools.partial(_enter_host, host.cpus, self._quotas.procs_file(host.name)),
             )
             self._processes[host.name] = process
             pump = threading.Thread(target=self._pump, args=(host, process), name=f"log-{host.name}", daemon=True)
@@ -360,6 +381,7 @@ class EmulatedCluster:
             if process.poll() is None:
                 _kill_tree(process, signal.SIGKILL)
                 process.wait()
+        self._quotas.remove()
 
     def summary(self) -> dict[str, Any] | None:
         """The chief DNN host's summary.json, if training got that far."""
@@ -386,6 +408,12 @@ def process_tree(root: int) -> list[int]:
         tree.append(pid)
         frontier.extend(children.get(pid, []))
     return tree
+
+
+def _enter_host(cpus: tuple[int, ...], quota_procs: Path | None) -> None:
+    """Runs in a host's first process before exec: its CPU set, and its CPU quota when it has one."""
+    os.sched_setaffinity(0, cpus)
+    enter_quota(quota_procs)
 
 
 def _kill_tree(process: subprocess.Popen, sig: signal.Signals) -> None:

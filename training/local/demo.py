@@ -6,7 +6,9 @@
 3. runs the example job specs on the emulated cluster: homogeneous (the DNN host decodes and augments on
    its own CPU, between training steps) and heterogeneous (+ data hosts streaming batches: over our gRPC
    service for pytorch, through tf.data.service for tensorflow);
-4. prints step time, samples/s, speed-up against the ideal, and cost per 1k steps.
+4. prints step time, samples/s, speed-up against the ideal, and cost per 1k steps;
+5. writes the same report a cloud benchmark sweep writes (report.json, report.md, chart.png, through
+   lambdas/core/sweep.py and chart.py) into the work folder, prices labelled as emulated.
 
 The job specs are examples/<variant>-{homogeneous,heterogeneous}.json, shrunk to fit a laptop CPU by
 LOCAL_OVERRIDES. Costs are *emulated*: local step times × SageMaker list prices of the spec's instance
@@ -27,8 +29,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from lambdas.core.chart import render_chart
 from lambdas.core.job_spec import JobSpec, validate_job_spec
-from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, hourly_cost
+from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_steps, hourly_cost
+from lambdas.core.sweep import compare, render_markdown
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions, plan_hosts
 from training.local.images import write_dataset
 from training.local.profile import Profile, preprocess_ms_per_batch, train_ms_per_step
@@ -190,6 +194,39 @@ def render(comparison: Comparison) -> str:
     return "\n".join(rows)
 
 
+def emulated_prices() -> Prices:
+    return Prices(
+        usd_per_hour=FALLBACK_PRICES.usd_per_hour,
+        source=f"EMULATED: step times measured on this machine × {FALLBACK_PRICES.source}",
+        date=FALLBACK_PRICES.date,
+    )
+
+
+def spec_document(spec: JobSpec) -> dict:
+    return {
+        "variant": spec.variant,
+        "instance_groups": [
+            {"name": group.name, "role": group.role, "instance_type": group.instance_type, "count": group.count} for group in spec.instance_groups
+        ],
+    }
+
+
+def write_report(comparison: Comparison, folder: Path, title: str) -> tuple[Path, Path, Path, str]:
+    """The sweep report of the emulated runs: report.json, report.md and chart.png in ``folder``."""
+    outcomes = [
+        {"name": run.label, "spec": spec_document(run.spec), "status": "SUCCEEDED", "result": {"step_time_ms": {"p50": run.step_ms}}}
+        for run in (comparison.homogeneous, comparison.heterogeneous)
+    ]
+    report = compare(outcomes, emulated_prices(), step_time_target_ms=None)
+    markdown = render_markdown(report, title)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = (folder / "report.json", folder / "report.md", folder / "chart.png")
+    paths[0].write_text(json.dumps(report, indent=2))
+    paths[1].write_text(markdown)
+    paths[2].write_bytes(render_chart(report, title))
+    return (*paths, markdown)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo")
@@ -200,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     comparison = run_comparison(workdir, args.steps, args.variant)
     print()
     print(render(comparison))
-    print(f"\nhost trees and logs: {workdir}")
+    *_, chart, markdown = write_report(comparison, workdir / "report", f"Emulated {args.variant} sweep")
+    print(f"\n{markdown}\nreport: {workdir / 'report'}/report.md, chart: {chart}")
+    print(f"host trees and logs: {workdir}")
     return 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lambdas.core.job_spec import validate_job_spec
-from training.local.demo import Comparison, RunFigures, main, render
+from training.local.demo import Comparison, RunFigures, main, render, write_report
 from training.local.profile import Profile
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -43,12 +43,28 @@ def test_comparison_figures_and_table() -> None:
     assert "heterogeneous step / ideal step = 1.050" in table
 
 
+def test_the_demo_writes_the_sweep_report_with_emulated_prices(tmp_path: Path) -> None:
+    comparison = Comparison(
+        Profile(60, 40),
+        figures("homogeneous", "pytorch-homogeneous.json", 1193),
+        figures("heterogeneous", "pytorch-heterogeneous.json", 184),
+    )
+    report_json, report_md, chart, markdown = write_report(comparison, tmp_path / "report", "Emulated pytorch sweep")
+    report = json.loads(report_json.read_text())
+    assert report["recommended"] == "heterogeneous" and report["baseline"] == "homogeneous"
+    assert round(report["configurations"][1]["improvement_vs_baseline"] * 100) == 77  # the same arithmetic as the cloud's
+    assert report["prices"]["source"].startswith("EMULATED") and report_md.read_text() == markdown
+    assert "| heterogeneous **(recommended)** | 1× ml.c5.9xlarge + 1× ml.p3.2xlarge |" in markdown
+    assert chart.read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.cluster
 def test_the_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["--workdir", str(tmp_path), "--steps", "16"]) == 0
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p3.2xlarge" in out and "heterogeneous: 1× ml.c5.9xlarge" in out
     assert "preprocessing" in out and "EMULATED" in out
+    assert (tmp_path / "report" / "report.md").exists() and (tmp_path / "report" / "chart.png").exists()
 
 
 def test_data_hosts_sharing_a_core_count_once_in_the_ideal() -> None:

@@ -1,0 +1,72 @@
+"""lambdas/core/sizing.py: the data-group sizing advisor's arithmetic, its cheapest configuration, and a
+sweep started from its prediction."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lambdas.core.price_performance import FALLBACK_PRICES
+from lambdas.core.sizing import SizingError, SizingProfile, advise, data_hosts_needed, predicted_step_ms
+from lambdas.core.sweep import SweepSpecError, plan_sweep
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("preprocess", "train", "spare", "vcpus", "needed"),
+    [
+        (300, 100, 0, 1, 3),  # three vCPUs' worth of preprocessing per step
+        (300, 100, 1, 1, 2),  # the DNN host's own spare vCPU covers one of them
+        (100, 100, 0, 1, 1),  # exactly keeps up
+        (400, 100, 8, 1, 0),  # the DNN host alone is enough
+        (9544, 184, 0, 36, 2),  # 9.5 vCPU-s per batch, 184 ms steps, 36-vCPU hosts: 51.9 vCPUs → 2 hosts
+    ],
+)
+def test_data_hosts_needed(preprocess: float, train: float, spare: float, vcpus: int, needed: int) -> None:
+    profile = SizingProfile(preprocess, train, dnn_spare_vcpus=spare)
+    assert data_hosts_needed(profile, vcpus) == needed
+    assert predicted_step_ms(profile, needed, vcpus) == pytest.approx(train)  # keeps up: the step is training's
+    if needed > 0:
+        assert predicted_step_ms(profile, needed - 1, vcpus) > train  # one fewer is input-bound
+
+
+def test_no_capacity_at_all_is_an_infinite_step() -> None:
+    assert math.isinf(predicted_step_ms(SizingProfile(100, 50), 0, 36))
+
+
+def test_the_advisor_names_the_cheapest_size_and_the_sizes_to_sweep() -> None:
+    # ResNet50-like: a batch takes 2.4 s to preprocess on the GPU host's 8 spare vCPUs (19.2 vCPU-s), the
+    # GPUs step in 86 ms; ml.c5.18xlarge hosts have 72 vCPUs.
+    profile = SizingProfile(preprocess_ms_per_batch_per_vcpu=2400 * 8, train_ms_per_step=86, dnn_spare_vcpus=8)
+    advice = advise(profile, "ml.p4d.24xlarge", "ml.c5.18xlarge", FALLBACK_PRICES)
+    assert advice.needed == 3 and [c.data_hosts for c in advice.candidates] == [0, 1, 2, 3, 4]
+    assert advice.cheapest.data_hosts == 3  # fewer are input-bound, more only cost
+    assert advice.candidates[0].predicted_step_ms == pytest.approx(2400.0)
+    assert advice.sweep_sizes == [0, 2, 3, 4]
+
+
+def test_bad_profiles_and_gpu_data_hosts_are_refused() -> None:
+    with pytest.raises(SizingError, match="positive"):
+        SizingProfile(0, 100)
+    with pytest.raises(SizingError, match="efficiency"):
+        SizingProfile(100, 100, efficiency=1.5)
+    with pytest.raises(SizingError, match="CPU instances"):
+        advise(SizingProfile(100, 100), "ml.p3.2xlarge", "ml.p3.2xlarge", FALLBACK_PRICES)
+    with pytest.raises(SizingError, match="larger data instance type"):
+        advise(SizingProfile(1e6, 10), "ml.p3.2xlarge", "ml.c5.xlarge", FALLBACK_PRICES)
+
+
+def test_a_sweep_can_start_from_the_prediction() -> None:
+    base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    # 9.5 vCPU-s per batch at 184 ms/step on 36-vCPU ml.c5.9xlarge hosts: 2 needed.
+    plan = plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"preprocess_ms_per_batch_per_vcpu": 9544, "train_ms_per_step": 184}})
+    assert [spec["run_name"] for spec in plan.configurations] == ["vision-hetero-d0", "vision-hetero-d1", "vision-hetero-d2", "vision-hetero-d3"]
+    with pytest.raises(SweepSpecError, match="advisor"):
+        plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"train_ms_per_step": 184}})
+    with pytest.raises(SweepSpecError) as both:
+        plan_sweep({"sweep_name": "advised", "base": base, "data_hosts": [1], "advisor": {"preprocess_ms_per_batch_per_vcpu": 1, "train_ms_per_step": 1}})
+    assert both.value.field == "data_hosts"

@@ -1,0 +1,136 @@
+"""The data-group sizing advisor checked against the emulated cluster: predicted vs measured data hosts.
+
+1. profiles the job the way the advisor wants it: one batch's preprocessing on one full data core, and
+   the DNN host's step with its input in memory (training/local/profile.py);
+2. gives every data host a fraction of a core (a cgroup CPU quota) sized so that one data host cannot
+   keep up but the predicted number can, all on the one spare core of a small machine;
+3. asks the advisor (lambdas/core/sizing.py) how many such hosts the job needs;
+4. runs the heterogeneous job with one host fewer than predicted and with the prediction, and calls a run
+   input-bound when its step time is more than ``INPUT_BOUND`` × the train-only step.
+
+    python -m training.local.sizing [--workdir build/sizing] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lambdas.core.job_spec import JobSpec, validate_job_spec
+from lambdas.core.sizing import SizingProfile, data_hosts_needed, predicted_step_ms
+from lambdas.core.sweep import with_data_hosts
+from training.local.cluster import EmulatedCluster, EmulationOptions, plan_hosts
+from training.local.cpu_quota import available as quotas_available
+from training.local.images import write_dataset
+from training.local.profile import preprocess_ms_per_batch, train_ms_per_step
+from training.trainers.config import VisionConfig
+
+REPO = Path(__file__).resolve().parents[2]
+# Heavy augmentation on small crops, and a CNN wide enough that training outweighs one batch's
+# preprocessing on a full core: then a fraction of a core per data host is what makes the job input-bound.
+OVERRIDES = {"model": "cnn", "cnn_width": 16, "image_size": 64, "augment": "heavy", "batch_size": 32}
+# One data host at the chosen quota makes batches this much slower than training needs them.
+ONE_HOST_SHORTFALL = 1.8
+# A run is input-bound when its step is this much slower than the train-only step (the data service's
+# own overhead and this machine's noise stay well below it).
+INPUT_BOUND = 1.25
+
+
+@dataclass(frozen=True)
+class Measurement:
+    data_hosts: int
+    predicted_step_ms: float
+    step_ms: float
+    data_wait_ms: float
+    input_bound: bool
+
+
+@dataclass(frozen=True)
+class SizingCheck:
+    preprocess_ms_per_batch_per_core: float
+    train_ms_per_step: float
+    quota_cores: float
+    predicted: int
+    measurements: tuple[Measurement, ...]
+
+    @property
+    def measured(self) -> int | None:
+        """The fewest data hosts measured not input-bound, when every smaller count measured was."""
+        for measurement in self.measurements:
+            if not measurement.input_bound:
+                return measurement.data_hosts
+        return None
+
+    def render(self) -> str:
+        rows = [
+            f"profile: preprocessing {self.preprocess_ms_per_batch_per_core:.1f} ms per batch on one core, "
+            f"training {self.train_ms_per_step:.1f} ms/step with input in memory",
+            f"each data host gets {self.quota_cores:.3f} core (cgroup quota); the advisor predicts {self.predicted} data hosts",
+            f"{'data hosts':>10} {'predicted step':>15} {'measured step':>14} {'data wait':>10}  input-bound (> {INPUT_BOUND}× train)",
+        ]
+        for m in self.measurements:
+            rows.append(f"{m.data_hosts:>10} {m.predicted_step_ms:>12.1f} ms {m.step_ms:>11.1f} ms {m.data_wait_ms:>7.1f} ms  {'yes' if m.input_bound else 'no'}")
+        rows.append(f"predicted {self.predicted} data hosts, measured {self.measured}")
+        return "\n".join(rows)
+
+
+def base_spec(steps: int) -> dict:
+    raw = json.loads((REPO / "examples" / "pytorch-heterogeneous.json").read_text())
+    # The data hosts fill their queues while the trainer starts; the warm-up steps drain that head start,
+    # so the timed steps see steady state.
+    raw["hyperparameters"] = {**raw["hyperparameters"], **OVERRIDES, "steps": steps, "warmup_steps": steps * 3 // 7}
+    return raw
+
+
+def measure(spec: JobSpec, workdir: Path, images: Path, quota: float) -> tuple[float, float]:
+    shutil.rmtree(workdir, ignore_errors=True)
+    cluster = EmulatedCluster(
+        spec, EmulationOptions(workdir=workdir, channels={"train": images}, cpu_quota={"data_group": quota}), on_line=lambda *_: None
+    )
+    result = cluster.run()
+    summary = cluster.summary()
+    if not result.ok or not summary:
+        raise SystemExit(f"the sizing run with {spec.data_groups[0].count} data hosts failed:\n{result.report()}")
+    return summary["step_time_ms"]["p50"], summary["data_wait_ms"]["p50"]
+
+
+def run_check(workdir: Path, steps: int) -> SizingCheck:
+    images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
+    raw = base_spec(steps)
+    hetero = validate_job_spec(raw)
+    shutil.rmtree(workdir / "train-only", ignore_errors=True)  # a fresh tree: a profile must not resume a checkpoint
+    options = EmulationOptions(workdir=workdir / "train-only", channels={"train": images})
+    data_core = next(host.cpus for host in plan_hosts(hetero, options, sorted(os.sched_getaffinity(0)), 0) if host.role == "data")
+    preprocess = preprocess_ms_per_batch(images, VisionConfig(**OVERRIDES), data_core)
+    train = train_ms_per_step(hetero, options, on_line=lambda *_: None)
+    quota = min(0.45, max(0.05, preprocess / (ONE_HOST_SHORTFALL * train)))
+    profile = SizingProfile(preprocess_ms_per_batch_per_vcpu=preprocess, train_ms_per_step=train)
+    predicted = max(1, data_hosts_needed(profile, quota))
+    measurements = []
+    for count in sorted({max(1, predicted - 1), predicted}):
+        spec = validate_job_spec(with_data_hosts(raw, count, hetero.data_groups[0].instance_type))
+        step, wait = measure(spec, workdir / f"hosts-{count}", images, quota)
+        measurements.append(Measurement(count, predicted_step_ms(profile, count, quota), step, wait, step > INPUT_BOUND * train))
+    return SizingCheck(preprocess, train, quota, predicted, tuple(measurements))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "sizing")
+    parser.add_argument("--steps", type=int, default=70)
+    args = parser.parse_args(argv)
+    if not quotas_available():
+        print("this machine has no writable cgroup CPU controller: CPU quotas, and this check, need one", file=sys.stderr)
+        return 2
+    check = run_check(args.workdir, args.steps)
+    print(check.render())
+    return 0 if check.measured == check.predicted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
