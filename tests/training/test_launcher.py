@@ -130,16 +130,23 @@ def test_bad_input_ends_the_host_with_one_clear_line(tmp_path: Path, images: Pat
     assert message in (base / "output" / "failure").read_text()  # becomes the job's FailureReason
 
 
-def test_a_dnn_host_whose_data_hosts_never_come_fails_within_the_bound(tmp_path: Path) -> None:
-    addresses = {"algo-1": "127.0.79.2", "algo-2": "127.0.79.3", "algo-3": "127.0.79.4"}
-    hyperparameters = platform_hyperparameters(data_connect_timeout_s=3, master_port=29731, data_service_port=29732) | {
-        "model": "cnn", "cnn_width": "8", "image_size": "32", "batch_size": "8", "steps": "5", "warmup_steps": "1",
-    }
+def run_dnn_host_without_its_data_hosts(tmp_path: Path, subnet: int, hyperparameters: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path, float]:
+    """The DNN host's launcher of a heterogeneous job whose data hosts never come up; returns the
+    result, the host's /opt/ml and how long it took."""
+    addresses = {name: f"127.0.{subnet}.{index + 2}" for index, name in enumerate(("algo-1", "algo-2", "algo-3"))}
     base = write_host_tree(tmp_path / "opt" / "ml", hetero_resource_config("algo-3"), hyperparameters)
     env = os.environ | {"SAGEMAKER_BASE_DIR": str(base), "PYTHONPATH": str(REPO), "TRAINING_HOST_ADDRESSES": json.dumps(addresses)}
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "training.launcher"], env=env, capture_output=True, text=True, timeout=120)
+    return result, base, time.monotonic() - started
+
+
+def test_a_dnn_host_whose_data_hosts_never_come_fails_within_the_bound(tmp_path: Path) -> None:
+    hyperparameters = platform_hyperparameters(data_connect_timeout_s=3, master_port=29731, data_service_port=29732) | {
+        "model": "cnn", "cnn_width": "8", "image_size": "32", "batch_size": "8", "steps": "5", "warmup_steps": "1",
+    }
+    result, base, elapsed = run_dnn_host_without_its_data_hosts(tmp_path, 79, hyperparameters)
     assert result.returncode == 1, result.stdout[-2000:]
-    assert time.monotonic() - started < 60
+    assert elapsed < 60
     failure = (base / "output" / "failure").read_text()
     assert failure.startswith("DataServiceUnavailableError: no data host answered within 3 s")

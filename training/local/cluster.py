@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -200,13 +201,18 @@ def resource_config(host: EmulatedHost, hosts: list[EmulatedHost]) -> dict[str, 
     }
 
 
-def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int]) -> dict[str, str]:
-    """What the launch Lambda writes into HyperParameters, with this emulation's ports and timeouts."""
+def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int], tf_ports: tuple[int, int]) -> dict[str, str]:
+    """What the launch Lambda writes into HyperParameters, with this emulation's ports and timeouts.
+
+    tf.data.service binds every interface, so the emulated hosts (and any other emulated cluster on this
+    machine) share its ports: each cluster gets free ones of its own."""
     platform = platform_settings(
         spec,
         shutdown_token=secrets.token_urlsafe(24),
         data_service_port=ports[0],
         master_port=ports[1],
+        tf_dispatcher_port=tf_ports[0],
+        tf_worker_port=tf_ports[1],
         data_idle_timeout_s=options.data_idle_timeout_s,
         data_start_deadline_s=options.data_start_deadline_s,
         data_connect_timeout_s=options.data_connect_timeout_s,
@@ -216,11 +222,31 @@ def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tu
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def free_port_range(count: int, attempts: int = 50) -> int:
+    """The first of ``count`` consecutive ports free on every interface (tf.data.service's workers bind
+    the wildcard address, one port per data host)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        probes = []
+        try:
+            for port in range(base, base + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise EmulationError(f"found no {count} consecutive free ports")
 
 
 class EmulatedCluster:
@@ -257,7 +283,9 @@ class EmulatedCluster:
         missing = sorted({channel.name for channel in self.spec.inputs} - set(self.options.channels))
         if missing:
             raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
-        self.hyperparameters = emulated_hyperparameters(self.spec, self.options, (free_port(), free_port()))
+        data_hosts = len(self.hosts_with_role("data"))
+        tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
+        self.hyperparameters = emulated_hyperparameters(self.spec, self.options, (free_port(), free_port()), tf_ports)
         for host in self.hosts:
             config = host.base_dir / "input" / "config"
             config.mkdir(parents=True, exist_ok=True)

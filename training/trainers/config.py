@@ -8,6 +8,7 @@ checks a job's hyperparameters against these classes before anything is launched
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 MODELS = ("cnn", "resnet18", "resnet50")
 KERAS_MODELS = ("cnn", "resnet50")
@@ -52,23 +53,23 @@ class LoopConfig:
 
 
 @dataclass(frozen=True)
-class VisionConfig(LoopConfig):
-    """The PyTorch image-classification trainer (training/trainers/pytorch_vision.py)."""
+class ImageClassificationConfig(LoopConfig):
+    """What both image-classification trainers take; each names the models it builds (``models``)."""
 
-    model: str = "resnet18"  # "cnn" (small, width cnn_width), "resnet18" or "resnet50" (torchvision)
+    models: ClassVar[tuple[str, ...]] = MODELS
+    model: str = "resnet18"
     cnn_width: int = 32  # channels of the first "cnn" layer; doubles per stage
     image_size: int = 128  # side of the square crops fed to the model
-    augment: str = "standard"  # "standard" or "heavy" (training/data_service/preprocess.py)
-    learning_rate: float = 0.05
+    augment: str = "standard"  # "standard" or "heavy" (the data pipeline of the trainer's variant)
+    learning_rate: float = 0.05  # SGD with momentum
     momentum: float = 0.9
     weight_decay: float = 1e-4
-    dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
     cached_input_batches: int = 0  # N > 0: cycle the first N real batches in memory; the model alone
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.model not in self.models:
+            raise ValueError(f"model must be one of {self.models}, got {self.model!r}")
         _positive(self, "cnn_width", "learning_rate")
         if self.cached_input_batches < 0:
             raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
@@ -80,30 +81,21 @@ class VisionConfig(LoopConfig):
 
 
 @dataclass(frozen=True)
-class KerasVisionConfig(LoopConfig):
-    """The TensorFlow (Keras 3) image-classification trainer (training/trainers/tf_vision.py)."""
+class VisionConfig(ImageClassificationConfig):
+    """The PyTorch image-classification trainer (training/trainers/pytorch_vision.py): "cnn", "resnet18"
+    or "resnet50" (torchvision); preprocessing in training/data_service/preprocess.py."""
 
-    model: str = "resnet50"  # "cnn" (small, width cnn_width) or "resnet50" (keras.applications, untrained)
-    cnn_width: int = 32  # channels of the first "cnn" layer; doubles per stage
-    image_size: int = 128  # side of the square crops fed to the model
-    augment: str = "standard"  # "standard" or "heavy" (training/data_service/tf_pipeline.py)
-    learning_rate: float = 0.05  # SGD with momentum, scaled by nothing: set it for the global batch
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    cached_input_batches: int = 0  # N > 0: cycle the first N real batches in memory; the model alone
+    model: str = "resnet18"
+    dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.model not in KERAS_MODELS:
-            raise ValueError(f"model must be one of {KERAS_MODELS}, got {self.model!r}")
-        _positive(self, "cnn_width", "learning_rate")
-        if self.cached_input_batches < 0:
-            raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
-        AugmentConfig(image_size=self.image_size, augment=self.augment)
 
-    @property
-    def augment_config(self) -> AugmentConfig:
-        return AugmentConfig(image_size=self.image_size, augment=self.augment)
+@dataclass(frozen=True)
+class KerasVisionConfig(ImageClassificationConfig):
+    """The TensorFlow (Keras 3) image-classification trainer (training/trainers/tf_vision.py): "cnn" or
+    "resnet50" (keras.applications, untrained); preprocessing in training/data_service/tf_pipeline.py."""
+
+    models: ClassVar[tuple[str, ...]] = KERAS_MODELS
+    model: str = "resnet50"
 
 
 def _positive(config: object, *names: str) -> None:

@@ -112,10 +112,11 @@ def test_a_channel_without_a_local_folder_is_refused(tmp_path: Path) -> None:
 
 
 
-@pytest.mark.cluster
-def test_one_dnn_host_with_two_processes_and_two_data_hosts(tmp_path: Path, images: Path) -> None:
+def run_cli_with_two_data_hosts(raw_spec: dict, tmp_path: Path, images: Path) -> str:
+    """Run a spec (1 DNN host × 2 processes, 2 data hosts, 12 steps) through the CLI; check that every
+    host exited 0 and the DNN host printed 10 timed metric lines; return the output."""
     spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec(data_hosts=2, steps=12)))
+    spec_path.write_text(json.dumps(raw_spec))
     result = subprocess.run(
         [sys.executable, "-m", "training.local", "run", str(spec_path), "--channel", f"train={images}",
          "--workdir", str(tmp_path / "run"), "--processes-per-host", "2", "--deadline-s", "240"],
@@ -126,6 +127,12 @@ def test_one_dnn_host_with_two_processes_and_two_data_hosts(tmp_path: Path, imag
     assert re.search(r"^algo-3\s+dnn_group\s+dnn\s+0", out, re.M) and len(re.findall(r"^algo-[12]\s+data_group\s+data\s+0", out, re.M)) == 2
     timed = [parse_metric_line(line) for line in out.splitlines() if line.startswith("[algo-3 dnn_group] step=") and "step_time_ms=" in line]
     assert len(timed) == 10 and all(metrics["step_time_ms"] > 0 for metrics in timed)
+    return out
+
+
+@pytest.mark.cluster
+def test_one_dnn_host_with_two_processes_and_two_data_hosts(tmp_path: Path, images: Path) -> None:
+    out = run_cli_with_two_data_hosts(spec(data_hosts=2, steps=12), tmp_path, images)
     summary = json.loads((tmp_path / "run" / "algo-3" / "opt" / "ml" / "output" / "data" / "summary.json").read_text())
     assert (summary["steps"], summary["timed_steps"], summary["world_size"], summary["data_source"]) == (12, 10, 2, "data_service")
     assert len(summary["data_hosts"]) == 2 and summary["lost_data_hosts"] == []
@@ -149,9 +156,10 @@ def test_training_finishes_when_a_data_host_dies(tmp_path: Path, images: Path) -
     assert summary["steps"] == 40 and summary["lost_data_hosts"] == [f"{cluster.host('algo-1').address}:{cluster.hyperparameters['data_service_port']}"]
 
 
-@pytest.mark.cluster
-def test_every_data_host_exits_soon_after_the_dnn_host_dies(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=2, steps=10_000), tmp_path, images)
+def assert_data_hosts_exit_soon_after_the_dnn_host_dies(raw_spec: dict, tmp_path: Path, images: Path) -> None:
+    """Kill the DNN host at step 3 of a long run; both data hosts must end by their idle timeout, with
+    exit code 0, within 30 s, and none may be left as an orphan."""
+    cluster, watcher = start(raw_spec, tmp_path, images)
     try:
         watcher.wait_for("algo-3", r"^step=3/")
         cluster.kill("algo-3")
@@ -165,6 +173,11 @@ def test_every_data_host_exits_soon_after_the_dnn_host_dies(tmp_path: Path, imag
         assert outcome.ended_at - killed_at < 30
         assert any("stopping (idle timeout)" in line for line in watcher.of(name))
     assert result.orphans == []
+
+
+@pytest.mark.cluster
+def test_every_data_host_exits_soon_after_the_dnn_host_dies(tmp_path: Path, images: Path) -> None:
+    assert_data_hosts_exit_soon_after_the_dnn_host_dies(spec(data_hosts=2, steps=10_000), tmp_path, images)
 
 
 @pytest.mark.cluster

@@ -4,18 +4,19 @@ tf.data.service dispatcher and workers on the data hosts, and the faults it must
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
-from tests.training.local.test_cluster import REPO, start
-from training.metrics import parse_metric_line
+from tests.conftest import platform_hyperparameters
+from tests.training.local.test_cluster import (
+    assert_data_hosts_exit_soon_after_the_dnn_host_dies,
+    run_cli_with_two_data_hosts,
+    start,
+)
+from tests.training.test_launcher import run_dnn_host_without_its_data_hosts
 
 pytest.importorskip("horovod.tensorflow")
 
@@ -36,21 +37,10 @@ def spec(data_hosts: int = 2, steps: int = 12, distribution: str = "horovod", **
 
 @pytest.mark.cluster
 def test_two_horovod_ranks_fed_by_two_tf_data_service_hosts(tmp_path: Path, images: Path) -> None:
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec(data_hosts=2, steps=12)))
-    result = subprocess.run(
-        [sys.executable, "-m", "training.local", "run", str(spec_path), "--channel", f"train={images}",
-         "--workdir", str(tmp_path / "run"), "--processes-per-host", "2", "--deadline-s", "240"],
-        cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    out = result.stdout
-    assert re.search(r"^algo-3\s+dnn_group\s+dnn\s+0", out, re.M) and len(re.findall(r"^algo-[12]\s+data_group\s+data\s+0", out, re.M)) == 2
+    out = run_cli_with_two_data_hosts(spec(data_hosts=2, steps=12), tmp_path, images)
     assert "Horovod ranks [0, 1] of 2" in out
     assert "registered the augmentation pipeline (96 images, 4 classes)" in out  # by the dispatcher host only
     assert out.count("tf.data.service ready") == 2
-    timed = [parse_metric_line(line) for line in out.splitlines() if line.startswith("[algo-3 dnn_group] step=") and "step_time_ms=" in line]
-    assert len(timed) == 10 and all(metrics["step_time_ms"] > 0 for metrics in timed)
     dnn_tree = tmp_path / "run" / "algo-3" / "opt" / "ml"
     summary = json.loads((dnn_tree / "output" / "data" / "summary.json").read_text())
     assert (summary["steps"], summary["timed_steps"], summary["world_size"]) == (12, 10, 2)
@@ -76,20 +66,7 @@ def test_training_finishes_when_a_tf_data_service_worker_host_dies(tmp_path: Pat
 
 @pytest.mark.cluster
 def test_every_tf_data_host_exits_soon_after_the_dnn_host_dies(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=2, steps=10_000), tmp_path, images)
-    try:
-        watcher.wait_for("algo-3", r"^step=3/")
-        cluster.kill("algo-3")
-        killed_at = time.monotonic()
-        result = cluster.wait()
-    finally:
-        cluster.close()
-    for name in ("algo-1", "algo-2"):
-        outcome = result.outcome(name)
-        assert outcome.exit_code == 0 and not outcome.orphaned
-        assert outcome.ended_at - killed_at < 30
-        assert any("stopping (idle timeout)" in line for line in watcher.of(name))
-    assert result.orphans == []
+    assert_data_hosts_exit_soon_after_the_dnn_host_dies(spec(data_hosts=2, steps=10_000), tmp_path, images)
     # Nothing of tf.data.service outlives its host: no process still runs the service module.
     leftovers = subprocess.run(["pgrep", "-f", "training.data_service.tf_service"], capture_output=True, text=True).stdout.split()
     assert not [pid for pid in leftovers if str(tmp_path) in Path(f"/proc/{pid}/environ").read_text(errors="replace")]
@@ -108,16 +85,12 @@ def test_homogeneous_mirrored_job_runs_the_same_pipeline_on_its_own_cpus(tmp_pat
 
 
 def test_an_unreachable_dispatcher_fails_the_trainer_within_the_bound(tmp_path: Path) -> None:
-    addresses = {"algo-1": "127.0.81.2", "algo-2": "127.0.81.3", "algo-3": "127.0.81.4"}
     hyperparameters = platform_hyperparameters(
         variant="tensorflow", distribution="none", data_connect_timeout_s=3, master_port=29741, data_service_port=29742,
     ) | {key: str(value) for key, value in TINY.items()} | {"steps": "5"}
-    base = write_host_tree(tmp_path / "opt" / "ml", hetero_resource_config("algo-3"), hyperparameters)
-    env = os.environ | {"SAGEMAKER_BASE_DIR": str(base), "PYTHONPATH": str(REPO), "TRAINING_HOST_ADDRESSES": json.dumps(addresses)}
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "training.launcher"], env=env, capture_output=True, text=True, timeout=120)
+    result, base, elapsed = run_dnn_host_without_its_data_hosts(tmp_path, 81, hyperparameters)
     assert result.returncode == 1, result.stdout[-2000:]
-    assert time.monotonic() - started < 60
+    assert elapsed < 60
     assert (base / "output" / "failure").read_text().startswith("DataServiceUnavailableError: no data host answered within 3 s")
 
 
