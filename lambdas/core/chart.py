@@ -124,5 +124,7 @@ def render_chart(report: Mapping[str, Any], title: str) -> bytes:
     _panel(canvas, 30, 70, panel_width, 400, "STEP TIME (MS, P50)", rows, "step_time_ms", "", report.get("recommended"))
     _panel(canvas, 70 + panel_width, 70, panel_width, 400, "$ PER 1K STEPS", rows, "cost_per_1k_steps_usd", "", report.get("recommended"))
     prices = report["prices"]
-    canvas.text(20, 458, f"PRICES: {prices['source'][:110]} ({prices['date']})", GREY, scale=1)
+    line = f"PRICES: {prices['source']} ({prices['date']})"
+    room = (width - 40) // 6
+    canvas.text(20, 458, line if len(line) <= room else line[:room - 2] + "..", INK, scale=1)
     return canvas.png()

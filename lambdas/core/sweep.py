@@ -158,7 +158,8 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
 
     ``outcomes``: per configuration, {"name", "spec", "status": "SUCCEEDED"|"FAILED", "error"?, "result"?: result.json}.
     """
-    rows = []
+    rows: list[dict[str, Any]] = []
+    costs: list[float | None] = []
     for outcome in outcomes:
         spec, result = outcome["spec"], outcome.get("result") or {}
         step = (result.get("step_time_ms") or {}).get("p50")
@@ -175,23 +176,26 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
             "cost_per_1k_steps_usd": None,
             "price_note": None,
         }
+        cost = None  # unrounded, for the comparisons; the report shows it rounded
         try:
-            row["usd_per_hour"] = round(hourly_cost([(g["instance_type"], g["count"]) for g in spec["instance_groups"]], prices), 4)
+            usd_per_hour = hourly_cost([(g["instance_type"], g["count"]) for g in spec["instance_groups"]], prices)
+            row["usd_per_hour"] = round(usd_per_hour, 4)
+            if succeeded:
+                cost = cost_per_1k_steps(usd_per_hour, step)
+                row["cost_per_1k_steps_usd"] = round(cost, 6)
         except KeyError as error:
             row["price_note"] = str(error).strip("'\"")
-        if succeeded and row["usd_per_hour"] is not None:
-            row["cost_per_1k_steps_usd"] = round(cost_per_1k_steps(row["usd_per_hour"], step), 6)
         rows.append(row)
-    priced = [row for row in rows if row["cost_per_1k_steps_usd"] is not None]
-    baseline = priced[0] if priced else None
-    for row in rows:
+        costs.append(cost)
+    priced = [index for index, cost in enumerate(costs) if cost is not None]
+    baseline = rows[priced[0]] if priced else None
+    for row, cost in zip(rows, costs, strict=True):
         row["improvement_vs_baseline"] = (
-            round(improvement(row["cost_per_1k_steps_usd"], baseline["cost_per_1k_steps_usd"]), 4)
-            if baseline and row["cost_per_1k_steps_usd"] is not None else None
+            improvement(cost, costs[priced[0]]) if baseline and cost is not None else None
         )
         row["meets_target"] = row["step_time_ms"] is not None and (step_time_target_ms is None or row["step_time_ms"] <= step_time_target_ms)
-    eligible = [row for row in priced if row["meets_target"]]
-    recommended = min(eligible, key=lambda row: row["cost_per_1k_steps_usd"]) if eligible else None
+    eligible = [index for index in priced if rows[index]["meets_target"]]
+    recommended = rows[min(eligible, key=lambda index: costs[index])] if eligible else None
     return {
         "configurations": rows,
         "baseline": baseline["name"] if baseline else None,
