@@ -46,7 +46,6 @@ print(f"rank {hvd.rank()}/{hvd.size()} local {hvd.local_rank()} sum {float(total
 
 
 def test_two_ranks_find_each_other_through_our_rendezvous_server() -> None:
-    pytest.importorskip("horovod.tensorflow")
     port = free_port()
     plan = slot_plan(["algo-1"], 2)
     with RendezvousServer("127.0.0.1", port, plan):

@@ -8,18 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-tf = pytest.importorskip("tensorflow")
-
-from training.data_service.dataset import scan_image_folder  # noqa: E402
-from training.data_service.tf_pipeline import (  # noqa: E402
+from training.data_service.dataset import scan_image_folder
+from training.data_service.tf_pipeline import (
     augmentation_pipeline,
     autocontrast,
     element_spec,
     relative_samples,
     rotate,
 )
-from training.trainers.config import AugmentConfig  # noqa: E402
+from training.trainers.config import AugmentConfig
 
 
 @pytest.mark.parametrize("augment", ["standard", "heavy"])

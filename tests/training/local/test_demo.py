@@ -81,7 +81,6 @@ def test_data_hosts_sharing_a_core_count_once_in_the_ideal() -> None:
 
 @pytest.mark.cluster
 def test_the_tensorflow_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("horovod.tensorflow")
     assert main(["--variant", "tensorflow", "--workdir", str(tmp_path), "--steps", "16"]) == 0
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p4d.24xlarge" in out and "heterogeneous: 2× ml.c5.18xlarge + 1× ml.p4d.24xlarge" in out

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+# Fails loudly, never skips: `make test` installs Horovod (training/images/tensorflow/build-horovod.sh).
+import horovod.tensorflow  # noqa: E402, F401
 import pytest
 
 from tests.conftest import platform_hyperparameters
@@ -17,8 +19,6 @@ from tests.training.local.test_cluster import (
     start,
 )
 from tests.training.test_launcher import run_dnn_host_without_its_data_hosts
-
-pytest.importorskip("horovod.tensorflow")
 
 TINY = {"model": "cnn", "cnn_width": 8, "image_size": 32, "batch_size": 8, "warmup_steps": 2, "augment": "standard"}
 
