@@ -31,16 +31,17 @@ REPO = Path(__file__).resolve().parents[3]
 TINY = {"model": "cnn", "cnn_width": 8, "image_size": 32, "batch_size": 8, "warmup_steps": 2, "augment": "standard"}
 
 
-def spec(data_hosts: int = 2, steps: int = 12, **hyperparameters) -> dict:
+def spec(data_hosts: int = 2, steps: int = 12, variant: str = "pytorch", distribution: str | None = None, **hyperparameters) -> dict:
+    """A tiny vision job (the variant's default distribution unless one is given)."""
     groups = [{"name": "dnn_group", "role": "dnn", "instance_type": "ml.p3.2xlarge", "count": 1}]
     inputs = {"train": {"s3_uri": "s3://bucket/images/"}}
     if data_hosts:
         groups.insert(0, {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": data_hosts})
         inputs["train"]["groups"] = ["data_group"]
     return {
-        "run_name": "test-run", "variant": "pytorch", "workload": "vision", "instance_groups": groups,
+        "run_name": "test-run", "variant": variant, "workload": "vision", "instance_groups": groups,
         "hyperparameters": TINY | {"steps": steps} | hyperparameters, "inputs": inputs,
-    }
+    } | ({"distribution": distribution} if distribution else {})
 
 
 class Watcher:
@@ -205,15 +206,20 @@ def test_the_deadline_kills_everything_and_fails(tmp_path: Path, images: Path) -
     assert result.elapsed_s < 20
 
 
-@pytest.mark.cluster
-def test_homogeneous_job_preprocesses_on_its_own_cpus(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=0, steps=8), tmp_path, images)
+def run_homogeneous(raw_spec: dict, tmp_path: Path, images: Path) -> tuple[dict, Watcher]:
+    """Run a single-group spec to its end; it must succeed. Returns its summary and its lines."""
+    cluster, watcher = start(raw_spec, tmp_path, images)
     try:
         result = cluster.wait()
     finally:
         cluster.close()
     assert result.ok, result.report() + "\n".join(watcher.of("algo-1")[-30:])
-    summary = cluster.summary()
+    return cluster.summary(), watcher
+
+
+@pytest.mark.cluster
+def test_homogeneous_job_preprocesses_on_its_own_cpus(tmp_path: Path, images: Path) -> None:
+    summary, watcher = run_homogeneous(spec(data_hosts=0, steps=8), tmp_path, images)
     assert summary["data_source"] == "local" and summary["timed_steps"] == 6
     assert any("instance group homogeneousCluster" in line for line in watcher.of("algo-1"))
 

@@ -14,25 +14,18 @@ import pytest
 
 from tests.conftest import platform_hyperparameters
 from tests.training.local.test_cluster import (
+    TINY,
     assert_data_hosts_exit_soon_after_the_dnn_host_dies,
     run_cli_with_two_data_hosts,
+    run_homogeneous,
     start,
 )
+from tests.training.local.test_cluster import spec as cluster_spec
 from tests.training.test_launcher import run_dnn_host_without_its_data_hosts
-
-TINY = {"model": "cnn", "cnn_width": 8, "image_size": 32, "batch_size": 8, "warmup_steps": 2, "augment": "standard"}
 
 
 def spec(data_hosts: int = 2, steps: int = 12, distribution: str = "horovod", **hyperparameters) -> dict:
-    groups = [{"name": "dnn_group", "role": "dnn", "instance_type": "ml.p4d.24xlarge", "count": 1}]
-    inputs = {"train": {"s3_uri": "s3://bucket/images/"}}
-    if data_hosts:
-        groups.insert(0, {"name": "data_group", "role": "data", "instance_type": "ml.c5.18xlarge", "count": data_hosts})
-        inputs["train"]["groups"] = ["data_group"]
-    return {
-        "run_name": "tf-run", "variant": "tensorflow", "workload": "vision", "instance_groups": groups,
-        "distribution": distribution, "hyperparameters": TINY | {"steps": steps} | hyperparameters, "inputs": inputs,
-    }
+    return cluster_spec(data_hosts, steps, variant="tensorflow", distribution=distribution, **hyperparameters)
 
 
 @pytest.mark.cluster
@@ -74,13 +67,7 @@ def test_every_tf_data_host_exits_soon_after_the_dnn_host_dies(tmp_path: Path, i
 
 @pytest.mark.cluster
 def test_homogeneous_mirrored_job_runs_the_same_pipeline_on_its_own_cpus(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=0, steps=8, distribution="mirrored"), tmp_path, images)
-    try:
-        result = cluster.wait()
-    finally:
-        cluster.close()
-    assert result.ok, result.report() + "\n".join(watcher.of("algo-1")[-30:])
-    summary = cluster.summary()
+    summary, _ = run_homogeneous(spec(data_hosts=0, steps=8, distribution="mirrored"), tmp_path, images)
     assert (summary["input_source"], summary["distribution"], summary["timed_steps"]) == ("local", "mirrored", 6)
 
 
