@@ -122,7 +122,8 @@ def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
         for attempt in range(3):
             try:
                 reply = request_shutdown(target, token, requester)
-                log.info("data host %s (%s) shut down after serving %d batches", reply.host, target, reply.batches_served)
+                served = f" after serving {reply.batches_served} batches" if reply.batches_served else ""
+                log.info("data host %s (%s) shut down%s", reply.host, target, served)
                 return
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.PERMISSION_DENIED:

@@ -379,8 +379,11 @@ def serve(
     # Give open streams a moment to send their end-of-stream marker, then stop everything.
     server.stop(grace=2.0).wait(timeout=5)
     producer.stop()
-    log.info(
-        "data host %s stopping (%s) after serving %d batches, %d files skipped",
-        settings.host, reason.value, servicer.batches_served, producer.skipped_samples,
-    )
+    if getattr(producer, "serves_batches", True):
+        log.info(
+            "data host %s stopping (%s) after serving %d batches, %d files skipped",
+            settings.host, reason.value, servicer.batches_served, producer.skipped_samples,
+        )
+    else:  # tf.data.service: the batches went from its workers straight to the trainers
+        log.info("data host %s stopping (%s); its batches went through tf.data.service", settings.host, reason.value)
     return reason

@@ -90,6 +90,7 @@ class TfDataService:
         self.settings = settings
         self.ready_timeout_s = ready_timeout_s
         self.batches: queue.Queue = queue.Queue()  # never filled: batches do not pass through our server
+        self.serves_batches = False  # so the control server does not report a count it cannot know
         self.skipped_samples = 0  # undecodable files are skipped inside the tf.data graph, uncounted
         self._process: subprocess.Popen | None = None
         self._ready = threading.Event()
