@@ -6,7 +6,8 @@
    keep up but the predicted number can, all on the one spare core of a small machine;
 3. asks the advisor (lambdas/core/sizing.py) how many such hosts the job needs;
 4. runs the heterogeneous job with one host fewer than predicted and with the prediction, and calls a run
-   input-bound when its step time is more than ``INPUT_BOUND`` × the train-only step.
+   input-bound when the trainer spends more than ``INPUT_BOUND_WAIT`` of its step waiting for batches
+   (the data wait, not the step time, tells: the step's compute part moves with this shared machine's noise).
 
     python -m training.local.sizing [--workdir build/sizing] [--steps 40]
 """
@@ -36,9 +37,9 @@ REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = {"model": "cnn", "cnn_width": 16, "image_size": 64, "augment": "heavy", "batch_size": 32}
 # One data host at the chosen quota makes batches this much slower than training needs them.
 ONE_HOST_SHORTFALL = 1.8
-# A run is input-bound when its step is this much slower than the train-only step (the data service's
-# own overhead and this machine's noise stay well below it).
-INPUT_BOUND = 1.25
+# A run is input-bound when the trainer waits for batches for more than this share of its step (p50s).
+# With one host fewer than needed the wait is ~40% of the step; with enough hosts it is ~1%.
+INPUT_BOUND_WAIT = 0.15
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class SizingCheck:
             f"profile: preprocessing {self.preprocess_ms_per_batch_per_core:.1f} ms per batch on one core, "
             f"training {self.train_ms_per_step:.1f} ms/step with input in memory",
             f"each data host gets {self.quota_cores:.3f} core (cgroup quota); the advisor predicts {self.predicted} data hosts",
-            f"{'data hosts':>10} {'predicted step':>15} {'measured step':>14} {'data wait':>10}  input-bound (> {INPUT_BOUND}× train)",
+            f"{'data hosts':>10} {'predicted step':>15} {'measured step':>14} {'data wait':>10}  input-bound (waits > {INPUT_BOUND_WAIT:.0%} of its step)",
         ]
         for m in self.measurements:
             rows.append(f"{m.data_hosts:>10} {m.predicted_step_ms:>12.1f} ms {m.step_ms:>11.1f} ms {m.data_wait_ms:>7.1f} ms  {'yes' if m.input_bound else 'no'}")
@@ -115,7 +116,7 @@ def run_check(workdir: Path, steps: int) -> SizingCheck:
     for count in sorted({max(1, predicted - 1), predicted}):
         spec = validate_job_spec(with_data_hosts(raw, count, hetero.data_groups[0].instance_type))
         step, wait = measure(spec, workdir / f"hosts-{count}", images, quota)
-        measurements.append(Measurement(count, predicted_step_ms(profile, count, quota), step, wait, step > INPUT_BOUND * train))
+        measurements.append(Measurement(count, predicted_step_ms(profile, count, quota), step, wait, wait > INPUT_BOUND_WAIT * step))
     return SizingCheck(preprocess, train, quota, predicted, tuple(measurements))
 
 
