@@ -1,5 +1,6 @@
 """boto3 clients for the Lambda handlers, made on first use (never at import), one per service and
-process, so that a warm Lambda reuses its connections and tests can run handlers under moto."""
+process, so that a warm Lambda reuses its connections and tests can run handlers under moto; and the two
+S3 reads and writes the handlers share (write-once objects, objects that may be missing)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 
 import boto3
 from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from lambdas.core.results import ResultExistsError
 
 # Standard retry mode backs off on throttling: up to 4 retries (5 attempts) per call; the state machine
 # retries what still fails.
@@ -25,3 +29,24 @@ def pricing_client() -> Any:
     from lambdas.core.pricing import PRICING_REGION
 
     return boto3.client("pricing", region_name=PRICING_REGION, config=CONFIG)
+
+
+def put_new_object(bucket: str, key: str, body: bytes, content_type: str) -> None:
+    """Write an object only if none exists at that key (If-None-Match): results and reports are never
+    overwritten. Raises ResultExistsError when one does."""
+    try:
+        client("s3").put_object(Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*")
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
+            raise ResultExistsError(f"s3://{bucket}/{key} exists already; results and reports are never overwritten") from None
+        raise
+
+
+def read_object_or_none(bucket: str, key: str) -> bytes | None:
+    """An object's bytes, or None when there is none at that key."""
+    try:
+        return client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
+            return None
+        raise

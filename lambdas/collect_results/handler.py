@@ -11,13 +11,12 @@ import os
 from typing import Any
 
 from aws_lambda_powertools import Logger
-from botocore.exceptions import ClientError
 
-from lambdas.clients import client
+from lambdas.clients import client, put_new_object, read_object_or_none
 from lambdas.core.execution import run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
-from lambdas.core.results import ResultExistsError, result_document, summary_from_output_archive
+from lambdas.core.results import result_document, summary_from_output_archive
 
 logger = Logger(service="collect-results")
 
@@ -39,15 +38,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         failure=f"{failure.get('Error')}: {failure.get('Cause')}" if failure else None,
     )
     bucket, key = os.environ["RESULTS_BUCKET"], f"results/{document['run_id']}/result.json"
-    try:
-        client("s3").put_object(
-            Bucket=bucket, Key=key, Body=json.dumps(document, indent=2, default=str).encode(), ContentType="application/json",
-            IfNoneMatch="*",
-        )
-    except ClientError as error:
-        if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
-            raise ResultExistsError(f"s3://{bucket}/{key} exists already; results are never overwritten") from None
-        raise
+    put_new_object(bucket, key, json.dumps(document, indent=2, default=str).encode(), "application/json")
     logger.info("result written", extra={"key": key, "status": document["status"]})
     return {"result_uri": f"s3://{bucket}/{key}", "status": document["status"], "step_time_ms": document["step_time_ms"]}
 
@@ -58,10 +49,5 @@ def _summary(describe: dict[str, Any]) -> dict[str, Any] | None:
         return None
     bucket, _, prefix = output[len("s3://"):].partition("/")
     key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
-    try:
-        archive = client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
-    except ClientError as error:
-        if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
-            return None
-        raise
-    return summary_from_output_archive(archive)
+    archive = read_object_or_none(bucket, key)
+    return summary_from_output_archive(archive) if archive is not None else None

@@ -15,12 +15,10 @@ import os
 from typing import Any
 
 from aws_lambda_powertools import Logger
-from botocore.exceptions import ClientError
 
-from lambdas.clients import client, pricing_client
+from lambdas.clients import client, pricing_client, put_new_object, read_object_or_none
 from lambdas.core.chart import render_chart
 from lambdas.core.pricing import prices_for
-from lambdas.core.results import ResultExistsError
 from lambdas.core.sweep import METRIC_NAMESPACE, compare, render_markdown
 
 logger = Logger(service="compare-sweep")
@@ -53,7 +51,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         ("report.md", render_markdown(report, f"Benchmark sweep {title}").encode(), "text/markdown"),
         ("chart.png", render_chart(report, title), "image/png"),
     ):
-        _put_new(bucket, f"{prefix}/{name}", body, content_type)
+        put_new_object(bucket, f"{prefix}/{name}", body, content_type)
     _publish_metrics(sweep["sweep_name"], report)
     logger.info("sweep compared", extra={"sweep_id": sweep["sweep_id"], "recommended": report["recommended"], "failed": report["failed"]})
     return {
@@ -78,21 +76,9 @@ def _error(outcome: dict[str, Any]) -> str | None:
 
 
 def _result(bucket: str, run_id: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(client("s3").get_object(Bucket=bucket, Key=f"results/{run_id}/result.json")["Body"].read())
-    except ClientError as error:
-        if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
-            return None  # e.g. refused before launch: no result was written
-        raise
-
-
-def _put_new(bucket: str, key: str, body: bytes, content_type: str) -> None:
-    try:
-        client("s3").put_object(Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*")
-    except ClientError as error:
-        if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
-            raise ResultExistsError(f"s3://{bucket}/{key} exists already; reports are never overwritten") from None
-        raise
+    """The configuration's result.json; None when its run wrote none (e.g. refused before launch)."""
+    document = read_object_or_none(bucket, f"results/{run_id}/result.json")
+    return json.loads(document) if document is not None else None
 
 
 def _publish_metrics(sweep_name: str, report: dict[str, Any]) -> None:
