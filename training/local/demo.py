@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import threading
@@ -33,9 +32,9 @@ from lambdas.core.chart import render_chart
 from lambdas.core.job_spec import JobSpec, validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_steps, hourly_cost
 from lambdas.core.sweep import compare, render_markdown
-from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions, plan_hosts
+from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions
 from training.local.images import write_dataset
-from training.local.profile import Profile, preprocess_ms_per_batch, train_ms_per_step
+from training.local.profile import Profile, data_host_cpus, preprocess_ms_per_batch, train_ms_per_step
 from training.metrics import parse_metric_line
 from training.variants import VARIANTS
 
@@ -149,11 +148,11 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch") -> Compa
         shutil.rmtree(workdir / name, ignore_errors=True)
         return EmulationOptions(workdir=workdir / name, channels={"train": images})
 
-    data_cpus = [host.cpus for host in plan_hosts(heterogeneous, options("plan"), _cpus(), 0) if host.role == "data"]
-    data_host_cpus = data_cpus[0]
-    effective = min(len(data_cpus), len(set().union(*data_cpus)) / len(data_host_cpus))
+    data_cpus = data_host_cpus(heterogeneous, options("plan"))
+    one_host = data_cpus[0]
+    effective = min(len(data_cpus), len(set().union(*data_cpus)) / len(one_host))
     print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
-    preprocess = preprocess_ms_per_batch(images, config, data_host_cpus, data_service=VARIANTS[variant].data_service)
+    preprocess = preprocess_ms_per_batch(images, config, one_host, data_service=VARIANTS[variant].data_service)
     train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
     profile = Profile(preprocess, train)
     print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
@@ -164,10 +163,6 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch") -> Compa
         run_job("heterogeneous", heterogeneous, options("heterogeneous")),
         effective_data_hosts=effective,
     )
-
-
-def _cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
 
 
 def render(comparison: Comparison) -> str:

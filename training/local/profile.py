@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -23,7 +24,7 @@ from types import MappingProxyType
 from lambdas.core.job_spec import JobSpec
 from training.data_service.dataset import scan_image_folder
 from training.data_service.server import BatchProducer
-from training.local.cluster import EmulatedCluster, EmulationOptions, LineCallback
+from training.local.cluster import EmulatedCluster, EmulationOptions, LineCallback, plan_hosts
 from training.trainers.config import KerasVisionConfig, VisionConfig
 
 
@@ -48,6 +49,21 @@ class ProfilingError(RuntimeError):
     pass
 
 
+def ms_per_batch(next_batch: Callable[[], object], batches: int, warmup: int = 3) -> float:
+    """Steady-state milliseconds per batch: ``warmup`` batches (start-up, autotuning) left out."""
+    for _ in range(warmup):
+        next_batch()
+    started = time.perf_counter()
+    for _ in range(batches):
+        next_batch()
+    return (time.perf_counter() - started) * 1000 / batches
+
+
+def data_host_cpus(spec: JobSpec, options: EmulationOptions) -> list[tuple[int, ...]]:
+    """The CPU set each data host of ``spec`` gets on this machine, as the emulated cluster plans them."""
+    return [host.cpus for host in plan_hosts(spec, options, sorted(os.sched_getaffinity(0)), 0) if host.role == "data"]
+
+
 def _time_pipeline(channel: str, config: VisionConfig, cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
     os.sched_setaffinity(0, cpus)  # inherited by the spawned preprocessing workers
     producer = BatchProducer(
@@ -60,12 +76,7 @@ def _time_pipeline(channel: str, config: VisionConfig, cpus: tuple[int, ...], ba
     )
     producer.start()
     try:
-        for _ in range(3):  # worker start-up and first batches
-            producer.batches.get(timeout=120)
-        started = time.perf_counter()
-        for _ in range(batches):
-            producer.batches.get(timeout=120)
-        result.put((time.perf_counter() - started) * 1000 / batches)
+        result.put(ms_per_batch(lambda: producer.batches.get(timeout=120), batches))
     finally:
         producer.stop()
 
@@ -83,12 +94,7 @@ def _time_tf_pipeline(channel: str, config: KerasVisionConfig, cpus: tuple[int, 
         [path for path, _ in folder.samples], [label for _, label in folder.samples], config.batch_size, config.augment_config, config.seed
     )
     iterator = iter(dataset)
-    for _ in range(3):  # graph start-up and autotuning
-        next(iterator)
-    started = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    result.put((time.perf_counter() - started) * 1000 / batches)
+    result.put(ms_per_batch(lambda: next(iterator), batches))
 
 
 def preprocess_ms_per_batch(

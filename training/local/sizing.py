@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ from pathlib import Path
 from lambdas.core.job_spec import JobSpec, validate_job_spec
 from lambdas.core.sizing import SizingProfile, data_hosts_needed, predicted_step_ms
 from lambdas.core.sweep import with_data_hosts
-from training.local.cluster import EmulatedCluster, EmulationOptions, plan_hosts
+from training.local.cluster import EmulatedCluster, EmulationOptions
 from training.local.cpu_quota import available as quotas_available
 from training.local.images import write_dataset
-from training.local.profile import preprocess_ms_per_batch, train_ms_per_step
+from training.local.profile import data_host_cpus, preprocess_ms_per_batch, train_ms_per_step
 from training.trainers.config import VisionConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +105,7 @@ def run_check(workdir: Path, steps: int) -> SizingCheck:
     hetero = validate_job_spec(raw)
     shutil.rmtree(workdir / "train-only", ignore_errors=True)  # a fresh tree: a profile must not resume a checkpoint
     options = EmulationOptions(workdir=workdir / "train-only", channels={"train": images})
-    data_core = next(host.cpus for host in plan_hosts(hetero, options, sorted(os.sched_getaffinity(0)), 0) if host.role == "data")
+    data_core = data_host_cpus(hetero, options)[0]
     preprocess = preprocess_ms_per_batch(images, VisionConfig(**OVERRIDES), data_core)
     train = train_ms_per_step(hetero, options, on_line=lambda *_: None)
     quota = min(0.45, max(0.05, preprocess / (ONE_HOST_SHORTFALL * train)))
