@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -44,6 +44,9 @@ from training.data_service.tf_service import TfServiceError
 from training.failure import failure_path, write_failure
 from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
 from training.variants import VARIANTS, Variant
+
+if TYPE_CHECKING:
+    from training.data_service.control import KeepAlive
 
 log = logging.getLogger("training.launcher")
 
@@ -207,7 +210,9 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
     environment = trainer_environment(settings, dict(os.environ))
     with contextlib.ExitStack() as stack:
         if settings.distribution == "horovod":
-            processes = _start_horovod_ranks(stack, cluster, settings, command, environment, dnn_hosts, processes_per_host, addresses)
+            processes = _start_horovod_ranks(
+                stack, cluster, settings, command, environment, dnn_hosts, processes_per_host, addresses, master_address
+            )
         else:
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
@@ -237,12 +242,12 @@ def _start_horovod_ranks(
     dnn_hosts: list[str],
     processes_per_host: int,
     addresses: dict[str, str],
+    master_address: str,
 ) -> list[subprocess.Popen]:
     """This host's Horovod ranks; the first DNN host also runs the gloo rendezvous for all of them."""
     from training.horovod_launch import RendezvousServer, interface_of, rank_environment, slot_plan
 
     plan = slot_plan(dnn_hosts, processes_per_host)
-    master_address = address_of(dnn_hosts[0], addresses)
     own_address = address_of(cluster.current_host, addresses)
     if cluster.current_host == dnn_hosts[0]:
         stack.enter_context(RendezvousServer(addresses.get(cluster.current_host, "0.0.0.0"), settings.master_port, plan))
@@ -264,7 +269,7 @@ def _start_horovod_ranks(
 DISPATCHER_LOSS_S = 20.0
 
 
-def dispatcher_lost(keepalive: Any, dispatcher_target: str, bound_s: float) -> str | None:
+def dispatcher_lost(keepalive: KeepAlive, dispatcher_target: str, bound_s: float) -> str | None:
     """Why the job must stop, if the dispatcher's host has been silent for longer than ``bound_s``."""
     silent = keepalive.silent_for(dispatcher_target)
     if silent <= bound_s:
@@ -335,16 +340,12 @@ def main() -> int:
         if role == DATA:
             return run_data_host(cluster, settings, variant, config, stop)
         return run_dnn_host(cluster, settings, variant, stop)
-    except (ClusterConfigError, HyperparameterError, ChannelError) as error:
+    except (ClusterConfigError, HyperparameterError, ChannelError, TfServiceError) as error:
         message = f"{type(error).__name__}: {error}"
         log.error("%s", message)
         write_failure(message)
-        return CONFIG_ERROR_EXIT
-    except TfServiceError as error:
-        message = f"{type(error).__name__}: {error}"
-        log.error("%s", message)
-        write_failure(message)
-        return StopReason.FAILED.exit_code
+        # A job that is wrong exits as a usage error; a data host whose tf.data.service did not start, as failed preprocessing.
+        return StopReason.FAILED.exit_code if isinstance(error, TfServiceError) else CONFIG_ERROR_EXIT
 
 
 if __name__ == "__main__":
