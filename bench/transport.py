@@ -61,6 +61,7 @@ class FixedBatches:
         self.batches: queue.Queue = queue.Queue(maxsize=8)
         self.failure = None
         self.skipped_samples = 0
+        self.serves_batches = True
         self._source = [codec.encode_batch(images, labels) for images, labels in batches]
         self._stop = threading.Event()
 

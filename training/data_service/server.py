@@ -124,12 +124,15 @@ def sample_order(num_samples: int, seed: int, host_index: int) -> Iterator[int]:
 
 
 class BatchSource(Protocol):
-    """Where a data host's finished batches come from (the producer below; a benchmark's fixed batches)."""
+    """Where a data host's finished batches come from (the producer below; a benchmark's fixed batches;
+    tf.data.service, whose batches go to the trainers without passing through this server)."""
 
     # Serialised Batch messages (codec.encode_batch), ready for the wire.
     batches: queue.Queue[bytes]
     failure: str | None
     skipped_samples: int
+    # False when the batches bypass this server, which then cannot count what it served.
+    serves_batches: bool
 
     def start(self) -> None: ...
 
@@ -158,6 +161,7 @@ class BatchProducer:
         self.batches: queue.Queue[bytes] = queue.Queue(maxsize=queue_depth)
         self.failure: str | None = None
         self.skipped_samples = 0
+        self.serves_batches = True
         self._stop = threading.Event()
         # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
         self._pool = futures.ProcessPoolExecutor(
@@ -379,7 +383,7 @@ def serve(
     # Give open streams a moment to send their end-of-stream marker, then stop everything.
     server.stop(grace=2.0).wait(timeout=5)
     producer.stop()
-    if getattr(producer, "serves_batches", True):
+    if producer.serves_batches:
         log.info(
             "data host %s stopping (%s) after serving %d batches, %d files skipped",
             settings.host, reason.value, servicer.batches_served, producer.skipped_samples,
