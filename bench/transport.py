@@ -38,7 +38,7 @@ from training.data_service import codec  # noqa: E402
 from training.data_service import data_service_pb2 as pb  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
 from training.data_service.dataset import ImageFolder  # noqa: E402
-from training.data_service.server import ServerSettings, put_until_stopped, serve  # noqa: E402
+from training.data_service.server import ReadyBatch, ServerSettings, put_until_stopped, serve  # noqa: E402
 from training.local.cluster import free_port  # noqa: E402
 from training.trainers.config import AugmentConfig  # noqa: E402
 
@@ -60,9 +60,8 @@ class FixedBatches:
     def __init__(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> None:
         self.batches: queue.Queue = queue.Queue(maxsize=8)
         self.failure = None
-        self.skipped_samples = 0
         self.serves_batches = True
-        self._source = [codec.encode_batch(images, labels) for images, labels in batches]
+        self._source = [ReadyBatch(codec.encode_batch(images, labels)) for images, labels in batches]
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -197,7 +196,7 @@ def measure(kind: str, batch_size: int, size: int, count: int, server_cpu: int) 
     server.start()
     try:
         if kind == "grpc":
-            dataset = DataServiceDataset([f"{address}:{port}"], batch_size, "bench", connect_timeout_s=30)
+            dataset = DataServiceDataset([f"{address}:{port}"], batch_size, TOKEN, "bench", connect_timeout_s=30)
             return timed(dataset, count)
         if kind == "tf.data":
             return timed(tf_data_batches(address, port, batch_size, size), count)

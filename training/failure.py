@@ -13,6 +13,9 @@ from training.cluster import base_dir
 
 log = logging.getLogger(__name__)
 
+# Where training/torchrun.py records torchrun's first failed rank (JSON) for the launcher.
+RANK_FAILURE_ENV = "TRAINING_RANK_FAILURE_FILE"
+
 
 def failure_path(environ: Mapping[str, str] = os.environ) -> Path:
     return base_dir(environ) / "output" / "failure"

@@ -74,12 +74,17 @@ class PlatformSettings:
     tf_worker_port: int = 6200
     # torchrun's (or Horovod's) rendezvous port on the first DNN host.
     master_port: int = 29500
+    # Port of every DNN host's launcher, where data hosts that cannot serve report why (ReportFailure).
+    job_control_port: int = 6001
     # A data host exits when no batch was asked for this long after its last client left.
     data_idle_timeout_s: float = 120.0
     # A data host exits with an error when no client came this long after it started.
     data_start_deadline_s: float = 900.0
     # How long a DNN process waits for the data hosts to come up, and for a lost host to come back.
     data_connect_timeout_s: float = 300.0
+    # A stream that brings no batch for this long while its trainer waits is a hung host: it is cancelled,
+    # retried, then dropped. Generous: a data host making one batch takes well under a second.
+    data_batch_timeout_s: float = 60.0
     # Where the Neuron compiler keeps compiled graphs between jobs (s3://...); empty: no persistent cache.
     neuron_compile_cache_uri: str = ""
 
@@ -93,7 +98,7 @@ class PlatformSettings:
             raise HyperparameterError(f"distribution {self.distribution!r} is not one of {DISTRIBUTIONS}")
         if not self.shutdown_token or len(self.shutdown_token) < 16:
             raise HyperparameterError("shutdown_token must be a random string of at least 16 characters")
-        for name in ("data_service_port", "master_port", "tf_dispatcher_port", "tf_worker_port"):
+        for name in ("data_service_port", "master_port", "tf_dispatcher_port", "tf_worker_port", "job_control_port"):
             if not 1024 <= getattr(self, name) <= 65535:
                 raise HyperparameterError(f"{name} must be a port in 1024..65535, got {getattr(self, name)}")
 
@@ -116,6 +121,11 @@ class PlatformSettings:
     def data_service_targets(self, cluster: Cluster, addresses: Mapping[str, str]) -> list[str]:
         """host:port of the data service on every data host."""
         return [f"{address_of(host, addresses)}:{self.data_service_port}" for host in self.data_hosts(cluster)]
+
+    def job_control_targets(self, cluster: Cluster, addresses: Mapping[str, str]) -> list[str]:
+        """host:port of the ReportFailure server on every DNN host."""
+        hosts = [host for group in self.groups_with_role(DNN) for host in cluster.group(group).hosts]
+        return [f"{address_of(host, addresses)}:{self.job_control_port}" for host in hosts]
 
     def tf_data_service_addresses(self, cluster: Cluster, addresses: Mapping[str, str]) -> tuple[str, list[str]]:
         """The tf.data.service dispatcher (host:port) and every data host's worker address, in order."""

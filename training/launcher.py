@@ -1,19 +1,28 @@
 """The entrypoint on every host of a training job: find this host's instance group, then serve or train.
 
-SageMaker runs one image on every instance of every instance group; the toolkit starts this file
-(``SAGEMAKER_PROGRAM``) on each of them. It reads ``resourceconfig.json`` to learn the host's group, and
-the job's role map (a hyperparameter) to learn what the group does:
+SageMaker runs one image on every instance of every instance group; this module is its entrypoint. It
+reads ``resourceconfig.json`` to learn the host's group, and the job's role map (a hyperparameter) to
+learn what the group does:
 
 * data role: serve preprocessed batches (our gRPC stream, training/data_service/server.py, or
   tf.data.service for the tensorflow variant, training/data_service/tf_service.py) until an
-  authenticated shutdown, an idle timeout (the DNN hosts are gone), or a start deadline;
+  authenticated shutdown, an idle timeout (the DNN hosts are gone), or a start deadline. A data host
+  that cannot serve (taken port, empty or undecodable channel, tf.data.service that did not start)
+  writes its reason to the failure file and reports it to every DNN host before it exits;
 * dnn role: run the trainer across the DNN group (torchrun; Horovod ranks started per host,
-  training/horovod_launch.py; or one plain process), keep the data hosts told that it runs, then tell
-  every data host to shut down so none keeps running, and billing, after training.
+  training/horovod_launch.py; or one plain process), keep the data hosts told that it runs, listen for
+  data hosts' failure reports, then tell every data host to shut down so none keeps running, and
+  billing, after training.
 
 Everything is checked before anything starts: a malformed resourceconfig.json, a group missing from the
 role map, an unknown hyperparameter or a missing channel ends the host with exit code 2 and one clear
-line. The trainer's exit code is this host's exit code; a trainer killed by a signal exits 128 + signal.
+line. The trainer's exit code is this host's exit code; a trainer killed by a signal exits 128 + signal,
+and the failure reason names the rank and the signal. SIGTERM (StopTrainingJob, a spot interruption) is
+passed to the trainers, which save a checkpoint and the model at the next step boundary; SageMaker
+sends SIGKILL 120 s later, so they get STOP_GRACE_S.
+
+The image runs this module as its entrypoint (training/images/Dockerfile), so that it is the process
+SageMaker's SIGTERM reaches; SageMaker appends the word ``train``, which is accepted and ignored.
 
     SAGEMAKER_BASE_DIR=/tmp/host1/opt/ml python -m training.launcher
 """
@@ -21,7 +30,7 @@ line. The trainer's exit code is this host's exit code; a trainer killed by a si
 from __future__ import annotations
 
 import contextlib
-import functools
+import json
 import logging
 import os
 import shutil
@@ -29,24 +38,27 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, host_addresses, load_cluster
 from training.data_service.dataset import ChannelError, channel_dir, scan_csv_channel, scan_image_folder
-from training.data_service.server import StopReason
+from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
-from training.failure import failure_path, write_failure
+from training.failure import RANK_FAILURE_ENV, failure_path, write_failure
 from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
+from training.trainers.loop import PROGRESS_DIR_ENV
 from training.variants import VARIANTS, Variant
 
 if TYPE_CHECKING:
-    from training.data_service.control import KeepAlive
+    from training.data_service.control import FailureReports, KeepAlive
 
 log = logging.getLogger("training.launcher")
 
@@ -86,7 +98,7 @@ def trainer_command(
     if distribution in ("none", "mirrored", "horovod"):
         return [python, "-m", module]
     return [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "training.torchrun",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={processes_per_host}",
         f"--node-rank={node_rank}",
@@ -117,6 +129,15 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def trainer_failure(returncode: int, rank_failure: str | None) -> str:
+    """The reason a host's trainer failed: which rank died of which signal when torchrun says so. Pure."""
+    if rank_failure:
+        return rank_failure
+    if returncode < 0:
+        return f"the trainer was killed by {signal.Signals(-returncode).name}"
+    return f"the trainer exited with status {exit_status(returncode)}"
+
+
 def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
     """Ask every data host to stop, in parallel; a host that is already gone is fine."""
     from training.data_service.control import request_shutdown
@@ -129,8 +150,8 @@ def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
                 log.info("data host %s (%s) shut down%s", reply.host, target, served)
                 return
             except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    log.error("data host %s refused the shutdown token", target)
+                if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    log.error("data host %s refused the job's token", target)
                     return
                 if attempt == 2:
                     log.info("data host %s did not answer the shutdown (%s): already gone", target, error.code().name)
@@ -184,6 +205,19 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     return reason.exit_code
 
 
+def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, exit_code: int) -> int:
+    """A data host that cannot serve: write why (the job's FailureReason), tell every DNN host, so that
+    it fails now with this reason instead of waiting out its connect timeout, then exit."""
+    from training.data_service.control import report_failure
+
+    log.error("%s", message)
+    write_failure(message)
+    targets = settings.job_control_targets(cluster, host_addresses())
+    heard = report_failure(targets, settings.shutdown_token, cluster.current_host, message, timeout_s=settings.data_connect_timeout_s)
+    log.info("told %d of %d DNN hosts why this data host stops", len(heard), len(targets))
+    return exit_code
+
+
 # How each input format's training channel is checked before a trainer starts.
 CHANNEL_CHECKS = {"image_folder": scan_image_folder, "csv": scan_csv_channel}
 
@@ -207,8 +241,17 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         master_address=master_address,
         master_port=settings.master_port,
     )
-    environment = trainer_environment(settings, dict(os.environ))
     with contextlib.ExitStack() as stack:
+        workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="launcher-")))
+        progress_dir, rank_failure_file = workspace / "progress", workspace / "rank-failure.json"
+        progress_dir.mkdir()
+        environment = trainer_environment(settings, dict(os.environ)) | {
+            PROGRESS_DIR_ENV: str(progress_dir),
+            RANK_FAILURE_ENV: str(rank_failure_file),
+        }
+        watchdog, reports = None, None
+        if data_targets:
+            watchdog, reports = _start_data_host_watch(stack, cluster, settings, variant, addresses, data_targets, progress_dir)
         if settings.distribution == "horovod":
             processes = _start_horovod_ranks(
                 stack, cluster, settings, command, environment, dnn_hosts, processes_per_host, addresses, master_address
@@ -216,21 +259,78 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         else:
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
-        watchdog = None
-        if data_targets and variant.data_service != "grpc":
-            # Batches bypass our data hosts' control servers: tell them the trainers are alive.
-            from training.data_service.control import KeepAlive
-
-            keepalive = stack.enter_context(KeepAlive(data_targets, interval_s=min(5.0, settings.data_idle_timeout_s / 3)))
-            watchdog = functools.partial(dispatcher_lost, keepalive, data_targets[0], DISPATCHER_LOSS_S)
-        status = wait_for_trainers(processes, stop, abort=watchdog)
-    if status and not failure_path().exists():  # the trainer may have written a more precise reason
-        write_failure(f"the trainer on {cluster.current_host} exited with status {status}")
+        status, returncode = wait_for_trainers(processes, stop, abort=watchdog)
+        rank_failure = read_rank_failure(rank_failure_file, cluster.current_host)
+    if stop.is_set() and not _failure_text().startswith("TrainingStopped"):
+        write_failure("stopped by SIGTERM (StopTrainingJob or a spot interruption) before the trainer reached a step boundary")
+    elif status and (rank_failure and "killed by" in rank_failure or not failure_path().exists()):
+        # A rank killed by a signal wrote nothing; the reasons its peers wrote on the way down are not the cause.
+        write_failure(f"{trainer_failure(returncode, rank_failure)} on {cluster.current_host}")
     # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
     # any node whose trainer failed ends them too, since the job is failing anyway.
     if data_targets and (node_rank == 0 or status != 0):
-        shutdown_data_hosts(data_targets, settings.shutdown_token, requester=cluster.current_host)
+        # Data hosts that reported a failure are on their way out already (and may not answer).
+        failed = reports.snapshot() if reports is not None else {}
+        serving = [target for host, target in zip(settings.data_hosts(cluster), data_targets, strict=True) if host not in failed]
+        shutdown_data_hosts(serving, settings.shutdown_token, requester=cluster.current_host)
     return status
+
+
+def _failure_text() -> str:
+    try:
+        return failure_path().read_text()
+    except OSError:
+        return ""
+
+
+def _start_data_host_watch(
+    stack: contextlib.ExitStack,
+    cluster: Cluster,
+    settings: PlatformSettings,
+    variant: Variant,
+    addresses: Mapping[str, str],
+    data_targets: list[str],
+    progress_dir: Path,
+) -> tuple[Callable[[], str | None], FailureReports]:
+    """Keep-alives to every data host while the trainers run (their idle timeout starts when these stop),
+    the server where data hosts report failures, and the rule that turns both into a reason to stop."""
+    from training.data_service.control import FailureReports, KeepAlive
+
+    bind = f"{addresses.get(cluster.current_host, '0.0.0.0')}:{settings.job_control_port}"
+    reports = stack.enter_context(FailureReports(bind, settings.shutdown_token))
+    keepalive = stack.enter_context(
+        KeepAlive(data_targets, settings.shutdown_token, interval_s=min(5.0, settings.data_idle_timeout_s / 3))
+    )
+    data_hosts = settings.data_hosts(cluster)
+    # tf.data.service has one dispatcher, on the first data host: without it no batch can come.
+    dispatcher = data_targets[0] if variant.data_service == "tf.data.service" else None
+    started = time.time()
+
+    def watch() -> str | None:
+        verdict = data_failure_verdict(reports.snapshot(), data_hosts, essential=data_hosts[0] if dispatcher else None)
+        if verdict or dispatcher is None:
+            return verdict
+        return dispatcher_lost(keepalive, dispatcher, DISPATCHER_LOSS_S, progress_age(progress_dir, started))
+
+    return watch, reports
+
+
+def data_failure_verdict(reports: Mapping[str, str], data_hosts: list[str], essential: str | None = None) -> str | None:
+    """Why training cannot go on, from the data hosts' failure reports: every data host failed, or the
+    one the others depend on (tf.data.service's dispatcher host). Fewer failures: the rest carry on. Pure."""
+    if essential is not None and essential in reports:
+        return f"data host {essential} (the tf.data.service dispatcher) failed: {reports[essential]}"
+    if data_hosts and all(host in reports for host in data_hosts):
+        if len(data_hosts) == 1:
+            return f"data host {data_hosts[0]} failed: {reports[data_hosts[0]]}"
+        return "every data host failed: " + "; ".join(f"{host}: {reports[host]}" for host in data_hosts)
+    return None
+
+
+def progress_age(progress_dir: Path, started: float, now: float | None = None) -> float:
+    """Seconds since any trainer process of this host finished a step (since ``started`` if none has)."""
+    marks = [entry.stat().st_mtime for entry in progress_dir.iterdir()] if progress_dir.exists() else []
+    return (time.time() if now is None else now) - max(marks, default=started)
 
 
 def _start_horovod_ranks(
@@ -264,39 +364,80 @@ def _start_horovod_ranks(
     ]
 
 
-# tf.data.service has one dispatcher: once its host is gone no trainer gets another batch, and its
-# client would wait for an hour. The job fails after this long without an answer from that host.
-DISPATCHER_LOSS_S = 20.0
+# tf.data.service has one dispatcher: once its host is gone the trainers' client waits (for an hour)
+# for batches that may never come. The job fails when that host, having answered once, has been silent
+# this long and no trainer on this host has finished a step for as long: the control plane alone is not
+# evidence (tf.data.service workers go on serving the tasks they have), batches that stopped are.
+# Before the first answer the trainers' own bound, data_connect_timeout_s, governs the start.
+DISPATCHER_LOSS_S = 30.0
+
+# SIGTERM to the launcher: how long its trainers get to reach a step boundary and save before SIGKILL
+# (SageMaker sends SIGKILL 120 s after its SIGTERM). A failed peer or a watchdog: PEER_GRACE_S.
+STOP_GRACE_S = 100.0
+PEER_GRACE_S = 10.0
 
 
-def dispatcher_lost(keepalive: KeepAlive, dispatcher_target: str, bound_s: float) -> str | None:
-    """Why the job must stop, if the dispatcher's host has been silent for longer than ``bound_s``."""
-    silent = keepalive.silent_for(dispatcher_target)
-    if silent <= bound_s:
+def dispatcher_lost(keepalive: KeepAlive, dispatcher_target: str, bound_s: float, no_progress_s: float) -> str | None:
+    """Why the job must stop, if the dispatcher's host answered once, then went silent for longer than
+    ``bound_s``, and the trainers have made no progress for as long."""
+    if not keepalive.answered(dispatcher_target):
         return None
-    return f"the tf.data.service dispatcher host ({dispatcher_target}) has not answered for {silent:.0f} s: no trainer can get batches"
+    silent = keepalive.silent_for(dispatcher_target)
+    if silent <= bound_s or no_progress_s <= bound_s:
+        return None
+    return (
+        f"the tf.data.service dispatcher host ({dispatcher_target}) has not answered for {silent:.0f} s and no batch "
+        f"has reached a trainer for {no_progress_s:.0f} s"
+    )
+
+
+def read_rank_failure(path: Path, host: str) -> str | None:
+    """Which rank failed first and how, from training/torchrun.py's record (None when it wrote none)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return describe_rank_failure(record)
+
+
+def describe_rank_failure(record: Mapping[str, Any]) -> str:
+    """One line from a rank failure record (rank, local_rank, exitcode, signal). Pure."""
+    where = f"rank {record['rank']} (local rank {record['local_rank']})"
+    if record.get("signal"):
+        hint = " (the kernel's OOM killer sends it when the host runs out of memory)" if record["signal"] == "SIGKILL" else ""
+        return f"{where} was killed by {record['signal']}{hint}"
+    return f"{where} exited with status {record['exitcode']}"
 
 
 def wait_for_trainers(
-    processes: list[subprocess.Popen], stop: threading.Event, grace_s: float = 10.0, abort: Callable[[], str | None] | None = None
-) -> int:
+    processes: list[subprocess.Popen],
+    stop: threading.Event,
+    abort: Callable[[], str | None] | None = None,
+    stop_grace_s: float = STOP_GRACE_S,
+    peer_grace_s: float = PEER_GRACE_S,
+) -> tuple[int, int]:
     """Wait for every trainer process of this host. The first to fail fails the host: the others are
     stopped (a Horovod rank whose peer died would otherwise wait for ever); SIGTERM to the launcher is
     passed on to all of them; ``abort`` returning a reason stops them all and fails the host with it.
-    Returns this host's exit status."""
-    status = 0
+    Returns this host's exit status and the return code of the process that decided it."""
+    status, returncode = 0, 0
     stopping_since: float | None = None
+    grace_s = peer_grace_s
     while any(process.poll() is None for process in processes):
         failed = [process for process in processes if process.returncode not in (None, 0)]
         reason = abort() if abort is not None and stopping_since is None else None
         if reason:
             log.error("%s", reason)
             write_failure(reason)
-            status = 1
+            status, returncode = 1, 1
         if (failed or reason or stop.is_set()) and stopping_since is None:
             if failed:
-                status = exit_status(failed[0].returncode)
-                _log_trainer_end(failed[0].returncode)
+                returncode = failed[0].returncode
+                status = exit_status(returncode)
+                _log_trainer_end(returncode)
+            elif stop.is_set():
+                grace_s = stop_grace_s
+                log.warning("SIGTERM: the trainers get %.0f s to save a checkpoint", grace_s)
             stopping_since = time.monotonic()
             for process in processes:
                 if process.poll() is None:
@@ -309,9 +450,10 @@ def wait_for_trainers(
     if not status:
         failed = [process for process in processes if process.returncode != 0]
         if failed:
-            status = exit_status(failed[0].returncode)
-            _log_trainer_end(failed[0].returncode)
-    return status
+            returncode = failed[0].returncode
+            status = exit_status(returncode)
+            _log_trainer_end(returncode)
+    return status, returncode
 
 
 def _log_trainer_end(returncode: int) -> None:
@@ -323,6 +465,9 @@ def _log_trainer_end(returncode: int) -> None:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    if sys.argv[1:] not in ([], ["train"]):  # SageMaker starts the image with the argument "train"
+        log.error("usage: python -m training.launcher [train]; got %s", sys.argv[1:])
+        return CONFIG_ERROR_EXIT
     try:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
@@ -337,15 +482,26 @@ def main() -> int:
         log.info("host %s is in instance group %s (%s): role %s", cluster.current_host, cluster.current_group, cluster.current_instance_type, role)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        if role == DATA:
-            return run_data_host(cluster, settings, variant, config, stop)
-        return run_dnn_host(cluster, settings, variant, stop)
-    except (ClusterConfigError, HyperparameterError, ChannelError, TfServiceError) as error:
+    except (ClusterConfigError, HyperparameterError) as error:
         message = f"{type(error).__name__}: {error}"
         log.error("%s", message)
         write_failure(message)
-        # A job that is wrong exits as a usage error; a data host whose tf.data.service did not start, as failed preprocessing.
-        return StopReason.FAILED.exit_code if isinstance(error, TfServiceError) else CONFIG_ERROR_EXIT
+        return CONFIG_ERROR_EXIT
+    try:
+        if role == DATA:
+            try:
+                return run_data_host(cluster, settings, variant, config, stop)
+            except (ChannelError, TfServiceError, DataHostError, PortInUseError) as error:
+                # A channel that is wrong exits as a usage error; anything else as failed preprocessing.
+                code = CONFIG_ERROR_EXIT if isinstance(error, ChannelError) else StopReason.FAILED.exit_code
+                message = str(error) if isinstance(error, DataHostError) else f"{type(error).__name__}: {error}"
+                return fail_data_host(cluster, settings, message, code)
+        return run_dnn_host(cluster, settings, variant, stop)
+    except (HyperparameterError, ChannelError, PortInUseError) as error:
+        message = f"{type(error).__name__}: {error}"
+        log.error("%s", message)
+        write_failure(message)
+        return CONFIG_ERROR_EXIT
 
 
 if __name__ == "__main__":

@@ -73,10 +73,10 @@ def take(dataset: DataServiceDataset, count: int) -> list:
 
 def test_batches_are_raw_uint8_tensors_and_describe_tells_the_dataset(images: Path) -> None:
     with data_host(images) as host:
-        info = describe([host.target], timeout_s=10)
+        info = describe([host.target], TOKEN, timeout_s=10)
         assert list(info.classes) == ["class_00", "class_01", "class_02", "class_03"]
         assert (info.num_samples, tuple(info.sample_shape), info.batch_size) == (96, (3, 32, 32), 8)
-        batches = take(DataServiceDataset([host.target], 8, "test"), 5)
+        batches = take(DataServiceDataset([host.target], 8, TOKEN, "test"), 5)
     for images_batch, labels in batches:
         assert images_batch.dtype.is_floating_point is False and str(images_batch.dtype) == "torch.uint8"
         assert tuple(images_batch.shape) == (8, 3, 32, 32)
@@ -92,11 +92,11 @@ def test_bytes_on_the_wire_per_sample_are_the_uint8_sample_size() -> None:
 
 def test_a_wrong_token_is_refused_and_the_right_one_stops_the_host(images: Path) -> None:
     with data_host(images) as host:
-        describe([host.target], timeout_s=10)
+        describe([host.target], TOKEN, timeout_s=10)
         with pytest.raises(grpc.RpcError) as refused:
             request_shutdown(host.target, "not-the-job-token-at-all", "intruder")
-        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert take(DataServiceDataset([host.target], 8, "test"), 1), "host must keep serving after a refused shutdown"
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert take(DataServiceDataset([host.target], 8, TOKEN, "test"), 1), "host must keep serving after a refused shutdown"
         reply = request_shutdown(host.target, TOKEN, "test")
         assert reply.host == host.settings.host
         assert host.reason() == StopReason.SHUTDOWN and StopReason.SHUTDOWN.exit_code == 0
@@ -104,7 +104,7 @@ def test_a_wrong_token_is_refused_and_the_right_one_stops_the_host(images: Path)
 
 def test_an_open_stream_ends_cleanly_on_shutdown(images: Path) -> None:
     with data_host(images) as host:
-        dataset = DataServiceDataset([host.target], 8, "test")
+        dataset = DataServiceDataset([host.target], 8, TOKEN, "test")
         iterator = iter(dataset)
         next(iterator)
         request_shutdown(host.target, TOKEN, "test")
@@ -116,7 +116,7 @@ def test_an_open_stream_ends_cleanly_on_shutdown(images: Path) -> None:
 
 def test_a_batch_size_that_is_not_the_jobs_is_refused(images: Path) -> None:
     with data_host(images) as host, pytest.raises(DataServiceRefusedError, match="batches of 4, this data host makes 8"):
-        take(DataServiceDataset([host.target], 4, "test"), 1)
+        take(DataServiceDataset([host.target], 4, TOKEN, "test"), 1)
 
 
 def test_no_client_before_the_start_deadline_stops_the_host_with_an_error(images: Path) -> None:
@@ -127,7 +127,7 @@ def test_no_client_before_the_start_deadline_stops_the_host_with_an_error(images
 
 def test_the_host_stops_after_its_clients_left_and_stayed_away(images: Path) -> None:
     with data_host(images, idle_timeout_s=1.0) as host:
-        take(DataServiceDataset([host.target], 8, "test"), 2)
+        take(DataServiceDataset([host.target], 8, TOKEN, "test"), 2)
         started = time.monotonic()
         assert host.reason() == StopReason.IDLE
         assert time.monotonic() - started < 6
@@ -135,7 +135,7 @@ def test_the_host_stops_after_its_clients_left_and_stayed_away(images: Path) -> 
 
 def test_streams_of_several_hosts_are_merged(images: Path) -> None:
     with data_host(images) as first, data_host(images) as second:
-        dataset = DataServiceDataset([first.target, second.target], 8, "test")
+        dataset = DataServiceDataset([first.target, second.target], 8, TOKEN, "test")
         # Arrival order decides; a host that starts later joins in as soon as its first batch is ready.
         take_until(iter(dataset), lambda: all(state.batches for state in dataset.stats.hosts.values()))
 
@@ -152,7 +152,7 @@ def take_until(iterator: Iterator, done, timeout_s: float = 15.0) -> int:
 
 def test_training_carries_on_when_one_host_is_lost(images: Path) -> None:
     with data_host(images) as doomed, data_host(images) as survivor:
-        dataset = DataServiceDataset([doomed.target, survivor.target], 8, "test", reconnect_timeout_s=1.0)
+        dataset = DataServiceDataset([doomed.target, survivor.target], 8, TOKEN, "test", reconnect_timeout_s=1.0)
         iterator = iter(dataset)
         take_until(iterator, lambda: all(state.batches for state in dataset.stats.hosts.values()))
         doomed.stop.set()  # the host goes away mid-run
@@ -168,15 +168,15 @@ def test_unreachable_hosts_fail_within_the_connect_bound() -> None:
     targets = [f"127.0.78.2:{free_port()}", f"127.0.78.3:{free_port()}"]
     started = time.monotonic()
     with pytest.raises(DataServiceUnavailableError, match="all 2 data hosts are gone"):
-        take(DataServiceDataset(targets, 8, "test", connect_timeout_s=1.5), 1)
+        take(DataServiceDataset(targets, 8, TOKEN, "test", connect_timeout_s=1.5), 1)
     assert time.monotonic() - started < 6
     with pytest.raises(DataServiceUnavailableError, match="no data host answered"):
-        describe(targets, timeout_s=1.0)
+        describe(targets, TOKEN, timeout_s=1.0)
 
 
 def test_losing_every_host_mid_run_is_an_error_not_a_hang(images: Path) -> None:
     with data_host(images) as host:
-        iterator = iter(DataServiceDataset([host.target], 8, "test", reconnect_timeout_s=1.0))
+        iterator = iter(DataServiceDataset([host.target], 8, TOKEN, "test", reconnect_timeout_s=1.0))
         next(iterator)
         host.stop.set()
         started = time.monotonic()
@@ -190,9 +190,10 @@ def test_losing_every_host_mid_run_is_an_error_not_a_hang(images: Path) -> None:
     [
         (Activity(started_at=0, last_activity=0), 5, None),
         (Activity(started_at=0, last_activity=0), 11, StopReason.START_DEADLINE),
-        (Activity(started_at=0, last_activity=1, active_streams=1, clients_seen=1), 100, None),
-        (Activity(started_at=0, last_activity=1, active_streams=0, clients_seen=1), 3, None),
-        (Activity(started_at=0, last_activity=1, active_streams=0, clients_seen=1), 4.5, StopReason.IDLE),
+        (Activity(started_at=0, last_activity=98, clients_seen=1), 100, None),
+        (Activity(started_at=0, last_activity=1, clients_seen=1), 3, None),
+        # Clients came, then nothing was taken and no keep-alive came: an open stream does not count.
+        (Activity(started_at=0, last_activity=1, clients_seen=1), 4.5, StopReason.IDLE),
     ],
 )
 def test_stop_verdict(activity: Activity, now: float, expected: StopReason | None) -> None:
@@ -221,6 +222,110 @@ def test_a_host_sending_malformed_batches_is_dropped_with_a_named_error() -> Non
     server.start()
     try:
         with pytest.raises(DataServiceRefusedError, match="malformed batch"):
-            take(DataServiceDataset([f"127.0.78.9:{port}"], 8, "test"), 1)
+            take(DataServiceDataset([f"127.0.78.9:{port}"], 8, TOKEN, "test"), 1)
     finally:
         server.stop(0)
+
+
+# The job's token on every call ------------------------------------------------------------------------
+
+
+def test_calls_without_the_jobs_token_are_refused_and_change_nothing(images: Path) -> None:
+    from training.data_service import data_service_pb2_grpc as pb_grpc
+    from training.data_service.auth import call_metadata
+
+    with data_host(images, idle_timeout_s=2.0) as host:
+        with grpc.insecure_channel(host.target) as channel:
+            stub = pb_grpc.DataServiceStub(channel)
+            for metadata in (None, call_metadata("a-token-that-is-not-this-jobs")):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Describe(pb.DescribeRequest(), timeout=5, metadata=metadata, wait_for_ready=True)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError) as refused:
+                    next(iter(stub.StreamBatches(pb.StreamRequest(batch_size=8), timeout=5, metadata=metadata, wait_for_ready=True)))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(DataServiceRefusedError, match="UNAUTHENTICATED"):
+            take(DataServiceDataset([host.target], 8, "not-the-job-token-either", "intruder"), 1)
+        with pytest.raises(DataServiceRefusedError, match="refused this job's token"):
+            describe([host.target], "not-the-job-token-either", timeout_s=5)
+        # None of it counted as a client: the host still waits for its first one.
+        time.sleep(2.5)
+        assert host.thread.is_alive()
+        assert take(DataServiceDataset([host.target], 8, TOKEN, "test"), 1)
+
+
+def test_an_open_stream_that_takes_no_batches_does_not_keep_the_host_alive(images: Path) -> None:
+    from training.data_service import data_service_pb2_grpc as pb_grpc
+    from training.data_service.auth import call_metadata
+
+    with data_host(images, idle_timeout_s=1.0) as host, grpc.insecure_channel(host.target) as channel:
+        stream = pb_grpc.DataServiceStub(channel).StreamBatches(pb.StreamRequest(batch_size=8), metadata=call_metadata(TOKEN), wait_for_ready=True)
+        next(iter(stream))  # one batch, then the stream stays open and nothing more is read
+        started = time.monotonic()
+        assert host.reason(timeout=20) == StopReason.IDLE
+        assert time.monotonic() - started < 15
+        stream.cancel()
+
+
+@contextlib.contextmanager
+def hung_data_host() -> Iterator[str]:
+    """A real gRPC server that accepts streams and then never sends a batch (a hung data host)."""
+    from concurrent import futures
+
+    from training.data_service.server import SERVICE
+
+    release = threading.Event()
+
+    def never(request, context):
+        release.wait()
+        yield from ()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    handler = grpc.unary_stream_rpc_method_handler(never, request_deserializer=pb.StreamRequest.FromString, response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamBatches": handler}),))
+    port = server.add_insecure_port("127.0.78.10:0")
+    server.start()
+    try:
+        yield f"127.0.78.10:{port}"
+    finally:
+        release.set()
+        server.stop(0)
+
+
+def test_a_host_that_sends_nothing_is_dropped_after_the_batch_deadline(images: Path) -> None:
+    with hung_data_host() as hung, data_host(images) as healthy:
+        dataset = DataServiceDataset([hung, healthy.target], 8, TOKEN, "test", batch_timeout_s=1.0, reconnect_timeout_s=1.0)
+        iterator = iter(dataset)
+        take_until(iterator, lambda: dataset.stats.lost_hosts, timeout_s=20)
+        assert dataset.stats.lost_hosts == [hung]
+        assert "no batch for 1 s" in dataset.stats.hosts[hung].ended
+        assert len(list(itertools.islice(iterator, 10))) == 10  # the healthy host goes on
+
+
+def test_a_job_whose_only_host_hangs_fails_with_a_named_error() -> None:
+    with hung_data_host() as hung:
+        started = time.monotonic()
+        with pytest.raises(DataServiceUnavailableError, match="no batch for 1 s: the host is hung"):
+            take(DataServiceDataset([hung], 8, TOKEN, "test", batch_timeout_s=1.0, reconnect_timeout_s=1.0, connect_timeout_s=3.0), 1)
+        assert time.monotonic() - started < 30
+
+
+def test_a_slow_trainer_is_not_a_hung_host(images: Path) -> None:
+    """The batch deadline counts only time spent waiting for the host, never time the trainer took."""
+    with data_host(images) as host:
+        dataset = DataServiceDataset([host.target], 8, TOKEN, "test", batch_timeout_s=0.5)
+        iterator = iter(dataset)
+        for _ in range(3):
+            next(iterator)
+            time.sleep(1.5)  # a step three times longer than the deadline
+        assert dataset.stats.lost_hosts == [] and dataset.stats.hosts[host.target].ended is None
+
+
+def test_a_taken_port_is_a_named_error_not_a_shared_port(images: Path) -> None:
+    from training.data_service.server import PortInUseError
+
+    with data_host(images) as first:
+        settings = ServerSettings(**{**first.settings.__dict__, "host": "second"})
+        folder = scan_image_folder(images, "train", "data_group")
+        with pytest.raises(PortInUseError, match="another process on this host holds the port"):
+            serve(settings, folder, 0, threading.Event())

@@ -25,7 +25,7 @@ def test_torchrun_spans_the_dnn_group() -> None:
         master_address="10.0.0.7", master_port=29500, python="python",
     )
     assert command == [
-        "python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
+        "python", "-m", "training.torchrun", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
         "--master-addr=10.0.0.7", "--master-port=29500", "-m", "training.trainers.pytorch_vision",
     ]
 
@@ -79,11 +79,11 @@ CASES = {
         "variant 'jax' has no trainer",
     ),
     "data host without its channel": (
-        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(), {}),
+        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(data_connect_timeout_s=1), {}),
         "MissingChannelError: channel 'train' is not on this host",
     ),
     "data host with an empty channel": (
-        lambda tmp, images: (hetero_resource_config("algo-2"), platform_hyperparameters(), {"train": empty_channel(tmp)}),
+        lambda tmp, images: (hetero_resource_config("algo-2"), platform_hyperparameters(data_connect_timeout_s=1), {"train": empty_channel(tmp)}),
         "EmptyChannelError",
     ),
     "homogeneous host without its channel": (
@@ -107,7 +107,9 @@ CASES = {
         "variant 'tensorflow' runs with distribution ['horovod', 'mirrored', 'none'], not 'torchrun'",
     ),
     "tensorflow data host without its channel": (
-        lambda tmp, images: (hetero_resource_config("algo-2"), platform_hyperparameters(variant="tensorflow", distribution="horovod"), {}),
+        lambda tmp, images: (
+            hetero_resource_config("algo-2"), platform_hyperparameters(variant="tensorflow", distribution="horovod", data_connect_timeout_s=1), {}
+        ),
         "MissingChannelError: channel 'train' is not on this host",
     ),
     "a ResNet18 asked of the Keras trainer": (

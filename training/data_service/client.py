@@ -6,7 +6,11 @@ up after the trainer: connecting is retried until ``connect_timeout_s``. A host 
 retried for ``reconnect_timeout_s`` and then dropped; training carries on with the others, and only when
 no host is left does iteration fail, with DataServiceUnavailableError naming every host and why.
 
-    dataset = DataServiceDataset(["10.0.0.5:6000", "10.0.0.6:6000"], batch_size=256, client_id="algo-3/rank0")
+A host that hangs (a stopped process keeps its connections open) is noticed two ways: gRPC keep-alive
+pings that go unanswered break the connection, and a stream that brings no batch for ``batch_timeout_s``
+while this side waits for one is cancelled. Either way the host is retried, then dropped, like a dead one.
+
+    dataset = DataServiceDataset(["10.0.0.5:6000", "10.0.0.6:6000"], batch_size=256, token=token, client_id="algo-3/rank0")
     for images_uint8, labels in dataset: ...
 """
 
@@ -28,12 +32,27 @@ from torch.utils.data import IterableDataset
 
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
+from training.data_service.auth import call_metadata
 from training.data_service.control import CLIENT_OPTIONS, DataServiceRefusedError, DataServiceUnavailableError
-from training.data_service.server import MAX_BATCHES, STREAM_BATCHES, StopReason, put_until_stopped
+from training.data_service.server import (
+    KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    MAX_BATCHES,
+    STREAM_BATCHES,
+    StopReason,
+    put_until_stopped,
+)
 
-# Read a stream on the calling thread (each data host has a thread of its own already) instead of handing
-# every message over from gRPC's thread.
-STREAM_OPTIONS = CLIENT_OPTIONS + [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+STREAM_OPTIONS = CLIENT_OPTIONS + [
+    # Read a stream on the calling thread (each data host has a thread of its own already) instead of
+    # handing every message over from gRPC's thread.
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+    # Ping the data host; no answer within the timeout breaks the connection (a hung host).
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +62,7 @@ REFUSALS = frozenset({
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.UNIMPLEMENTED,
 })
 
@@ -58,6 +78,11 @@ class HostState:
     ended: str | None = None
     lost: bool = False  # given up on: no batch will come from it any more
     streaming: bool = False  # batches are flowing on the current connection
+    # Since when this side has been waiting for the host's next batch (None: not waiting), and the call
+    # to cancel when that wait passes the batch deadline.
+    waiting_since: float | None = None
+    call: grpc.Call | None = None
+    stalled: bool = False  # the current call was cancelled for bringing no batch in time
 
 
 @dataclass
@@ -89,18 +114,22 @@ class DataServiceDataset(IterableDataset):
         self,
         addresses: list[str],
         batch_size: int,
+        token: str,
         client_id: str,
         connect_timeout_s: float = 300.0,
         reconnect_timeout_s: float = 10.0,
+        batch_timeout_s: float = 60.0,
         queue_depth: int = 4,
     ) -> None:
         if not addresses:
             raise ValueError("DataServiceDataset needs at least one data host address")
         self.addresses = list(addresses)
         self.batch_size = batch_size
+        self.token = token
         self.client_id = client_id
         self.connect_timeout_s = connect_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.batch_timeout_s = batch_timeout_s
         self.queue_depth = queue_depth
         self.stats = StreamStats()
 
@@ -114,6 +143,7 @@ class DataServiceDataset(IterableDataset):
         ]
         for thread in threads:
             thread.start()
+        threading.Thread(target=self._watch_deadlines, args=(stop,), name="stream-deadlines", daemon=True).start()
         try:
             while True:
                 try:
@@ -136,6 +166,16 @@ class DataServiceDataset(IterableDataset):
             reasons = "; ".join(f"{state.address}: {state.ended}" for state in states)
             raise DataServiceUnavailableError(f"all {len(self.addresses)} data hosts are gone ({reasons})")
 
+    def _watch_deadlines(self, stop: threading.Event) -> None:
+        """Cancel any call that has kept this side waiting for a batch longer than the batch deadline."""
+        while not stop.wait(0.5):
+            now = time.monotonic()
+            for state in self.stats.hosts.values():
+                waiting_since, call = state.waiting_since, state.call
+                if waiting_since is not None and call is not None and now - waiting_since > self.batch_timeout_s:
+                    state.stalled = True
+                    call.cancel()
+
     def _stream(self, state: HostState, merged: queue.Queue, stop: threading.Event) -> None:
         """Stream one host's batches into ``merged`` until it ends the stream, is lost, or we stop."""
         request = pb.StreamRequest(client_id=self.client_id, batch_size=self.batch_size)
@@ -148,8 +188,9 @@ class DataServiceDataset(IterableDataset):
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))
                 call = channel.unary_stream(
                     STREAM_BATCHES, request_serializer=pb.StreamRequest.SerializeToString, response_deserializer=None
-                )(request)
-                for payload in call:
+                )(request, metadata=call_metadata(self.token))
+                state.stalled, state.call = False, call
+                for payload in _timed(call, state):
                     batch = codec.decode_batch(payload)
                     if batch.end_of_stream:
                         state.ended = f"end of stream ({batch.end_reason})"
@@ -180,9 +221,16 @@ class DataServiceDataset(IterableDataset):
                     state.ended = f"refused: {error.code().name}: {error.details()}"
                     state.lost = True
                     return
-                reason = f"{error.code().name}: {error.details()}"
+                if state.stalled:
+                    reason = f"no batch for {self.batch_timeout_s:.0f} s: the host is hung or overloaded"
+                    log.warning("data host %s brought no batch for %.0f s; reconnecting", state.address, self.batch_timeout_s)
+                    # A host that took a stream and sent nothing gets the reconnect bound, not the start's.
+                    retry_until = min(retry_until, time.monotonic() + self.reconnect_timeout_s)
+                else:
+                    reason = f"{error.code().name}: {error.details()}"
                 state.streaming = False
             finally:
+                state.waiting_since, state.call = None, None
                 if call is not None:
                     call.cancel()
                 channel.close()
@@ -191,6 +239,20 @@ class DataServiceDataset(IterableDataset):
                 log.warning("data host %s lost (%s); carrying on with the others", state.address, reason)
                 return
             time.sleep(0.2)
+
+
+def _timed(call: Iterator[bytes], state: HostState) -> Iterator[bytes]:
+    """The call's messages, with ``state.waiting_since`` set while this side waits for the next one
+    (not while it waits for room in the merged queue: a slow trainer is not a hung host)."""
+    while True:
+        state.waiting_since = time.monotonic()
+        try:
+            payload = next(call)
+        except StopIteration:
+            return
+        finally:
+            state.waiting_since = None
+        yield payload
 
 
 def _to_tensor(array: np.ndarray) -> torch.Tensor:

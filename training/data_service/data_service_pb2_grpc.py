@@ -55,7 +55,8 @@ class DataServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Describe(self, request, context):
-        """What the dataset looks like, so a DNN host without the channel can build its model.
+        """What the dataset looks like, so a DNN host without the channel can build its model. The DNN hosts'
+        launchers also call it every few seconds as a keep-alive while their trainers run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,7 +71,7 @@ class DataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Shutdown(self, request, context):
-        """Stops the data host. Refused with PERMISSION_DENIED unless the token is the job's.
+        """Stops the data host.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +177,84 @@ class DataService:
             '/heterogeneous_training.data_service.DataService/Shutdown',
             training_dot_data__service_dot_data__service__pb2.ShutdownRequest.SerializeToString,
             training_dot_data__service_dot_data__service__pb2.ShutdownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class JobControlStub:
+    """Served by the launcher of every DNN host: a data host that cannot serve says why, so the DNN host
+    fails at once with that reason instead of waiting out its connect timeout.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ReportFailure = channel.unary_unary(
+                '/heterogeneous_training.data_service.JobControl/ReportFailure',
+                request_serializer=training_dot_data__service_dot_data__service__pb2.FailureReport.SerializeToString,
+                response_deserializer=training_dot_data__service_dot_data__service__pb2.FailureAck.FromString,
+                _registered_method=True)
+
+
+class JobControlServicer:
+    """Served by the launcher of every DNN host: a data host that cannot serve says why, so the DNN host
+    fails at once with that reason instead of waiting out its connect timeout.
+    """
+
+    def ReportFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JobControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=training_dot_data__service_dot_data__service__pb2.FailureReport.FromString,
+                    response_serializer=training_dot_data__service_dot_data__service__pb2.FailureAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'heterogeneous_training.data_service.JobControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('heterogeneous_training.data_service.JobControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class JobControl:
+    """Served by the launcher of every DNN host: a data host that cannot serve says why, so the DNN host
+    fails at once with that reason instead of waiting out its connect timeout.
+    """
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/heterogeneous_training.data_service.JobControl/ReportFailure',
+            training_dot_data__service_dot_data__service__pb2.FailureReport.SerializeToString,
+            training_dot_data__service_dot_data__service__pb2.FailureAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,10 +5,15 @@ Worker processes are sized to the host's CPUs (its CPU affinity, which the emula
 host). Finished batches wait in a bounded queue: when the trainers fall behind, the workers stop, so
 memory stays flat. The host stops, and its process exits, on the first of:
 
-* a Shutdown RPC carrying the job's token (anything else is refused with PERMISSION_DENIED);
-* an idle timeout: clients came, all left, and nobody asked for a batch since (the DNN hosts are gone);
+* a Shutdown RPC from the DNN hosts;
+* an idle timeout: clients came, then neither took a batch nor sent a keep-alive for ``idle_timeout_s``
+  (the DNN hosts are gone, or hung with their launchers: an open stream alone does not count);
 * a start deadline: no client came at all (the DNN group never started);
 * SIGTERM (SageMaker stopping the job).
+
+Every call must carry the job's token (training/data_service/auth.py). A host that cannot serve raises
+PortInUseError (its port is taken) or DataHostError (its channel cannot be decoded); the launcher writes
+the reason to the failure file and reports it to the DNN hosts.
 
 Run through the launcher; ``serve`` is the entry point.
 """
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import hmac
 import itertools
 import logging
 import multiprocessing
@@ -36,6 +40,7 @@ import numpy as np
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
+from training.data_service.auth import TokenAuth
 from training.data_service.dataset import ImageFolder
 from training.data_service.preprocess import CorruptDatasetError, make_batch
 from training.trainers.config import AugmentConfig
@@ -48,10 +53,31 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients ping every KEEPALIVE_TIME_MS to notice a host that hangs (a stopped process keeps its TCP
+# connections open, and a stream with no deadline would wait for ever); the server must accept pings at
+# that rate, also while no data flows, or it answers them with GOAWAY ("too_many_pings").
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+SERVER_OPTIONS = GRPC_OPTIONS + [
+    # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then bind too and share
+    # its connections. A data host must find out that its port is taken.
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 # end_reason of a stream that sent the max_batches the client asked for.
 MAX_BATCHES = "max_batches"
+
+
+class DataHostError(RuntimeError):
+    """This data host cannot serve: the reason goes to the failure file and to the DNN hosts."""
+
+
+class PortInUseError(RuntimeError):
+    """Another process holds a port this host must listen on."""
 
 
 class StopReason(enum.Enum):
@@ -87,12 +113,20 @@ class ServerSettings:
 
 @dataclass
 class Activity:
-    """What the lifecycle decision needs to know, updated by the RPC handlers."""
+    """What the lifecycle decision needs to know, updated by the RPC handlers: when a client (with the
+    job's token) last took a batch or sent a keep-alive, and whether any ever came."""
 
     started_at: float
     last_activity: float
-    active_streams: int = 0
     clients_seen: int = 0
+
+
+@dataclass(frozen=True)
+class ReadyBatch:
+    """A finished batch, serialised for the wire, and the undecodable files replaced while making it."""
+
+    payload: bytes
+    skipped: int = 0
 
 
 def put_until_stopped(target: queue.Queue, item: object, stop: threading.Event) -> bool:
@@ -111,7 +145,7 @@ def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_de
     """Should the host stop on its own? Pure, so the rules are tested without servers."""
     if activity.clients_seen == 0:
         return StopReason.START_DEADLINE if now - activity.started_at > start_deadline_s else None
-    if activity.active_streams == 0 and now - activity.last_activity > idle_timeout_s:
+    if now - activity.last_activity > idle_timeout_s:
         return StopReason.IDLE
     return None
 
@@ -128,9 +162,8 @@ class BatchSource(Protocol):
     tf.data.service, whose batches go to the trainers without passing through this server)."""
 
     # Serialised Batch messages (codec.encode_batch), ready for the wire.
-    batches: queue.Queue[bytes]
+    batches: queue.Queue[ReadyBatch]
     failure: str | None
-    skipped_samples: int
     # False when the batches bypass this server, which then cannot count what it served.
     serves_batches: bool
 
@@ -158,9 +191,9 @@ class BatchProducer:
         self._workers = workers
         self._seed = seed
         self._host_index = host_index
-        self.batches: queue.Queue[bytes] = queue.Queue(maxsize=queue_depth)
+        self.batches: queue.Queue[ReadyBatch] = queue.Queue(maxsize=queue_depth)
         self.failure: str | None = None
-        self.skipped_samples = 0
+        self.skipped_samples = 0  # in every batch made, served or not (the log's running count)
         self.serves_batches = True
         self._stop = threading.Event()
         # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
@@ -209,9 +242,9 @@ class BatchProducer:
                 self.skipped_samples += skipped
                 if skipped:
                     log.warning("skipped %d undecodable files (%d so far)", skipped, self.skipped_samples)
-                put_until_stopped(self.batches, payload, self._stop)
+                put_until_stopped(self.batches, ReadyBatch(payload, skipped), self._stop)
         except CorruptDatasetError as error:
-            self.failure = str(error)
+            self.failure = f"{type(error).__name__}: {error}"
         except (futures.BrokenExecutor, RuntimeError) as error:
             # RuntimeError: the pool was shut down under us while stopping.
             if not self._stop.is_set():
@@ -246,11 +279,11 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         # Set once the host is stopping, for whatever reason; open streams end with it.
         self.stopping: StopReason | None = None
         self.batches_served = 0
+        self.skipped_served = 0  # undecodable files replaced in the batches that went out
 
-    def _touch(self, streams: int = 0, new_client: bool = False) -> None:
+    def _touch(self, new_client: bool = False) -> None:
         with self._lock:
             self.activity.last_activity = time.monotonic()
-            self.activity.active_streams += streams
             self.activity.clients_seen += int(new_client)
 
     def stop_verdict(self, idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
@@ -276,7 +309,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"client asks for batches of {request.batch_size}, this data host makes {self._settings.batch_size}",
             )
-        self._touch(streams=1, new_client=True)
+        self._touch(new_client=True)
         log.info("client %s connected", request.client_id or context.peer())
         sent = 0
         try:
@@ -285,25 +318,22 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
                     yield codec.end_of_stream(self.stopping.value)
                     return
                 try:
-                    payload = self._producer.batches.get(timeout=0.2)
+                    batch = self._producer.batches.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                yield payload
+                yield batch.payload
                 sent += 1
                 self._touch()
                 with self._lock:
                     self.batches_served += 1
+                    self.skipped_served += batch.skipped
                 if request.max_batches and sent >= request.max_batches:
                     yield codec.end_of_stream(MAX_BATCHES)
                     return
         finally:
-            self._touch(streams=-1)
             log.info("client %s left after %d batches", request.client_id or context.peer(), sent)
 
     def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownReply:
-        if not hmac.compare_digest(request.token.encode(), self._settings.shutdown_token.encode()):
-            log.warning("refused a shutdown from %s: wrong token", request.requester or context.peer())
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "shutdown refused: the token is not this job's")
         log.info("shutdown requested by %s", request.requester or context.peer())
         self.shutdown_requested.set()
         return pb.ShutdownReply(host=self._settings.host, batches_served=self.batches_served)
@@ -355,13 +385,13 @@ def serve(
     )
     servicer = DataServiceServicer(settings, folder, producer)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="data-service"), options=GRPC_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="data-service"),
+        options=SERVER_OPTIONS,
+        interceptors=[TokenAuth(settings.shutdown_token)],
     )
     add_to_server(servicer, server)
     target = f"{settings.bind_address}:{settings.port}"
-    if server.add_insecure_port(target) == 0:
-        producer.stop()
-        raise OSError(f"cannot listen on {target}: the port is taken")
+    bind_port(server, target)
     producer.start()
     server.start()
     log.info(
@@ -385,9 +415,21 @@ def serve(
     producer.stop()
     if producer.serves_batches:
         log.info(
-            "data host %s stopping (%s) after serving %d batches, %d files skipped",
-            settings.host, reason.value, servicer.batches_served, producer.skipped_samples,
+            "data host %s stopping (%s) after serving %d batches (%d undecodable files replaced in them)",
+            settings.host, reason.value, servicer.batches_served, servicer.skipped_served,
         )
     else:  # tf.data.service: the batches went from its workers straight to the trainers
         log.info("data host %s stopping (%s); its batches went through tf.data.service", settings.host, reason.value)
+    if reason is StopReason.FAILED:
+        raise DataHostError(producer.failure or "preprocessing failed")
     return reason
+
+
+def bind_port(server: grpc.Server, target: str) -> None:
+    """Listen on ``target`` or raise PortInUseError (grpcio returns 0 or raises, by release)."""
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise PortInUseError(f"cannot listen on {target}: another process on this host holds the port")

@@ -7,6 +7,11 @@ public stop that returns promptly (workers take 10–20 s), so the launcher ends
 SIGTERM, then SIGKILL after a grace period. The child also dies with its parent (PR_SET_PDEATHSIG), so
 a killed launcher never leaves tf.data.service running, and billing, on its own.
 
+The child is started with no Python code between fork and exec (no ``preexec_fn``): the launcher runs
+gRPC, whose at-fork handlers would otherwise run in the forked child and abort it now and then ("epoll_wait
+... Bad file descriptor"). It sets its own parent-death signal first thing, then checks that its parent is
+still the launcher that started it, which closes the window between the start and that call.
+
 The dispatcher host registers the augmentation pipeline (training/data_service/tf_pipeline.py) under
 a fixed dataset id; trainers read it with ``from_dataset_id`` and one shared job name, so each batch goes
 to exactly one trainer process. The child runs in the channel folder: the pipeline lists files relative
@@ -59,9 +64,10 @@ class TfServiceSettings:
     augment: str
     seed: int
 
-    def command(self, python: str = sys.executable) -> list[str]:
+    def command(self, python: str = sys.executable, parent_pid: int | None = None) -> list[str]:
         command = [
             python, "-m", "training.data_service.tf_service",
+            "--parent-pid", str(os.getpid() if parent_pid is None else parent_pid),
             "--dispatcher-address", self.dispatcher_address,
             "--worker-address", self.worker_address,
             "--batch-size", str(self.batch_size),
@@ -76,10 +82,20 @@ def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when the launcher that started it dies."""
+def die_with_parent(expected_parent: int) -> None:
+    """Runs first in the child: SIGKILL it when the launcher that started it dies; exit at once if that
+    launcher is already gone (the child was reparented before it could ask)."""
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != expected_parent:
+        print(f"the launcher (pid {expected_parent}) that started tf.data.service is gone; exiting", flush=True)
+        os._exit(1)
+
+
+def start_child(command: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a child process from a process that runs gRPC: no preexec_fn, so Python does not run the
+    interpreter's (and gRPC's) at-fork handlers in the child; its output comes back through a pipe."""
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 class TfDataService:
@@ -97,14 +113,8 @@ class TfDataService:
         self._stopping = False
 
     def start(self) -> None:
-        self._process = subprocess.Popen(
-            self.settings.command(),
-            cwd=self.settings.channel_dir,
-            env=dict(os.environ) | {"PYTHONPATH": _code_root()},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=_die_with_parent,
+        self._process = start_child(
+            self.settings.command(), cwd=self.settings.channel_dir, env=dict(os.environ) | {"PYTHONPATH": _code_root()}
         )
         threading.Thread(target=self._relay, name="tf-service-output", daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
@@ -187,6 +197,7 @@ def run_servers(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parent-pid", type=int, required=True, help="the launcher's pid: this process dies with it")
     parser.add_argument("--dispatcher-address", required=True)
     parser.add_argument("--worker-address", required=True)
     parser.add_argument("--dispatcher", action="store_true")
@@ -194,8 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, required=True)
     parser.add_argument("--augment", default="standard")
     parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the servers hold no state worth a slow stop
-    run_servers(parser.parse_args(argv))
+    run_servers(args)
     return 0
 
 

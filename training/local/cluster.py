@@ -11,6 +11,11 @@ takes, it plans one host per instance, and for each host:
   the rest), so that preprocessing moved to a data host really leaves the DNN host's cores;
 * the real entrypoint, ``python -m training.launcher``, in its own session so it can be killed whole.
 
+Every process a host starts carries the host's tag in its environment (``EMULATED_HOST``), so the
+host's processes are found even after they left its process tree (torchrun starts its workers in
+sessions of their own; a killed parent's children are reparented to PID 1). A host ends as a container
+does: when its launcher exits, whatever it left running is killed, and its log is complete.
+
 Every log line is prefixed with host and group. The run fails (non-zero) if any host fails, if the
 deadline passes, or if a host is still running ``orphan_grace_s`` after the DNN group ended: on SageMaker
 that host would keep billing, so here it is killed and reported as an orphan.
@@ -42,6 +47,8 @@ from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Every process of an emulated host carries "<cluster id>/<host name>" in this variable.
+HOST_TAG_ENV = "EMULATED_HOST"
 LineCallback = Callable[["EmulatedHost", str], None]
 
 
@@ -74,6 +81,7 @@ class HostOutcome:
     orphaned: bool = False  # still running after the DNN group ended; killed
     killed_at_deadline: bool = False
     killed_on_request: bool = False
+    leftovers: int = 0  # processes still running when its launcher exited (killed, as a container's would be)
 
     @property
     def ok(self) -> bool:
@@ -107,6 +115,8 @@ class ClusterResult:
                 notes.append("killed at the deadline")
             if outcome.killed_on_request:
                 notes.append("killed on request")
+            if outcome.leftovers:
+                notes.append(f"{outcome.leftovers} processes outlived its launcher; killed")
             host = outcome.host
             lines.append(f"{host.name:<8} {host.group:<20} {host.role:<5} {str(outcome.exit_code):>5}  {'; '.join(notes)}")
         verdict = "succeeded" if self.ok else "FAILED"
@@ -124,6 +134,7 @@ class EmulationOptions:
     data_idle_timeout_s: float = 15.0
     data_start_deadline_s: float = 120.0
     data_connect_timeout_s: float = 60.0
+    data_batch_timeout_s: float = 20.0
     # Trainer processes per DNN host (torchrun's nproc-per-node); 0: one per GPU, or one without GPUs.
     processes_per_host: int = 0
     # CPUs per host of a group (group name → count); default one each.
@@ -201,7 +212,7 @@ def resource_config(host: EmulatedHost, hosts: list[EmulatedHost]) -> dict[str, 
     }
 
 
-def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int], tf_ports: tuple[int, int]) -> dict[str, str]:
+def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tuple[int, int, int], tf_ports: tuple[int, int]) -> dict[str, str]:
     """What the launch Lambda writes into HyperParameters, with this emulation's ports and timeouts.
 
     tf.data.service binds every interface, so the emulated hosts (and any other emulated cluster on this
@@ -211,11 +222,13 @@ def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tu
         shutdown_token=secrets.token_urlsafe(24),
         data_service_port=ports[0],
         master_port=ports[1],
+        job_control_port=ports[2],
         tf_dispatcher_port=tf_ports[0],
         tf_worker_port=tf_ports[1],
         data_idle_timeout_s=options.data_idle_timeout_s,
         data_start_deadline_s=options.data_start_deadline_s,
         data_connect_timeout_s=options.data_connect_timeout_s,
+        data_batch_timeout_s=options.data_batch_timeout_s,
         processes_per_host=options.processes_per_host,
     )
     return container_hyperparameters(spec, platform)
@@ -262,6 +275,7 @@ class EmulatedCluster:
         self._outcomes = {host.name: HostOutcome(host) for host in self.hosts}
         self._pumps: list[threading.Thread] = []
         self._started_at = 0.0
+        self.cluster_id = f"{os.getpid()}-{subnet}-{secrets.token_hex(4)}"
         self.hyperparameters: dict[str, str] = {}
         quotas = {host.name: host.cpu_quota for host in self.hosts if host.cpu_quota is not None}
         try:
@@ -279,13 +293,15 @@ class EmulatedCluster:
         return [host for host in self.hosts if host.role == role]
 
     def prepare(self) -> None:
-        """Write every host's /opt/ml tree."""
+        """Write every host's /opt/ml tree (once: ``start`` keeps what an earlier call chose)."""
         missing = sorted({channel.name for channel in self.spec.inputs} - set(self.options.channels))
         if missing:
             raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
-        data_hosts = len(self.hosts_with_role("data"))
-        tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
-        self.hyperparameters = emulated_hyperparameters(self.spec, self.options, (free_port(), free_port()), tf_ports)
+        if not self.hyperparameters:
+            data_hosts = len(self.hosts_with_role("data"))
+            tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
+            ports = (free_port(), free_port(), free_port())
+            self.hyperparameters = emulated_hyperparameters(self.spec, self.options, ports, tf_ports)
         for host in self.hosts:
             config = host.base_dir / "input" / "config"
             config.mkdir(parents=True, exist_ok=True)
@@ -324,6 +340,7 @@ class EmulatedCluster:
         addresses = json.dumps({host.name: host.address for host in self.hosts})
         for host in self.hosts:
             env = os.environ | {
+                HOST_TAG_ENV: self.host_tag(host.name),
                 BASE_DIR_ENV: str(host.base_dir),
                 HOST_ADDRESSES_ENV: addresses,
                 "PYTHONPATH": str(REPO_ROOT),
@@ -349,10 +366,19 @@ class EmulatedCluster:
             pump.start()
             self._pumps.append(pump)
 
+    def host_tag(self, name: str) -> str:
+        return f"{self.cluster_id}/{name}"
+
+    def host_pids(self, name: str) -> list[int]:
+        """Every live process of a host: its launcher's tree and anything else carrying its tag."""
+        process = self._processes[name]
+        tree = process_tree(process.pid) if process.poll() is None else []
+        return sorted(set(tree) | set(tagged_processes(HOST_TAG_ENV, self.host_tag(name))))
+
     def _pump(self, host: EmulatedHost, process: subprocess.Popen) -> None:
         log_path = self.options.workdir / "logs" / f"{host.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("w") as log_file:
+        with log_path.open("w", buffering=1) as log_file:  # line-buffered: a killed run's log is whole
             assert process.stdout is not None
             for line in process.stdout:
                 log_file.write(line)
@@ -360,9 +386,10 @@ class EmulatedCluster:
                     listener(host, line.rstrip("\n"))
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
-        """Kill a host's whole process tree, as an instance failure would."""
-        self._outcomes[name].killed_on_request = True
-        _kill_tree(self._processes[name], sig)
+        """Signal every process of a host, as an instance failure would (SIGKILL) or a hang (SIGSTOP)."""
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self._outcomes[name].killed_on_request = True
+        _signal_all(self.host_pids(name), sig)
 
     def pid(self, name: str) -> int:
         return self._processes[name].pid
@@ -377,6 +404,10 @@ class EmulatedCluster:
                 outcome = self._outcomes[name]
                 if outcome.exit_code is None and process.poll() is not None:
                     outcome.exit_code, outcome.ended_at = process.returncode, now
+                    # The container stops with its entrypoint: nothing of the host runs on.
+                    leftovers = self.host_pids(name)
+                    outcome.leftovers = len(leftovers)
+                    _signal_all(leftovers, signal.SIGKILL)
             running = [name for name, outcome in self._outcomes.items() if outcome.exit_code is None]
             if not running:
                 break
@@ -385,15 +416,15 @@ class EmulatedCluster:
             if dnn_ended_at is not None and now - dnn_ended_at > self.options.orphan_grace_s:
                 for name in running:
                     self._outcomes[name].orphaned = True
-                    _kill_tree(self._processes[name], signal.SIGKILL)
+                    _signal_all(self.host_pids(name), signal.SIGKILL)
             elif now > deadline:
                 deadline_exceeded = True
                 for name in running:
                     self._outcomes[name].killed_at_deadline = True
-                    _kill_tree(self._processes[name], signal.SIGKILL)
+                    _signal_all(self.host_pids(name), signal.SIGKILL)
             time.sleep(0.1)
         for pump in self._pumps:
-            pump.join(timeout=5)
+            pump.join(timeout=10)
         return ClusterResult(list(self._outcomes.values()), time.monotonic() - self._started_at, deadline_exceeded)
 
     def run(self) -> ClusterResult:
@@ -405,9 +436,10 @@ class EmulatedCluster:
 
     def close(self) -> None:
         """Kill whatever is left (an interrupted run must not leave processes behind)."""
-        for process in self._processes.values():
+        for name, process in self._processes.items():
+            _signal_all(self.host_pids(name), signal.SIGCONT)  # a stopped process cannot die until continued
+            _signal_all(self.host_pids(name), signal.SIGKILL)
             if process.poll() is None:
-                _kill_tree(process, signal.SIGKILL)
                 process.wait()
         self._quotas.remove()
 
@@ -444,9 +476,24 @@ def _enter_host(cpus: tuple[int, ...], quota_procs: Path | None) -> None:
     enter_quota(quota_procs)
 
 
-def _kill_tree(process: subprocess.Popen, sig: signal.Signals) -> None:
-    """Signal every process of a host at once (collected first: a dead parent's children get reparented)."""
-    for pid in process_tree(process.pid):
+def tagged_processes(variable: str, value: str) -> list[int]:
+    """Processes of this user whose environment holds ``variable=value`` (inherited by every descendant)."""
+    needle = f"{variable}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # ended while we looked, or not ours
+    return found
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    """Signal a host's processes at once (collected first: a dead parent's children get reparented)."""
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:

@@ -6,11 +6,18 @@ must look the same across variants:
 
 * step time = wall time from the end of one step to the end of the next, data wait included (an input-
   bound job is slow because of that wait); the first ``warmup_steps`` of each run are left out;
-* metric lines (training/metrics.py) from the chief process only;
+* metric lines (training/metrics.py) from the chief process only, with every rank's figures in them:
+  the data wait is the longest any rank waited for that step (``reduce_max``), since one rank starved of
+  batches holds every rank up in the next collective; the summary's counts are summed over ranks;
 * checkpoints in ``/opt/ml/checkpoints`` (synced to S3 by SageMaker's CheckpointConfig), written to a
   temporary name then renamed, and resumed from at start;
+* SIGTERM (StopTrainingJob, a spot interruption: SageMaker waits 120 s before SIGKILL) ends training at
+  the next step boundary that every rank agrees on: a checkpoint, the model and a summary with status
+  ``stopped`` are written, and TrainingStopped says after which step;
 * the model in ``/opt/ml/model``, and ``summary.json`` plus the resolved ``config.json`` in
-  ``/opt/ml/output/data`` (and the config beside the model).
+  ``/opt/ml/output/data`` (and the config beside the model);
+* a progress mark per process (a file touched after every step, in the folder the launcher names in
+  ``TRAINING_PROGRESS_DIR``): how the launcher tells a job whose batches stopped coming from a slow one.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import statistics
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -36,8 +45,44 @@ log = logging.getLogger(__name__)
 BatchT = TypeVar("BatchT")
 
 
+# The launcher names a folder here; every trainer process touches a file in it after each step.
+PROGRESS_DIR_ENV = "TRAINING_PROGRESS_DIR"
+
+
 class DataExhaustedError(RuntimeError):
     """The input ended before the configured number of steps."""
+
+
+class TrainingStopped(RuntimeError):
+    """SIGTERM asked training to stop; it did at a step boundary, with its state saved."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+class StopRequest:
+    """Remembers a SIGTERM for the loop to act on at the next agreed step boundary, while in use as a
+    context manager (signal handlers belong to the main thread; elsewhere it never fires)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signal = signal.Signals(signum).name
+
+
+def elementwise_max(series: list[list[float]]) -> list[float]:
+    """Per-step maximum over ranks of equally long per-rank series. Pure."""
+    return [max(values) for values in zip(*series, strict=True)] if series else []
 
 
 @dataclass(frozen=True)
@@ -108,7 +153,17 @@ class TrainingLoop(ABC, Generic[BatchT]):
     def barrier(self) -> None:
         """Wait for every process of the job; a no-op for a single process."""
 
+    def reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over every process (a collective: every rank calls it at the
+        same steps); a single process returns its own."""
+        return values
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's ``value``, in rank order (a collective); a single process gets its own."""
+        return [value]
+
     def summary_extra(self) -> dict[str, Any]:
+        """The variant's part of the summary; runs on every process, so it may gather across them."""
         return {}
 
     # The loop ------------------------------------------------------------------------------------
@@ -118,8 +173,13 @@ class TrainingLoop(ABC, Generic[BatchT]):
         return self.paths.checkpoint_dir / self.checkpoint_name
 
     def run(self) -> dict[str, Any]:
+        with StopRequest() as stop:
+            return self._run(stop)
+
+    def _run(self, stop: StopRequest) -> dict[str, Any]:
         config = self.config
         started = time.perf_counter()
+        progress = _progress_mark(self.rank)
         start_step = self._restore()
         if self.is_chief:
             self._write_config()
@@ -129,6 +189,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         loss = float("nan")
         batches = iter(self.batches())
         last = time.perf_counter()
+        step = start_step
+        stopped = False
         for step in range(start_step + 1, config.steps + 1):
             try:
                 batch = next(batches)
@@ -137,33 +199,47 @@ class TrainingLoop(ABC, Generic[BatchT]):
             fetched = time.perf_counter()
             loss = self.train_step(batch)
             now = time.perf_counter()
+            if progress is not None:
+                progress.touch()
             elapsed, waited = (now - last) * 1000, (fetched - last) * 1000
             timed = step - start_step > config.warmup_steps
             (step_ms if timed else warmup_ms).append(elapsed)
             if timed:
                 wait_ms.append(waited)
-            if self.is_chief and (step % config.log_every == 0 or step == config.steps):
-                values = {"loss": loss}
-                if timed:
-                    values |= {
-                        "step_time_ms": elapsed,
-                        "data_wait_ms": waited,
-                        "samples_per_s": config.batch_size * self.world_size * 1000 / elapsed,
-                    }
-                else:
-                    values["warmup_ms"] = elapsed
-                print(metric_line(step, config.steps, values), flush=True)
+            if step % config.log_every == 0 or step == config.steps:
+                # Every rank reaches this line at the same steps: the one collective of the loop's own.
+                longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
+                stopped = stop_votes > 0
+                if self.is_chief:
+                    values = {"loss": loss}
+                    if timed:
+                        values |= {
+                            "step_time_ms": elapsed,
+                            "data_wait_ms": longest_wait,
+                            "samples_per_s": config.batch_size * self.world_size * 1000 / elapsed,
+                        }
+                    else:
+                        values["warmup_ms"] = elapsed
+                    print(metric_line(step, config.steps, values), flush=True)
+            if stopped:
+                break
             self.after_step(step)
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                 self._checkpoint(step)
             last = time.perf_counter()  # evaluation and checkpoints are not the next step's time
-        self._checkpoint(config.steps)
+        self._checkpoint(step)
         self.barrier()
+        # The longest wait of any rank, per step (equal lengths: every rank timed the same steps).
+        wait_ms = elementwise_max(self.gather(wait_ms))
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
+        if stopped:
+            summary |= {"status": "stopped", "stopped_after_step": step}
         if self.is_chief:
             self.paths.model_dir.mkdir(parents=True, exist_ok=True)
             self.save_model(self.paths.model_dir)
             _write_json(self.paths.output_data_dir / "summary.json", summary)
+        if stopped:
+            raise TrainingStopped(f"stopped by SIGTERM after step {step} of {config.steps}; checkpoint and model saved")
         return summary
 
     def _restore(self) -> int:
@@ -207,6 +283,11 @@ class TrainingLoop(ABC, Generic[BatchT]):
             "world_size": self.world_size,
             "elapsed_s": round(elapsed_s, 3),
         } | self.summary_extra()
+
+
+def _progress_mark(rank: int, environ: Mapping[str, str] = os.environ) -> Path | None:
+    folder = environ.get(PROGRESS_DIR_ENV)
+    return Path(folder) / f"rank-{rank}" if folder else None
 
 
 def _write_json(path: Path, value: Any) -> None:

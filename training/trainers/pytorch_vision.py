@@ -42,7 +42,7 @@ from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError,
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.trainers.config import AugmentConfig, VisionConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop
+from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped
 
 log = logging.getLogger("training.pytorch_vision")
 
@@ -145,8 +145,13 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         torch.manual_seed(config.seed)
         self.module = build_model(config, len(classes)).to(self.device)
         self.model: nn.Module = self.module
+        # The loop's own collectives (data wait, stop votes, summary counts) are host values: on a gloo
+        # group of their own when the gradients go over NCCL, so they never wait on the device.
+        self.host_group = None
         if world_size > 1:
             self.model = DistributedDataParallel(self.module, device_ids=[local_rank] if self.device.type == "cuda" else None)
+            if dist.get_backend() != "gloo":
+                self.host_group = dist.new_group(backend="gloo")
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
         )
@@ -220,6 +225,20 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         if dist.is_initialized():
             dist.barrier()
 
+    def reduce_max(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
+        return tensor.tolist()
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.host_group)
+        return gathered
+
     def summary_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "variant": "pytorch",
@@ -228,15 +247,25 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             "data_source": self.source,
             "cached_input_batches": self.vision.cached_input_batches,
             "classes": len(self.classes),
-            "skipped_samples": self.skipped_samples,
         }
+        local: dict[str, Any] = {"skipped_samples": self.skipped_samples}
         if self.service is not None:
             stats = self.service.stats
-            extra |= {
-                "data_hosts": list(stats.hosts),
+            local = {
                 "lost_data_hosts": stats.unavailable_hosts,
                 "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
                 "skipped_samples": stats.skipped_samples,
+            }
+        ranks = self.gather(local)
+        extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
+        if self.service is not None:
+            extra |= {
+                "data_hosts": list(self.service.addresses),
+                # A host any rank lost is lost to the job; what each host served, summed over every rank.
+                "lost_data_hosts": sorted({host for rank in ranks for host in rank["lost_data_hosts"]}),
+                "batches_per_data_host": {
+                    address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in self.service.addresses
+                },
             }
         return extra
 
@@ -258,7 +287,7 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
     addresses = settings.data_service_targets(cluster, host_addresses(environ))
     common: dict[str, Any] = dict(rank=rank, world_size=world_size, local_rank=local_rank, cpus=cpus)
     if addresses:
-        info = describe(addresses, settings.data_connect_timeout_s)
+        info = describe(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
         if info.batch_size != config.batch_size or tuple(info.sample_shape) != config.augment_config.sample_shape:
             raise HyperparameterError(
                 f"data host {info.host} makes batches of {info.batch_size} × {tuple(info.sample_shape)}, "
@@ -267,8 +296,10 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
         service = DataServiceDataset(
             addresses,
             config.batch_size,
+            token=settings.shutdown_token,
             client_id=f"{cluster.current_host}/rank{rank}",
             connect_timeout_s=settings.data_connect_timeout_s,
+            batch_timeout_s=settings.data_batch_timeout_s,
         )
         return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service, **common)
     folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
@@ -284,13 +315,27 @@ def main() -> int:
         log.error("training failed: %s: %s", type(error).__name__, error)
         write_failure(f"{type(error).__name__}: {error}")
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except TrainingStopped as stopped:
+        log.warning("%s", stopped)
+        write_failure(f"{type(stopped).__name__}: {stopped}")
+        return TrainingStopped.exit_code
     if trainer.is_chief:
         log.info("training finished: %d steps, step time p50 %s ms", summary["steps"], (summary["step_time_ms"] or {}).get("p50"))
     return 0
 
 
+def end_process(status: int) -> None:
+    """Exit with ``status``. A distributed trainer leaves with os._exit once its output is flushed: tearing
+    down a gloo process group can deadlock (its destructor, holding the GIL, joins a worker thread that
+    needs the GIL to free the tensors of the last collective; seen here once in three 2-rank runs), and
+    a trainer that never exits after finishing is a hung job."""
+    if dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -48,7 +48,7 @@ from training.data_service.tf_pipeline import DATASET_ID, JOB_NAME, augmentation
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.trainers.config import KerasVisionConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop
+from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped
 
 log = logging.getLogger("training.tf_vision")
 
@@ -98,6 +98,12 @@ class Distribution:
     def barrier(self) -> None:
         pass
 
+    def reduce_max(self, values: list[float]) -> list[float]:
+        return values
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
     def distribute(self, dataset: tf.data.Dataset) -> Iterator[Batch]:
         return iter(dataset)
 
@@ -133,6 +139,12 @@ class HorovodDistribution(Distribution):
 
     def barrier(self) -> None:
         self.hvd.allreduce(tf.constant(0.0), name="barrier", op=self.hvd.Sum)
+
+    def reduce_max(self, values: list[float]) -> list[float]:
+        return self.hvd.allreduce(tf.constant(values, tf.float64), name="step_metrics", op=self.hvd.Max).numpy().tolist()
+
+    def gather(self, value: Any) -> list[Any]:
+        return self.hvd.allgather_object(value, name="gather")
 
 
 class MirroredDistribution(Distribution):
@@ -233,6 +245,12 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
     def barrier(self) -> None:
         self.distribution.barrier()
 
+    def reduce_max(self, values: list[float]) -> list[float]:
+        return self.distribution.reduce_max(values)
+
+    def gather(self, value: Any) -> list[Any]:
+        return self.distribution.gather(value)
+
     def summary_extra(self) -> dict[str, Any]:
         return {"framework": "tensorflow", "input_source": self.source, "distribution": self.distribution.name, "model": self.config.model}
 
@@ -262,7 +280,7 @@ def build_trainer(environ: dict[str, str]) -> KerasVisionTrainer:
     if control:
         dispatcher, _ = settings.tf_data_service_addresses(cluster, addresses)
         # The dispatcher host's control server answers only once its dataset is registered.
-        info = describe(control[:1], settings.data_connect_timeout_s)
+        info = describe(control[:1], settings.shutdown_token, settings.data_connect_timeout_s)
         wait_for_port(dispatcher, settings.data_connect_timeout_s)
         expected = (3, config.image_size, config.image_size)
         if info.batch_size != config.batch_size or tuple(info.sample_shape) != expected:
@@ -293,6 +311,10 @@ def main() -> int:
         log.error("training failed: %s: %s", type(error).__name__, error.message)
         write_failure(f"{type(error).__name__}: {error.message}")
         return 1
+    except TrainingStopped as stopped:
+        log.warning("%s", stopped)
+        write_failure(f"{type(stopped).__name__}: {stopped}")
+        return TrainingStopped.exit_code
     if trainer.is_chief:
         log.info("training finished: %d steps, step time p50 %s ms", summary["steps"], (summary["step_time_ms"] or {}).get("p50"))
     return 0

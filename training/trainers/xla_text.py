@@ -39,7 +39,7 @@ from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.metrics import metric_line
 from training.trainers.config import TextConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop
+from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped
 
 log = logging.getLogger("training.xla_text")
 
@@ -233,6 +233,21 @@ class TextTrainer(TrainingLoop[Batch]):
 
             xm.rendezvous("training-loop")
 
+    def reduce_max(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        import torch_xla.core.xla_model as xm
+
+        # Host values: reduced between the processes' hosts, without a device graph.
+        return xm.mesh_reduce("step-metrics", values, lambda per_rank: [max(column) for column in zip(*per_rank, strict=True)])
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [value]
+        import torch_xla.core.xla_model as xm
+
+        return xm.mesh_reduce("gather", value, list)
+
     def summary_extra(self) -> dict[str, Any]:
         if self.eval_data is not None:
             self.evaluate()
@@ -289,6 +304,10 @@ def main() -> int:
         log.error("training failed: %s: %s", type(error).__name__, error)
         write_failure(f"{type(error).__name__}: {error}")
         return 1
+    except TrainingStopped as stopped:
+        log.warning("%s", stopped)
+        write_failure(f"{type(stopped).__name__}: {stopped}")
+        return TrainingStopped.exit_code
     return 0
 
 

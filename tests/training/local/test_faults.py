@@ -1,0 +1,230 @@
+"""Faults injected into emulated clusters (tests/faults.py), one test per row of the README's fault table.
+
+Each test prints the seconds from the fault to the outcome (pytest -s shows them); the README's table
+quotes them. None asserts on speed beyond generous bounds that separate "noticed" from "waited out a
+timeout".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lambdas.core.job_spec import validate_job_spec
+from tests.faults import Faults, send, taken_port
+from tests.training.local.test_cluster import Watcher, spec, start
+from training.local.cluster import EmulatedCluster, EmulationOptions
+from training.metrics import parse_metric_line
+
+
+def failure_of(cluster: EmulatedCluster, host: str) -> str:
+    path = cluster.host(host).base_dir / "output" / "failure"
+    return path.read_text() if path.exists() else ""
+
+
+def report(what: str, seconds: float) -> None:
+    print(f"\n[fault] {what}: {seconds:.1f} s")
+
+
+# A data host that hangs (SIGSTOP) ------------------------------------------------------------------------
+
+
+def last_step(watcher: Watcher, host: str) -> int:
+    steps = [int(match.group(1)) for line in watcher.of(host) if (match := re.match(r"step=(\d+)/", line))]
+    return max(steps, default=0)
+
+
+@pytest.mark.cluster
+def test_a_hung_data_host_is_dropped_and_training_goes_on_with_the_others(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=2, steps=1_000_000, log_every=10), tmp_path, images)
+    faults = Faults(cluster, watcher)
+    try:
+        stopped_at = faults.when("algo-3", r"^step=10/", lambda: faults.signal_host("algo-1", signal.SIGSTOP))
+        watcher.wait_for("algo-3", r"data host .* lost", timeout=120)
+        report("hung data host dropped", time.monotonic() - stopped_at)
+        faults.signal_host("algo-1", signal.SIGCONT)
+        lost_at_step = last_step(watcher, "algo-3")
+        watcher.wait_for("algo-3", rf"^step={lost_at_step + 100}/", timeout=120)  # training goes on without it
+        faults.signal_launcher("algo-3", signal.SIGTERM)  # end the endless run (saved, as any stop is)
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    summary = cluster.summary()
+    assert summary["status"] == "stopped" and summary["stopped_after_step"] > lost_at_step
+    port = cluster.hyperparameters["data_service_port"]
+    assert summary["lost_data_hosts"] == [f"{cluster.host('algo-1').address}:{port}"]
+    assert result.outcome("algo-1").exit_code == 0 and result.outcome("algo-2").exit_code == 0  # both shut down
+    assert result.orphans == []
+
+
+@pytest.mark.cluster
+def test_a_job_whose_only_data_host_hangs_fails_with_a_named_error(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images)
+    faults = Faults(cluster, watcher)
+    try:
+        stopped_at = faults.when("algo-2", r"^step=3/", lambda: faults.signal_host("algo-1", signal.SIGSTOP))
+        watcher.wait_for("algo-2", r"DataServiceUnavailableError", timeout=120)
+        report("only data host hung → named error", time.monotonic() - stopped_at)
+        faults.signal_host("algo-1", signal.SIGCONT)
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.outcome("algo-2").exit_code == 1
+    assert failure_of(cluster, "algo-2").startswith("DataServiceUnavailableError: all 1 data hosts are gone")
+    assert result.orphans == []
+
+
+# A data host that cannot serve ---------------------------------------------------------------------------
+
+
+def corrupt_channel(root: Path) -> Path:
+    for label in range(2):
+        folder = root / "corrupt" / f"class_{label}"
+        folder.mkdir(parents=True)
+        for index in range(8):
+            (folder / f"{index}.jpg").write_bytes(b"not a jpeg at all" * 10)
+    return root / "corrupt"
+
+
+def empty_channel(root: Path) -> Path:
+    (root / "empty" / "class_0").mkdir(parents=True)
+    return root / "empty"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("undecodable channel", "CorruptDatasetError: 16 of 16 files tried for one batch could not be decoded"),
+        ("empty channel", "EmptyChannelError"),
+        ("taken port", "PortInUseError: cannot listen on"),
+    ],
+)
+def test_a_data_host_that_cannot_serve_fails_the_job_at_once_with_its_reason(tmp_path: Path, images: Path, case: str, reason: str) -> None:
+    channel = {"undecodable channel": corrupt_channel(tmp_path), "empty channel": empty_channel(tmp_path)}.get(case, images)
+    watcher = Watcher()
+    cluster = EmulatedCluster(
+        validate_job_spec(spec(data_hosts=1, steps=20)),
+        # A connect timeout far longer than the outcome may take: the DNN host must not wait it out.
+        EmulationOptions(workdir=tmp_path / "run", channels={"train": channel}, data_connect_timeout_s=180),
+        on_line=watcher,
+    )
+    cluster.prepare()
+    data_host = cluster.host("algo-1")
+    with taken_port(data_host.address, int(cluster.hyperparameters["data_service_port"])) if case == "taken port" else contextlib.nullcontext():
+        started = time.monotonic()
+        cluster.start()
+        try:
+            result = cluster.wait()
+        finally:
+            cluster.close()
+    dnn = result.outcome("algo-2")
+    report(f"data host with a {case} → DNN host failed", dnn.ended_at - started)
+    assert result.outcome("algo-1").exit_code not in (0, None)
+    assert reason in failure_of(cluster, "algo-1")
+    assert dnn.exit_code == 1 and dnn.ended_at - started < 90
+    assert failure_of(cluster, "algo-2").startswith("data host algo-1 failed: ") and reason in failure_of(cluster, "algo-2")
+    assert "Traceback" not in "\n".join(watcher.of("algo-1"))
+
+
+# SIGTERM: StopTrainingJob or a spot interruption ----------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_sigterm_saves_a_checkpoint_and_the_model_and_says_stopped(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images, processes_per_host=2)
+    faults = Faults(cluster, watcher)
+    try:
+        signalled_at = faults.when("algo-2", r"^step=6/", lambda: faults.signal_launcher("algo-2", signal.SIGTERM))
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    dnn = result.outcome("algo-2")
+    report("SIGTERM → checkpoint, model, exit", dnn.ended_at - signalled_at)
+    tree = cluster.host("algo-2").base_dir
+    failure = failure_of(cluster, "algo-2")
+    assert dnn.exit_code != 0 and failure.startswith("TrainingStopped: stopped by SIGTERM after step")
+    step = int(re.search(r"after step (\d+)", failure).group(1))
+    checkpoint = torch.load(tree / "checkpoints" / "checkpoint.pt", weights_only=True)
+    assert checkpoint["step"] == step >= 6
+    assert (tree / "model" / "model.pt").stat().st_size > 0
+    summary = json.loads((tree / "output" / "data" / "summary.json").read_text())
+    assert (summary["status"], summary["stopped_after_step"]) == ("stopped", step)
+    assert result.outcome("algo-1").exit_code == 0  # told to shut down by the stopping DNN host
+    assert result.orphans == []
+
+
+# A trainer killed under torchrun, and an emulated host killed in part -----------------------------------
+
+
+@pytest.mark.cluster
+def test_a_rank_killed_by_the_oom_killer_is_named_in_the_failure(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=0, steps=10_000), tmp_path, images, processes_per_host=2)
+    faults = Faults(cluster, watcher)
+    try:
+        faults.when("algo-1", r"^step=3/", lambda: faults.signal_trainer("algo-1", signal.SIGKILL, local_rank=1))
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.outcome("algo-1").exit_code not in (0, None)
+    assert failure_of(cluster, "algo-1").startswith("rank 1 (local rank 1) was killed by SIGKILL")
+    assert failure_of(cluster, "algo-1").endswith("on algo-1")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("part", ["launcher", "torchrun"])
+def test_killing_part_of_a_host_leaves_nothing_of_it_running(tmp_path: Path, images: Path, part: str) -> None:
+    cluster, watcher = start(spec(data_hosts=0, steps=10_000), tmp_path, images, processes_per_host=2)
+    faults = Faults(cluster, watcher)
+    kill = {"launcher": faults.signal_launcher, "torchrun": faults.signal_torchrun}[part]
+    try:
+        killed_at = faults.when("algo-1", r"^step=3/", lambda: kill("algo-1", signal.SIGKILL))
+        result = cluster.wait()
+        report(f"{part} killed → host ended, nothing left", result.outcome("algo-1").ended_at - killed_at)
+        assert cluster.host_pids("algo-1") == []  # trainers did not train on after their host ended
+    finally:
+        cluster.close()
+    outcome = result.outcome("algo-1")
+    assert outcome.exit_code not in (0, None)
+    log = (tmp_path / "logs" / "algo-1.log").read_text()
+    assert "step=3/" in log  # the host's log holds what it printed up to the kill
+    if part == "launcher":
+        assert outcome.leftovers >= 3  # torchrun and its two trainers, killed with the host
+    else:
+        assert failure_of(cluster, "algo-1") == "the trainer was killed by SIGKILL on algo-1"
+
+
+# Metrics from every rank ---------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_a_data_stall_on_another_rank_shows_as_data_wait(tmp_path: Path, images: Path) -> None:
+    """Rank 1's DataLoader worker stops for 4 s; rank 0 waits for it in the gradient all-reduce. The
+    step's metric line must say data wait (rank 1's), not compute (rank 0's)."""
+    cluster, watcher = start(spec(data_hosts=0, steps=40, dataloader_workers=1), tmp_path, images, processes_per_host=2)
+    faults = Faults(cluster, watcher)
+    try:
+        def stall() -> None:
+            workers = faults.trainer_children("algo-1", local_rank=1)
+            assert workers, "rank 1 has no DataLoader worker"
+            send(workers, signal.SIGSTOP)
+            time.sleep(4)
+            send(workers, signal.SIGCONT)
+
+        faults.when("algo-1", r"^step=8/", stall)
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.ok, result.report()
+    timed = [parse_metric_line(line) for line in watcher.of("algo-1") if "step_time_ms=" in line]
+    stalled = max(timed, key=lambda metrics: metrics["step_time_ms"])
+    assert stalled["step_time_ms"] > 2000
+    assert stalled["data_wait_ms"] > 0.5 * stalled["step_time_ms"], stalled
+    assert cluster.summary()["data_wait_ms"]["mean"] > 0  # the summary takes every rank's wait too
