@@ -58,7 +58,7 @@ from training.trainers.loop import PROGRESS_DIR_ENV
 from training.variants import VARIANTS, Variant
 
 if TYPE_CHECKING:
-    from training.data_service.control import FailureReports, KeepAlive
+    from training.data_service.control import FailureReports
 
 log = logging.getLogger("training.launcher")
 
@@ -310,7 +310,12 @@ def _start_data_host_watch(
         verdict = data_failure_verdict(reports.snapshot(), data_hosts, essential=data_hosts[0] if dispatcher else None)
         if verdict or dispatcher is None:
             return verdict
-        return dispatcher_lost(keepalive, dispatcher, DISPATCHER_LOSS_S, progress_age(progress_dir, started))
+        return dispatcher_lost(
+            dispatcher,
+            answered=keepalive.answered(dispatcher),
+            silent_s=keepalive.silent_for(dispatcher),
+            no_progress_s=progress_age(progress_dir, started),
+        )
 
     return watch, reports
 
@@ -377,16 +382,15 @@ STOP_GRACE_S = 100.0
 PEER_GRACE_S = 10.0
 
 
-def dispatcher_lost(keepalive: KeepAlive, dispatcher_target: str, bound_s: float, no_progress_s: float) -> str | None:
+def dispatcher_lost(
+    dispatcher_target: str, *, answered: bool, silent_s: float, no_progress_s: float, bound_s: float = DISPATCHER_LOSS_S
+) -> str | None:
     """Why the job must stop, if the dispatcher's host answered once, then went silent for longer than
-    ``bound_s``, and the trainers have made no progress for as long."""
-    if not keepalive.answered(dispatcher_target):
-        return None
-    silent = keepalive.silent_for(dispatcher_target)
-    if silent <= bound_s or no_progress_s <= bound_s:
+    ``bound_s``, and the trainers have made no progress for as long. Pure."""
+    if not answered or silent_s <= bound_s or no_progress_s <= bound_s:
         return None
     return (
-        f"the tf.data.service dispatcher host ({dispatcher_target}) has not answered for {silent:.0f} s and no batch "
+        f"the tf.data.service dispatcher host ({dispatcher_target}) has not answered for {silent_s:.0f} s and no batch "
         f"has reached a trainer for {no_progress_s:.0f} s"
     )
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +16,17 @@ import pytest
 
 from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
 from training.hyperparameters import HyperparameterError
-from training.launcher import CONFIG_ERROR_EXIT, exit_status, trainer_command
+from training.launcher import (
+    CONFIG_ERROR_EXIT,
+    data_failure_verdict,
+    describe_rank_failure,
+    dispatcher_lost,
+    exit_status,
+    progress_age,
+    trainer_command,
+    trainer_failure,
+    wait_for_trainers,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,3 +164,75 @@ def test_a_dnn_host_whose_data_hosts_never_come_fails_within_the_bound(tmp_path:
     assert elapsed < 60
     failure = (base / "output" / "failure").read_text()
     assert failure.startswith("DataServiceUnavailableError: no data host answered within 3 s")
+
+
+# How a DNN host decides that its job cannot go on ---------------------------------------------------------
+
+
+def test_one_failed_data_host_of_several_is_not_a_reason_to_stop() -> None:
+    hosts = ["algo-1", "algo-2"]
+    assert data_failure_verdict({}, hosts) is None
+    assert data_failure_verdict({"algo-2": "EmptyChannelError: no images"}, hosts) is None
+    assert data_failure_verdict({"algo-1": "a", "algo-2": "b"}, hosts) == "every data host failed: algo-1: a; algo-2: b"
+    assert data_failure_verdict({"algo-1": "PortInUseError: x"}, ["algo-1"]) == "data host algo-1 failed: PortInUseError: x"
+    # tf.data.service cannot go on without its dispatcher's host, whatever the others do.
+    assert data_failure_verdict({"algo-1": "x"}, hosts, essential="algo-1").startswith("data host algo-1 (the tf.data.service dispatcher) failed")
+
+
+@pytest.mark.parametrize(
+    ("answered", "silent_s", "no_progress_s", "lost"),
+    [
+        (False, 500, 500, False),  # never answered: starting late, and the start bound governs
+        (True, 31, 5, False),  # silent, but batches still arrive: the workers serve on
+        (True, 10, 500, False),  # no progress (a long first step), but the dispatcher answers
+        (True, 31, 31, True),
+    ],
+)
+def test_the_dispatcher_is_lost_only_when_it_went_silent_and_batches_stopped(answered: bool, silent_s: float, no_progress_s: float, lost: bool) -> None:
+    reason = dispatcher_lost("10.0.0.5:7000", answered=answered, silent_s=silent_s, no_progress_s=no_progress_s, bound_s=30)
+    assert (reason is not None) == lost
+
+
+def test_progress_is_the_newest_step_mark_of_any_rank(tmp_path: Path) -> None:
+    assert progress_age(tmp_path, started=100.0, now=130.0) == 30.0
+    for rank, mtime in ((0, 110.0), (1, 125.0)):
+        mark = tmp_path / f"rank-{rank}"
+        mark.touch()
+        os.utime(mark, (mtime, mtime))
+    assert progress_age(tmp_path, started=100.0, now=130.0) == 5.0
+
+
+def test_a_rank_failure_names_the_rank_and_the_signal() -> None:
+    assert describe_rank_failure({"rank": 3, "local_rank": 1, "exitcode": -9, "signal": "SIGKILL"}).startswith(
+        "rank 3 (local rank 1) was killed by SIGKILL (the kernel's OOM killer"
+    )
+    assert describe_rank_failure({"rank": 0, "local_rank": 0, "exitcode": 2, "signal": None}) == "rank 0 (local rank 0) exited with status 2"
+    assert trainer_failure(-15, None) == "the trainer was killed by SIGTERM"
+    assert trainer_failure(1, None) == "the trainer exited with status 1"
+
+
+def sleeper(handle_sigterm: bool = False) -> subprocess.Popen:
+    code = "import signal, time\n"
+    if handle_sigterm:  # a rank that takes a while to save before it leaves
+        code += "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), exit(143)))\n"
+    code += "time.sleep(120)\n"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_the_first_failed_rank_stops_the_others_and_decides_the_status() -> None:
+    failing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); exit(3)"])
+    survivor = sleeper()
+    status, returncode = wait_for_trainers([failing, survivor], threading.Event(), peer_grace_s=5)
+    assert (status, returncode) == (3, 3)
+    assert survivor.returncode == -signal.SIGTERM  # stopped, not left waiting on a dead peer
+
+
+def test_sigterm_gives_the_trainers_the_stop_grace_and_a_watchdog_reason_stops_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = threading.Event()
+    saving = sleeper(handle_sigterm=True)
+    threading.Timer(0.5, stop.set).start()
+    status, returncode = wait_for_trainers([saving], stop, stop_grace_s=30, peer_grace_s=0.2)
+    assert (status, saving.returncode) == (143, 143)  # it had its 1.5 s to save: the short grace was not used
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
+    status, _ = wait_for_trainers([sleeper()], threading.Event(), abort=lambda: "the dispatcher is gone")
+    assert status == 1 and (tmp_path / "output" / "failure").read_text() == "the dispatcher is gone"
