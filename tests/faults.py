@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from training.local.cluster import EmulatedCluster, process_tree
+from training.local.cluster import EmulatedCluster, LineWatcher, process_tree
 
 LAUNCHER = "training.launcher"
 TORCHRUN = "training.torchrun"
@@ -45,7 +45,7 @@ def send(pids: list[int], sig: signal.Signals) -> None:
 
 
 class Faults:
-    def __init__(self, cluster: EmulatedCluster, watcher) -> None:  # noqa: ANN001 (the tests' Watcher)
+    def __init__(self, cluster: EmulatedCluster, watcher: LineWatcher) -> None:
         self.cluster = cluster
         self.watcher = watcher
 
@@ -64,7 +64,7 @@ class Faults:
         self.cluster.kill(host, sig)
 
     def signal_launcher(self, host: str, sig: signal.Signals) -> None:
-        send([self.cluster.pid(host)], sig)
+        self.cluster.kill_launcher(host, sig)
 
     def signal_torchrun(self, host: str, sig: signal.Signals) -> None:
         pids = self.pids(host, TORCHRUN)

@@ -391,6 +391,10 @@ class EmulatedCluster:
             self._outcomes[name].killed_on_request = True
         _signal_all(self.host_pids(name), sig)
 
+    def kill_launcher(self, name: str, sig: signal.Signals) -> None:
+        """Signal a host's launcher alone, as SageMaker signals a container's first process (StopTrainingJob)."""
+        _signal_all([self._processes[name].pid], sig)
+
     def pid(self, name: str) -> int:
         return self._processes[name].pid
 
@@ -498,6 +502,32 @@ def _signal_all(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+class LineWatcher:
+    """A line listener that keeps every host's lines and lets a caller wait for one (fault injection in
+    the tests and bench/faults.py: act when a host prints a given line)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, host: EmulatedHost, line: str) -> None:
+        with self._changed:
+            self.lines.append((host.name, line))
+            self._changed.notify_all()
+
+    def wait_for(self, host: str, pattern: str, timeout: float = 90.0) -> None:
+        """Block until ``host`` printed a line matching ``pattern``; AssertionError after ``timeout``."""
+        regex = re.compile(pattern)
+        with self._changed:
+            found = self._changed.wait_for(lambda: any(h == host and regex.search(line) for h, line in self.lines), timeout)
+        if not found:
+            raise AssertionError(f"{host} never printed {pattern!r}")
+
+    def of(self, host: str) -> list[str]:
+        with self._changed:
+            return [line for h, line in self.lines if h == host]
 
 
 _print_lock = threading.Lock()

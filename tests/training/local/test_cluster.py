@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from lambdas.core.job_spec import validate_job_spec
 from training.cluster import parse_resource_config
 from training.local.cluster import (
     EmulatedCluster,
-    EmulatedHost,
     EmulationError,
     EmulationOptions,
+    LineWatcher,
     assign_cpus,
     plan_hosts,
     resource_config,
@@ -44,30 +43,8 @@ def spec(data_hosts: int = 2, steps: int = 12, variant: str = "pytorch", distrib
     } | ({"distribution": distribution} if distribution else {})
 
 
-class Watcher:
-    """Collects every host's lines and lets a test wait for one."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, str]] = []
-        self._changed = threading.Condition()
-
-    def __call__(self, host: EmulatedHost, line: str) -> None:
-        with self._changed:
-            self.lines.append((host.name, line))
-            self._changed.notify_all()
-
-    def wait_for(self, host: str, pattern: str, timeout: float = 90.0) -> None:
-        regex = re.compile(pattern)
-        with self._changed:
-            found = self._changed.wait_for(lambda: any(h == host and regex.search(line) for h, line in self.lines), timeout)
-        assert found, f"{host} never printed {pattern!r}"
-
-    def of(self, host: str) -> list[str]:
-        return [line for h, line in self.lines if h == host]
-
-
-def start(raw_spec: dict, tmp_path: Path, images: Path, **options) -> tuple[EmulatedCluster, Watcher]:
-    watcher = Watcher()
+def start(raw_spec: dict, tmp_path: Path, images: Path, **options) -> tuple[EmulatedCluster, LineWatcher]:
+    watcher = LineWatcher()
     cluster = EmulatedCluster(
         validate_job_spec(raw_spec), EmulationOptions(workdir=tmp_path, channels={"train": images}, **options), on_line=watcher
     )
@@ -207,7 +184,7 @@ def test_the_deadline_kills_everything_and_fails(tmp_path: Path, images: Path) -
     assert result.elapsed_s < 20
 
 
-def run_homogeneous(raw_spec: dict, tmp_path: Path, images: Path) -> tuple[dict, Watcher]:
+def run_homogeneous(raw_spec: dict, tmp_path: Path, images: Path) -> tuple[dict, LineWatcher]:
     """Run a single-group spec to its end; it must succeed. Returns its summary and its lines."""
     cluster, watcher = start(raw_spec, tmp_path, images)
     try:

@@ -19,8 +19,8 @@ import torch
 
 from lambdas.core.job_spec import validate_job_spec
 from tests.faults import Faults, send, taken_port
-from tests.training.local.test_cluster import Watcher, spec, start
-from training.local.cluster import EmulatedCluster, EmulationOptions
+from tests.training.local.test_cluster import spec, start
+from training.local.cluster import EmulatedCluster, EmulationOptions, LineWatcher
 from training.metrics import parse_metric_line
 
 
@@ -36,7 +36,7 @@ def report(what: str, seconds: float) -> None:
 # A data host that hangs (SIGSTOP) ------------------------------------------------------------------------
 
 
-def last_step(watcher: Watcher, host: str) -> int:
+def last_step(watcher: LineWatcher, host: str) -> int:
     steps = [int(match.group(1)) for line in watcher.of(host) if (match := re.match(r"step=(\d+)/", line))]
     return max(steps, default=0)
 
@@ -109,7 +109,7 @@ def empty_channel(root: Path) -> Path:
 )
 def test_a_data_host_that_cannot_serve_fails_the_job_at_once_with_its_reason(tmp_path: Path, images: Path, case: str, reason: str) -> None:
     channel = {"undecodable channel": corrupt_channel(tmp_path), "empty channel": empty_channel(tmp_path)}.get(case, images)
-    watcher = Watcher()
+    watcher = LineWatcher()
     cluster = EmulatedCluster(
         validate_job_spec(spec(data_hosts=1, steps=20)),
         # A connect timeout far longer than the outcome may take: the DNN host must not wait it out.
