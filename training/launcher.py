@@ -30,6 +30,7 @@ SageMaker's SIGTERM reaches; SageMaker appends the word ``train``, which is acce
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +131,30 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+@dataclass(frozen=True)
+class TrainersOutcome:
+    status: int  # this host's exit status
+    returncode: int  # the return code of the process that decided it
+    abort_reason: str | None = None  # why the launcher stopped the trainers itself
+
+
+def failure_to_write(outcome: TrainersOutcome, *, stopped: bool, written: str, rank_failure: str | None, host: str) -> str | None:
+    """The failure reason this host leaves, or None to keep what the trainers wrote. Pure.
+
+    Stopping the trainers (SIGTERM) makes them save and write "TrainingStopped"; when the launcher stopped
+    them for a reason of its own, that reason is the cause, not their stop. A rank killed by a signal
+    writes nothing, and what its peers wrote on the way down is not the cause either."""
+    if outcome.status == 0:
+        return None
+    if outcome.abort_reason:
+        return outcome.abort_reason
+    if stopped:
+        return None if written else "stopped by SIGTERM (StopTrainingJob or a spot interruption) before the trainers reached a step boundary"
+    if rank_failure and "killed by" in rank_failure:
+        return f"{rank_failure} on {host}"
+    return None if written else f"{trainer_failure(outcome.returncode, rank_failure)} on {host}"
+
+
 def trainer_failure(returncode: int, rank_failure: str | None) -> str:
     """The reason a host's trainer failed: which rank died of which signal when torchrun says so. Pure."""
     if rank_failure:
@@ -205,7 +231,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     return reason.exit_code
 
 
-def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, exit_code: int) -> int:
+def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, exit_code: int, stop: threading.Event) -> int:
     """A data host that cannot serve: write why (the job's FailureReason), tell every DNN host, so that
     it fails now with this reason instead of waiting out its connect timeout, then exit."""
     from training.data_service.control import report_failure
@@ -213,7 +239,9 @@ def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, e
     log.error("%s", message)
     write_failure(message)
     targets = settings.job_control_targets(cluster, host_addresses())
-    heard = report_failure(targets, settings.shutdown_token, cluster.current_host, message, timeout_s=settings.data_connect_timeout_s)
+    heard = report_failure(
+        targets, settings.shutdown_token, cluster.current_host, message, timeout_s=settings.data_connect_timeout_s, stop=stop
+    )
     log.info("told %d of %d DNN hosts why this data host stops", len(heard), len(targets))
     return exit_code
 
@@ -259,13 +287,13 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         else:
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
-        status, returncode = wait_for_trainers(processes, stop, abort=watchdog)
-        rank_failure = read_rank_failure(rank_failure_file, cluster.current_host)
-    if stop.is_set() and not _failure_text().startswith("TrainingStopped"):
-        write_failure("stopped by SIGTERM (StopTrainingJob or a spot interruption) before the trainer reached a step boundary")
-    elif status and (rank_failure and "killed by" in rank_failure or not failure_path().exists()):
-        # A rank killed by a signal wrote nothing; the reasons its peers wrote on the way down are not the cause.
-        write_failure(f"{trainer_failure(returncode, rank_failure)} on {cluster.current_host}")
+        outcome = wait_for_trainers(processes, stop, abort=watchdog)
+        status = outcome.status
+        reason = failure_to_write(
+            outcome, stopped=stop.is_set(), written=_failure_text(), rank_failure=read_rank_failure(rank_failure_file), host=cluster.current_host
+        )
+    if reason is not None:
+        write_failure(reason)
     # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
     # any node whose trainer failed ends them too, since the job is failing anyway.
     if data_targets and (node_rank == 0 or status != 0):
@@ -395,7 +423,7 @@ def dispatcher_lost(
     )
 
 
-def read_rank_failure(path: Path, host: str) -> str | None:
+def read_rank_failure(path: Path) -> str | None:
     """Which rank failed first and how, from training/torchrun.py's record (None when it wrote none)."""
     try:
         record = json.loads(path.read_text())
@@ -419,22 +447,21 @@ def wait_for_trainers(
     abort: Callable[[], str | None] | None = None,
     stop_grace_s: float = STOP_GRACE_S,
     peer_grace_s: float = PEER_GRACE_S,
-) -> tuple[int, int]:
+) -> TrainersOutcome:
     """Wait for every trainer process of this host. The first to fail fails the host: the others are
     stopped (a Horovod rank whose peer died would otherwise wait for ever); SIGTERM to the launcher is
-    passed on to all of them; ``abort`` returning a reason stops them all and fails the host with it.
-    Returns this host's exit status and the return code of the process that decided it."""
-    status, returncode = 0, 0
+    passed on to all of them, with ``stop_grace_s`` to save; ``abort`` returning a reason stops them all
+    and fails the host with it."""
+    status, returncode, abort_reason = 0, 0, None
     stopping_since: float | None = None
     grace_s = peer_grace_s
     while any(process.poll() is None for process in processes):
         failed = [process for process in processes if process.returncode not in (None, 0)]
-        reason = abort() if abort is not None and stopping_since is None else None
-        if reason:
-            log.error("%s", reason)
-            write_failure(reason)
+        if abort is not None and stopping_since is None and (abort_reason := abort()):
+            log.error("%s", abort_reason)
+            write_failure(abort_reason)
             status, returncode = 1, 1
-        if (failed or reason or stop.is_set()) and stopping_since is None:
+        if (failed or abort_reason or stop.is_set()) and stopping_since is None:
             if failed:
                 returncode = failed[0].returncode
                 status = exit_status(returncode)
@@ -457,7 +484,7 @@ def wait_for_trainers(
             returncode = failed[0].returncode
             status = exit_status(returncode)
             _log_trainer_end(returncode)
-    return status, returncode
+    return TrainersOutcome(status, returncode, abort_reason)
 
 
 def _log_trainer_end(returncode: int) -> None:
@@ -467,11 +494,29 @@ def _log_trainer_end(returncode: int) -> None:
         log.error("the trainer failed with exit code %d", returncode)
 
 
+def supervise(command: list[str]) -> int:
+    """What the container's first process does when the launcher is it (the image's entrypoint): run the
+    launcher as a child, pass SIGTERM and SIGINT on to it, reap every process that ends up orphaned (the
+    kernel gives them to PID 1, and no other process would collect them), and exit with the launcher's
+    status once it ends."""
+    pr_set_child_subreaper = 36  # so that this holds when it is not PID 1 too (the tests)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_child_subreaper, 1)
+    child = subprocess.Popen(command)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: os.kill(child.pid, signum))
+    while True:
+        pid, wait_status = os.wait()  # any child: the launcher, or an orphan to collect
+        if pid == child.pid:
+            return exit_status(os.waitstatus_to_exitcode(wait_status))
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     if sys.argv[1:] not in ([], ["train"]):  # SageMaker starts the image with the argument "train"
         log.error("usage: python -m training.launcher [train]; got %s", sys.argv[1:])
         return CONFIG_ERROR_EXIT
+    if os.getpid() == 1:
+        return supervise([sys.executable, "-m", "training.launcher", *sys.argv[1:]])
     try:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
@@ -499,7 +544,7 @@ def main() -> int:
                 # A channel that is wrong exits as a usage error; anything else as failed preprocessing.
                 code = CONFIG_ERROR_EXIT if isinstance(error, ChannelError) else StopReason.FAILED.exit_code
                 message = str(error) if isinstance(error, DataHostError) else f"{type(error).__name__}: {error}"
-                return fail_data_host(cluster, settings, message, code)
+                return fail_data_host(cluster, settings, message, code, stop)
         return run_dnn_host(cluster, settings, variant, stop)
     except (HyperparameterError, ChannelError, PortInUseError) as error:
         message = f"{type(error).__name__}: {error}"

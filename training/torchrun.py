@@ -1,9 +1,15 @@
-"""torchrun, recording which rank failed first and how, for the launcher's failure reason.
+"""torchrun, recording which rank failed and how, and giving its ranks the time to save when stopped.
 
-torchrun prints its "Root Cause" report to stderr and writes an error file only for a rank that wrote
-one itself; a rank killed by a signal (the OOM killer's SIGKILL) writes nothing. This runs torchrun's own
-``main`` and, when a rank fails, writes the first failure as JSON (rank, local rank, exit code, signal)
-to the file the launcher names in ``TRAINING_RANK_FAILURE_FILE``, then fails as torchrun does.
+* torchrun prints its "Root Cause" report to stderr and writes an error file only for a rank that wrote
+  one itself; a rank killed by a signal (the OOM killer's SIGKILL) writes nothing. This runs torchrun's
+  own ``main`` and, when ranks fail, writes the one that caused it as JSON (rank, local rank, exit code,
+  signal) to the file the launcher names in ``TRAINING_RANK_FAILURE_FILE``, then fails as torchrun does.
+  The cause is the rank killed by a signal other than the SIGTERM torchrun itself sends, else the first
+  to fail: a peer that died of the broken collective a moment later is not the cause.
+* On SIGTERM torchrun passes the signal to its ranks and kills them 30 s later (the default of its
+  process context's ``close``). When the SIGTERM came to torchrun (a stop: StopTrainingJob, a spot
+  interruption), its ranks get RANK_STOP_GRACE_S instead, within SageMaker's 120 s, to save; when torchrun
+  closes them because a rank failed, its own 30 s stand.
 
     TRAINING_RANK_FAILURE_FILE=/tmp/rank-failure.json python -m training.torchrun --nproc-per-node=2 -m my.module
 """
@@ -12,17 +18,33 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing import api as elastic_processes
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun_main
 
 from training.failure import RANK_FAILURE_ENV
 
+# Below the launcher's STOP_GRACE_S (100 s), which is below SageMaker's 120 s before SIGKILL.
+RANK_STOP_GRACE_S = 90
 
-def first_failure(error: ChildFailedError) -> dict[str, Any]:
-    rank, failure = error.get_first_failure()
+
+def cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The failed rank that caused the others to fail. Pure."""
+
+    def key(item: tuple[int, ProcessFailure]) -> tuple[bool, float, int]:
+        rank, failure = item
+        killed = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
+        return (not killed, failure.timestamp, rank)
+
+    return min(failures.items(), key=key)
+
+
+def failure_record(error: ChildFailedError) -> dict[str, Any]:
+    rank, failure = cause(error.failures)
     return {
         "rank": rank,
         "local_rank": failure.local_rank,
@@ -32,14 +54,39 @@ def first_failure(error: ChildFailedError) -> dict[str, Any]:
     }
 
 
+class _StopGrace:
+    """Wraps torchrun's signal handler (to learn that a stop was asked) and its process context's close
+    (to give the ranks the longer grace after a stop). torchrun installs the handler by its module name
+    when it starts the ranks, so replacing the module attribute is enough."""
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self._handler = elastic_processes._terminate_process_handler
+        self._close = elastic_processes.PContext.close
+
+    def install(self) -> None:
+        grace = self
+
+        def on_signal(signum: int, frame: Any) -> None:
+            grace.stop_requested = signum == signal.SIGTERM
+            grace._handler(signum, frame)  # raises torchrun's SignalException, as before
+
+        def close(context: Any, death_sig: Any = None, timeout: int = 30) -> None:
+            grace._close(context, death_sig, RANK_STOP_GRACE_S if grace.stop_requested else timeout)
+
+        elastic_processes._terminate_process_handler = on_signal
+        elastic_processes.PContext.close = close  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> None:
+    _StopGrace().install()
     try:
         torchrun_main(argv)
     except ChildFailedError as error:
         path = os.environ.get(RANK_FAILURE_ENV)
         if path:
             with open(path, "w") as file:
-                json.dump(first_failure(error), file)
+                json.dump(failure_record(error), file)
         raise
 
 

@@ -53,6 +53,7 @@ def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
         idle_timeout_s=30,
         start_deadline_s=60,
         workers=1,
+        stop_grace_s=0,  # `stop` stands for a host that goes away
     )
     settings = ServerSettings(**{**settings.__dict__, **overrides})
     folder = scan_image_folder(images, "train", "data_group")
@@ -325,7 +326,24 @@ def test_a_taken_port_is_a_named_error_not_a_shared_port(images: Path) -> None:
     from training.data_service.server import PortInUseError
 
     with data_host(images) as first:
+        describe([first.target], TOKEN, timeout_s=10)  # the first host holds its port
         settings = ServerSettings(**{**first.settings.__dict__, "host": "second"})
         folder = scan_image_folder(images, "train", "data_group")
         with pytest.raises(PortInUseError, match="another process on this host holds the port"):
             serve(settings, folder, 0, threading.Event())
+
+
+def test_after_sigterm_a_data_host_serves_on_until_the_dnn_hosts_shut_it_down(images: Path) -> None:
+    """StopTrainingJob signals every instance: the trainers need batches until the step where they save."""
+    with data_host(images, stop_grace_s=60) as host:
+        dataset = DataServiceDataset([host.target], 8, TOKEN, "test")
+        iterator = iter(dataset)
+        next(iterator)
+        host.stop.set()  # SIGTERM
+        assert len(list(itertools.islice(iterator, 20))) == 20 and host.thread.is_alive()
+        request_shutdown(host.target, TOKEN, "test")
+        assert host.reason() == StopReason.SHUTDOWN
+    with data_host(images, stop_grace_s=1) as host:
+        describe([host.target], TOKEN, timeout_s=10)
+        host.stop.set()
+        assert host.reason() == StopReason.SIGNAL  # nobody shut it down: it leaves after its grace

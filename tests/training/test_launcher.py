@@ -18,10 +18,12 @@ from tests.conftest import hetero_resource_config, platform_hyperparameters, wri
 from training.hyperparameters import HyperparameterError
 from training.launcher import (
     CONFIG_ERROR_EXIT,
+    TrainersOutcome,
     data_failure_verdict,
     describe_rank_failure,
     dispatcher_lost,
     exit_status,
+    failure_to_write,
     progress_age,
     trainer_command,
     trainer_failure,
@@ -222,8 +224,8 @@ def sleeper(handle_sigterm: bool = False) -> subprocess.Popen:
 def test_the_first_failed_rank_stops_the_others_and_decides_the_status() -> None:
     failing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); exit(3)"])
     survivor = sleeper()
-    status, returncode = wait_for_trainers([failing, survivor], threading.Event(), peer_grace_s=5)
-    assert (status, returncode) == (3, 3)
+    outcome = wait_for_trainers([failing, survivor], threading.Event(), peer_grace_s=5)
+    assert (outcome.status, outcome.returncode, outcome.abort_reason) == (3, 3, None)
     assert survivor.returncode == -signal.SIGTERM  # stopped, not left waiting on a dead peer
 
 
@@ -231,8 +233,47 @@ def test_sigterm_gives_the_trainers_the_stop_grace_and_a_watchdog_reason_stops_t
     stop = threading.Event()
     saving = sleeper(handle_sigterm=True)
     threading.Timer(0.5, stop.set).start()
-    status, returncode = wait_for_trainers([saving], stop, stop_grace_s=30, peer_grace_s=0.2)
-    assert (status, saving.returncode) == (143, 143)  # it had its 1.5 s to save: the short grace was not used
+    outcome = wait_for_trainers([saving], stop, stop_grace_s=30, peer_grace_s=0.2)
+    assert (outcome.status, saving.returncode) == (143, 143)  # it had its 1.5 s to save: the short grace was not used
     monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
-    status, _ = wait_for_trainers([sleeper()], threading.Event(), abort=lambda: "the dispatcher is gone")
-    assert status == 1 and (tmp_path / "output" / "failure").read_text() == "the dispatcher is gone"
+    outcome = wait_for_trainers([sleeper()], threading.Event(), abort=lambda: "the dispatcher is gone")
+    assert (outcome.status, outcome.abort_reason) == (1, "the dispatcher is gone")
+    assert (tmp_path / "output" / "failure").read_text() == "the dispatcher is gone"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "stopped", "written", "rank_failure", "expected"),
+    [
+        (TrainersOutcome(0, 0), True, "", None, None),  # SIGTERM during the final save of a finished run
+        # The launcher's own reason, not the trainers' "stopped" that it caused.
+        (TrainersOutcome(1, 1, "every data host failed: x"), False, "TrainingStopped: stopped by SIGTERM after step 9", None,
+         "every data host failed: x"),
+        (TrainersOutcome(143, 143), True, "TrainingStopped: stopped by SIGTERM after step 9", None, None),
+        (TrainersOutcome(1, 1), True, "RuntimeError: CUDA out of memory", None, None),  # a real failure in the stop window
+        (TrainersOutcome(1, 1), True, "", None, "stopped by SIGTERM (StopTrainingJob or a spot interruption) before the trainers reached a step boundary"),
+        (TrainersOutcome(1, 1), False, "RuntimeError: gloo: connection closed by peer", "rank 1 (local rank 1) was killed by SIGKILL",
+         "rank 1 (local rank 1) was killed by SIGKILL on algo-3"),
+        (TrainersOutcome(1, 1), False, "DataServiceUnavailableError: all gone", "rank 0 (local rank 0) exited with status 1", None),
+        (TrainersOutcome(137, -9), False, "", None, "the trainer was killed by SIGKILL on algo-3"),
+    ],
+)
+def test_the_failure_reason_is_the_cause_not_its_consequences(outcome, stopped, written, rank_failure, expected) -> None:
+    assert failure_to_write(outcome, stopped=stopped, written=written, rank_failure=rank_failure, host="algo-3") == expected
+
+
+def test_as_the_containers_first_process_it_passes_sigterm_on_and_exits_with_the_launchers_status(tmp_path: Path) -> None:
+    marker = tmp_path / "got-sigterm"
+    launcher = (
+        "import signal, sys, time, subprocess\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1)'])  # left behind: an orphan to reap\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'w').close(), sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; from training.launcher import supervise; sys.exit(supervise([sys.executable, '-c', {launcher!r}]))"],
+        env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
+    )
+    assert supervisor.stdout.readline().strip() == "ready"
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=30) == 7 and marker.exists()

@@ -43,7 +43,8 @@ def test_children_started_while_grpc_streams_in_this_process_all_start(images: P
 
 def test_the_child_exits_at_once_when_its_launcher_is_already_gone(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "training.data_service.tf_service", "--parent-pid", "1",
+        # This test's parent: alive, and not the child's parent (this process is).
+        sys.executable, "-m", "training.data_service.tf_service", "--parent-pid", str(os.getppid()),
         "--dispatcher-address", "127.0.0.1:1", "--worker-address", "127.0.0.1:2", "--batch-size", "8", "--image-size", "32",
     ]
     result = subprocess.run(command, cwd=tmp_path, env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)

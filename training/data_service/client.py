@@ -6,9 +6,10 @@ up after the trainer: connecting is retried until ``connect_timeout_s``. A host 
 retried for ``reconnect_timeout_s`` and then dropped; training carries on with the others, and only when
 no host is left does iteration fail, with DataServiceUnavailableError naming every host and why.
 
-A host that hangs (a stopped process keeps its connections open) is noticed two ways: gRPC keep-alive
-pings that go unanswered break the connection, and a stream that brings no batch for ``batch_timeout_s``
-while this side waits for one is cancelled. Either way the host is retried, then dropped, like a dead one.
+A host that hangs (a stopped process keeps its connections open) is noticed two ways: a stream that
+brings no batch for ``batch_timeout_s`` while this side waits for one is cancelled, and, as a backstop,
+gRPC keep-alive pings that go unanswered break the connection (measured here: within about a minute,
+gRPC's own limits on ping rates included). Either way the host is retried, then dropped, like a dead one.
 
     dataset = DataServiceDataset(["10.0.0.5:6000", "10.0.0.6:6000"], batch_size=256, token=token, client_id="algo-3/rank0")
     for images_uint8, labels in dataset: ...
@@ -52,6 +53,9 @@ STREAM_OPTIONS = CLIENT_OPTIONS + [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Without this, a client that receives no data sends at most one ping per 5 minutes, whatever the
+    # keep-alive time: a frozen host then goes unnoticed by the pings.
+    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
 ]
 
 log = logging.getLogger(__name__)

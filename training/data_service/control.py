@@ -123,17 +123,22 @@ class KeepAlive:
 
     def _run(self) -> None:
         stubs = [pb_grpc.DataServiceStub(channel) for channel in self._channels]
-        while not self._stop.is_set():
-            for address, stub in zip(self.addresses, stubs, strict=True):
-                try:
-                    stub.Describe(pb.DescribeRequest(), timeout=2.0, metadata=self._metadata)
-                    self._last_answer[address] = time.monotonic()
-                except grpc.RpcError:
-                    pass
-            # Until every host has answered once, ask every second: a data host learns that its DNN
-            # hosts exist (and so that it may leave once they are gone) as soon as it is up.
-            pending = any(address not in self._last_answer for address in self.addresses)
-            self._stop.wait(min(1.0, self._interval_s) if pending else self._interval_s)
+
+        def ask(address: str, stub: pb_grpc.DataServiceStub) -> None:
+            try:
+                stub.Describe(pb.DescribeRequest(), timeout=2.0, metadata=self._metadata)
+                self._last_answer[address] = time.monotonic()
+            except grpc.RpcError:
+                pass
+
+        # All at once: a few hung hosts must not delay the keep-alives of the others.
+        with futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(self.addresses))), thread_name_prefix="keepalive") as pool:
+            while not self._stop.is_set():
+                list(pool.map(ask, self.addresses, stubs))
+                # Until every host has answered once, ask every second: a data host learns that its DNN
+                # hosts exist (and so that it may leave once they are gone) as soon as it is up.
+                pending = any(address not in self._last_answer for address in self.addresses)
+                self._stop.wait(min(1.0, self._interval_s) if pending else self._interval_s)
 
     def answered(self, address: str) -> bool:
         return address in self._last_answer
@@ -178,10 +183,14 @@ class FailureReports(pb_grpc.JobControlServicer):
             return dict(self.reports)
 
 
-def report_failure(targets: list[str], token: str, host: str, reason: str, timeout_s: float) -> list[str]:
+def report_failure(
+    targets: list[str], token: str, host: str, reason: str, timeout_s: float, stop: threading.Event | None = None
+) -> list[str]:
     """Tell every DNN host (host:port of its ReportFailure server) why this data host cannot serve;
-    retried while a DNN host is not up yet, for at most ``timeout_s``. Returns the targets that heard it."""
+    retried while a DNN host is not up yet, for at most ``timeout_s`` or until ``stop`` is set (SIGTERM).
+    Returns the targets that heard it."""
     request = pb.FailureReport(host=host, reason=reason[:1024])
+    stop = stop or threading.Event()
 
     def one(target: str) -> str | None:
         deadline = time.monotonic() + timeout_s
@@ -192,7 +201,7 @@ def report_failure(targets: list[str], token: str, host: str, reason: str, timeo
                     stub.ReportFailure(request, timeout=2.0, metadata=call_metadata(token), wait_for_ready=True)
                     return target
                 except grpc.RpcError as error:
-                    if error.code() == grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
+                    if error.code() == grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline or stop.is_set():
                         log.warning("could not tell DNN host %s that this host failed (%s)", target, error.code().name)
                         return None
 

@@ -9,7 +9,9 @@ memory stays flat. The host stops, and its process exits, on the first of:
 * an idle timeout: clients came, then neither took a batch nor sent a keep-alive for ``idle_timeout_s``
   (the DNN hosts are gone, or hung with their launchers: an open stream alone does not count);
 * a start deadline: no client came at all (the DNN group never started);
-* SIGTERM (SageMaker stopping the job).
+* SIGTERM (SageMaker stopping the job), after ``stop_grace_s``: StopTrainingJob and spot interruptions
+  signal every instance at once, and the DNN hosts need batches until their trainers reach the step at
+  which they save; they send Shutdown when done, which usually comes first.
 
 Every call must carry the job's token (training/data_service/auth.py). A host that cannot serve raises
 PortInUseError (its port is taken) or DataHostError (its channel cannot be decoded); the launcher writes
@@ -63,7 +65,7 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
     # its connections. A data host must find out that its port is taken.
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
 ]
 
@@ -109,6 +111,8 @@ class ServerSettings:
     seed: int = 0
     # Finished batches waiting for a client; with `workers` more in flight.
     queue_depth: int = 8
+    # After SIGTERM, serve on this long at most (SageMaker sends SIGKILL 120 s after its SIGTERM).
+    stop_grace_s: float = 110.0
 
 
 @dataclass
@@ -339,6 +343,9 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         return pb.ShutdownReply(host=self._settings.host, batches_served=self.batches_served)
 
 
+# Threads of a data host's gRPC server: enough for 8 DNN hosts × 16 trainer processes, each with a stream.
+STREAM_THREADS = 160
+
 SERVICE = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 STREAM_BATCHES = f"/{SERVICE}/StreamBatches"
 
@@ -385,7 +392,9 @@ def serve(
     )
     servicer = DataServiceServicer(settings, folder, producer)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="data-service"),
+        # One thread per open stream (every trainer process of every DNN host holds one), plus the
+        # control calls: a stream beyond the pool would wait for a thread and never get a batch.
+        futures.ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="data-service"),
         options=SERVER_OPTIONS,
         interceptors=[TokenAuth(settings.shutdown_token)],
     )
@@ -399,10 +408,14 @@ def serve(
         settings.host, settings.channel, len(folder), len(folder.classes), target, settings.workers, settings.batch_size,
     )
     reason = None
+    signalled_at: float | None = None
     while reason is None:
+        if stop_signal.is_set() and signalled_at is None:
+            signalled_at = time.monotonic()
+            log.info("SIGTERM: serving on until the DNN hosts are done, %.0f s at most", settings.stop_grace_s)
         if servicer.shutdown_requested.wait(timeout=0.25):
             reason = StopReason.SHUTDOWN
-        elif stop_signal.is_set():
+        elif signalled_at is not None and time.monotonic() - signalled_at >= settings.stop_grace_s:
             reason = StopReason.SIGNAL
         elif producer.failure:
             log.error("%s", producer.failure)

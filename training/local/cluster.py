@@ -441,7 +441,6 @@ class EmulatedCluster:
     def close(self) -> None:
         """Kill whatever is left (an interrupted run must not leave processes behind)."""
         for name, process in self._processes.items():
-            _signal_all(self.host_pids(name), signal.SIGCONT)  # a stopped process cannot die until continued
             _signal_all(self.host_pids(name), signal.SIGKILL)
             if process.poll() is None:
                 process.wait()

@@ -12,8 +12,8 @@ must look the same across variants:
 * checkpoints in ``/opt/ml/checkpoints`` (synced to S3 by SageMaker's CheckpointConfig), written to a
   temporary name then renamed, and resumed from at start;
 * SIGTERM (StopTrainingJob, a spot interruption: SageMaker waits 120 s before SIGKILL) ends training at
-  the next step boundary that every rank agrees on: a checkpoint, the model and a summary with status
-  ``stopped`` are written, and TrainingStopped says after which step;
+  the end of the step in which any rank received it (the ranks vote after every step): a checkpoint, the
+  model and a summary with status ``stopped`` are written, and TrainingStopped says after which step;
 * the model in ``/opt/ml/model``, and ``summary.json`` plus the resolved ``config.json`` in
   ``/opt/ml/output/data`` (and the config beside the model);
 * a progress mark per process (a file touched after every step, in the folder the launcher names in
@@ -206,10 +206,12 @@ class TrainingLoop(ABC, Generic[BatchT]):
             (step_ms if timed else warmup_ms).append(elapsed)
             if timed:
                 wait_ms.append(waited)
+            # Every rank reaches this line at every step: the one collective of the loop's own, two host
+            # floats. All ranks stop after the same step (a rank that stopped alone would leave the others
+            # waiting in the next gradient all-reduce), and as soon as any of them was told to.
+            longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
+            stopped = stop_votes > 0 and step < config.steps  # a finished run is finished, not stopped
             if step % config.log_every == 0 or step == config.steps:
-                # Every rank reaches this line at the same steps: the one collective of the loop's own.
-                longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
-                stopped = stop_votes > 0
                 if self.is_chief:
                     values = {"loss": loss}
                     if timed:

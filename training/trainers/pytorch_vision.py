@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -106,6 +108,14 @@ class LocalImages(Dataset):
             return None, label
 
 
+def ignore_stop_signal(_worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to their trainer. torchrun stops a rank by signalling its whole
+    process group: a worker killed by it would crash the trainer (PyTorch turns a worker's death into an
+    error in the main process) before it reaches the step boundary where it saves. The workers still
+    end with their trainer, which shuts them down, or, if it dies, by noticing that it is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def collate_skipping(items: list[tuple[np.ndarray | None, int]]) -> VisionBatch:
     good = [(image, label) for image, label in items if image is not None]
     if not good:
@@ -186,6 +196,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             sampler=sampler,
             num_workers=workers,
             collate_fn=collate_skipping,
+            worker_init_fn=ignore_stop_signal,
             pin_memory=self.device.type == "cuda",
             persistent_workers=workers > 0,
             prefetch_factor=2 if workers > 0 else None,
@@ -338,4 +349,9 @@ def end_process(status: int) -> None:
 
 
 if __name__ == "__main__":
-    end_process(main())
+    try:
+        exit_code = main()
+    except Exception:  # an error none of main's handlers names (a broken collective): its traceback, then out
+        traceback.print_exc()
+        exit_code = 1
+    end_process(exit_code)

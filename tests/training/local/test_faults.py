@@ -138,26 +138,42 @@ def test_a_data_host_that_cannot_serve_fails_the_job_at_once_with_its_reason(tmp
 
 
 @pytest.mark.cluster
-def test_sigterm_saves_a_checkpoint_and_the_model_and_says_stopped(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images, processes_per_host=2)
+@pytest.mark.parametrize(
+    ("data_hosts", "hyperparameters"),
+    [
+        (1, {}),  # StopTrainingJob signals every instance: the data host serves on until told to stop
+        (0, {"dataloader_workers": 1}),  # torchrun signals each rank's process group: its DataLoader workers too
+    ],
+    ids=["heterogeneous, every host signalled", "homogeneous, DataLoader workers"],
+)
+def test_sigterm_saves_a_checkpoint_and_the_model_and_says_stopped(tmp_path: Path, images: Path, data_hosts: int, hyperparameters: dict) -> None:
+    cluster, watcher = start(spec(data_hosts=data_hosts, steps=10_000, **hyperparameters), tmp_path, images, processes_per_host=2)
     faults = Faults(cluster, watcher)
+    dnn = f"algo-{data_hosts + 1}"
+
+    def stop_the_job() -> None:
+        for host in cluster.hosts:
+            faults.signal_launcher(host.name, signal.SIGTERM)
+
     try:
-        signalled_at = faults.when("algo-2", r"^step=6/", lambda: faults.signal_launcher("algo-2", signal.SIGTERM))
+        signalled_at = faults.when(dnn, r"^step=6/", stop_the_job)
         result = cluster.wait()
     finally:
         cluster.close()
-    dnn = result.outcome("algo-2")
-    report("SIGTERM → checkpoint, model, exit", dnn.ended_at - signalled_at)
-    tree = cluster.host("algo-2").base_dir
-    failure = failure_of(cluster, "algo-2")
-    assert dnn.exit_code != 0 and failure.startswith("TrainingStopped: stopped by SIGTERM after step")
+    outcome = result.outcome(dnn)
+    report(f"SIGTERM → checkpoint, model, exit ({data_hosts} data hosts)", outcome.ended_at - signalled_at)
+    tree = cluster.host(dnn).base_dir
+    failure = failure_of(cluster, dnn)
+    assert outcome.exit_code != 0 and failure.startswith("TrainingStopped: stopped by SIGTERM after step"), failure
     step = int(re.search(r"after step (\d+)", failure).group(1))
     checkpoint = torch.load(tree / "checkpoints" / "checkpoint.pt", weights_only=True)
     assert checkpoint["step"] == step >= 6
     assert (tree / "model" / "model.pt").stat().st_size > 0
     summary = json.loads((tree / "output" / "data" / "summary.json").read_text())
     assert (summary["status"], summary["stopped_after_step"]) == ("stopped", step)
-    assert result.outcome("algo-1").exit_code == 0  # told to shut down by the stopping DNN host
+    if data_hosts:
+        assert result.outcome("algo-1").exit_code == 0  # served on, then told to shut down by the DNN host
+        assert any("stopping (shutdown)" in line for line in watcher.of("algo-1"))
     assert result.orphans == []
 
 

@@ -1,0 +1,27 @@
+"""training/torchrun.py: which failed rank is the cause, as torchrun reports its ranks' failures."""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from training.torchrun import cause, failure_record
+
+
+def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+    record = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file="<N/A>")
+    record.timestamp = timestamp
+    return record
+
+
+def test_the_rank_killed_by_a_signal_is_the_cause_not_the_peer_that_died_of_it() -> None:
+    # Seen in one poll: rank 0 failed on the broken all-reduce the moment rank 1 was SIGKILLed.
+    failures = {0: failure(0, 1, 100), 1: failure(1, -9, 100)}
+    assert cause(failures)[0] == 1
+    record = failure_record(ChildFailedError("training.trainers.pytorch_vision", failures))
+    assert record == {"rank": 1, "local_rank": 1, "exitcode": -9, "signal": "SIGKILL", "pid": 1001}
+
+
+def test_torchruns_own_sigterm_is_not_a_cause_and_else_the_first_failure_is() -> None:
+    assert cause({0: failure(0, -15, 100), 1: failure(1, 1, 101)})[0] == 1
+    assert cause({0: failure(0, 1, 105), 1: failure(1, 2, 101)})[0] == 1
+    assert failure_record(ChildFailedError("m", {0: failure(0, 2, 100)}))["signal"] is None
