@@ -35,10 +35,11 @@ RANK_STOP_GRACE_S = 90
 def cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """The failed rank that caused the others to fail. Pure."""
 
-    def key(item: tuple[int, ProcessFailure]) -> tuple[bool, float, int]:
+    def key(item: tuple[int, ProcessFailure]) -> tuple[bool, bool, float, int]:
         rank, failure = item
-        killed = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
-        return (not killed, failure.timestamp, rank)
+        stopped = failure.exitcode == -signal.SIGTERM  # by torchrun itself, once another rank had failed
+        killed = failure.exitcode < 0 and not stopped
+        return (not killed, stopped, failure.timestamp, rank)
 
     return min(failures.items(), key=key)
 
