@@ -62,6 +62,7 @@ bench: venv
 	$(PY) bench/transport.py
 	$(PY) bench/offload.py
 	$(PY) -m training.local.sizing
+	$(PY) bench/faults.py
 
 lint: venv
 	$(PY) -m ruff check .

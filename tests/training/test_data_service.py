@@ -208,24 +208,30 @@ def test_sample_order_is_a_fresh_permutation_each_epoch_and_differs_per_host() -
     assert first != list(itertools.islice(sample_order(10, seed=0, host_index=1), 20))
 
 
-def test_a_host_sending_malformed_batches_is_dropped_with_a_named_error() -> None:
+@contextlib.contextmanager
+def fake_data_host(stream_batches, address: str) -> Iterator[str]:
+    """A real gRPC server whose StreamBatches is ``stream_batches(request, context)``: a faulty data host."""
     from concurrent import futures
 
     from training.data_service.server import SERVICE
 
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    handler = grpc.unary_stream_rpc_method_handler(stream_batches, request_deserializer=pb.StreamRequest.FromString, response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamBatches": handler}),))
+    port = server.add_insecure_port(f"{address}:0")
+    server.start()
+    try:
+        yield f"{address}:{port}"
+    finally:
+        server.stop(0)
+
+
+def test_a_host_sending_malformed_batches_is_dropped_with_a_named_error() -> None:
     def garbage(request, context):
         yield b"\x12\x05abc"  # field 2 (images) claims 5 bytes, 3 follow
 
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    handler = grpc.unary_stream_rpc_method_handler(garbage, request_deserializer=pb.StreamRequest.FromString, response_serializer=None)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamBatches": handler}),))
-    port = server.add_insecure_port("127.0.78.9:0")
-    server.start()
-    try:
-        with pytest.raises(DataServiceRefusedError, match="malformed batch"):
-            take(DataServiceDataset([f"127.0.78.9:{port}"], 8, TOKEN, "test"), 1)
-    finally:
-        server.stop(0)
+    with fake_data_host(garbage, "127.0.78.9") as target, pytest.raises(DataServiceRefusedError, match="malformed batch"):
+        take(DataServiceDataset([target], 8, TOKEN, "test"), 1)
 
 
 # The job's token on every call ------------------------------------------------------------------------
@@ -270,27 +276,18 @@ def test_an_open_stream_that_takes_no_batches_does_not_keep_the_host_alive(image
 
 @contextlib.contextmanager
 def hung_data_host() -> Iterator[str]:
-    """A real gRPC server that accepts streams and then never sends a batch (a hung data host)."""
-    from concurrent import futures
-
-    from training.data_service.server import SERVICE
-
+    """A data host that accepts streams and then never sends a batch."""
     release = threading.Event()
 
     def never(request, context):
         release.wait()
         yield from ()
 
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    handler = grpc.unary_stream_rpc_method_handler(never, request_deserializer=pb.StreamRequest.FromString, response_serializer=None)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamBatches": handler}),))
-    port = server.add_insecure_port("127.0.78.10:0")
-    server.start()
     try:
-        yield f"127.0.78.10:{port}"
+        with fake_data_host(never, "127.0.78.10") as target:
+            yield target
     finally:
         release.set()
-        server.stop(0)
 
 
 def test_a_host_that_sends_nothing_is_dropped_after_the_batch_deadline(images: Path) -> None:
