@@ -85,6 +85,9 @@ class PlatformSettings:
     # A stream that brings no batch for this long while its trainer waits is a hung host: it is cancelled,
     # retried, then dropped. Generous: a data host making one batch takes well under a second.
     data_batch_timeout_s: float = 60.0
+    # tensorflow: the job fails when the tf.data.service dispatcher's host, having answered once, is silent
+    # this long and no trainer step ended for as long (batches stopped, not just the control plane).
+    dispatcher_silence_s: float = 30.0
     # Where the Neuron compiler keeps compiled graphs between jobs (s3://...); empty: no persistent cache.
     neuron_compile_cache_uri: str = ""
 

@@ -343,6 +343,7 @@ def _start_data_host_watch(
             answered=keepalive.answered(dispatcher),
             silent_s=keepalive.silent_for(dispatcher),
             no_progress_s=progress_age(progress_dir, started),
+            bound_s=settings.dispatcher_silence_s,
         )
 
     return watch, reports
@@ -397,13 +398,6 @@ def _start_horovod_ranks(
     ]
 
 
-# tf.data.service has one dispatcher: once its host is gone the trainers' client waits (for an hour)
-# for batches that may never come. The job fails when that host, having answered once, has been silent
-# this long and no trainer on this host has finished a step for as long: the control plane alone is not
-# evidence (tf.data.service workers go on serving the tasks they have), batches that stopped are.
-# Before the first answer the trainers' own bound, data_connect_timeout_s, governs the start.
-DISPATCHER_LOSS_S = 30.0
-
 # SIGTERM to the launcher: how long its trainers get to reach a step boundary and save before SIGKILL
 # (SageMaker sends SIGKILL 120 s after its SIGTERM). A failed peer or a watchdog: PEER_GRACE_S.
 STOP_GRACE_S = 100.0
@@ -411,10 +405,15 @@ PEER_GRACE_S = 10.0
 
 
 def dispatcher_lost(
-    dispatcher_target: str, *, answered: bool, silent_s: float, no_progress_s: float, bound_s: float = DISPATCHER_LOSS_S
+    dispatcher_target: str, *, answered: bool, silent_s: float, no_progress_s: float, bound_s: float
 ) -> str | None:
     """Why the job must stop, if the dispatcher's host answered once, then went silent for longer than
-    ``bound_s``, and the trainers have made no progress for as long. Pure."""
+    ``bound_s``, and the trainers have made no progress for as long. Pure.
+
+    tf.data.service has one dispatcher: once its host is gone the trainers' client waits (for an hour)
+    for batches that may never come. The control plane alone is not evidence (tf.data.service workers go
+    on serving the tasks they have), batches that stopped are. Before the first answer the trainers' own
+    bound, data_connect_timeout_s, governs the start."""
     if not answered or silent_s <= bound_s or no_progress_s <= bound_s:
         return None
     return (

@@ -292,18 +292,20 @@ def hung_data_host() -> Iterator[str]:
 
 def test_a_host_that_sends_nothing_is_dropped_after_the_batch_deadline(images: Path) -> None:
     with hung_data_host() as hung, data_host(images) as healthy:
-        dataset = DataServiceDataset([hung, healthy.target], 8, TOKEN, "test", batch_timeout_s=1.0, reconnect_timeout_s=1.0)
+        dataset = DataServiceDataset(
+            [hung, healthy.target], 8, TOKEN, "test", batch_timeout_s=1.0, reconnect_timeout_s=1.0, connect_timeout_s=2.0
+        )
         iterator = iter(dataset)
         take_until(iterator, lambda: dataset.stats.lost_hosts, timeout_s=20)
         assert dataset.stats.lost_hosts == [hung]
-        assert "no batch for 1 s" in dataset.stats.hosts[hung].ended
+        assert "no batch for 2 s" in dataset.stats.hosts[hung].ended  # before its first batch, the start bound
         assert len(list(itertools.islice(iterator, 10))) == 10  # the healthy host goes on
 
 
 def test_a_job_whose_only_host_hangs_fails_with_a_named_error() -> None:
     with hung_data_host() as hung:
         started = time.monotonic()
-        with pytest.raises(DataServiceUnavailableError, match="no batch for 1 s: the host is hung"):
+        with pytest.raises(DataServiceUnavailableError, match="no batch for 3 s: the host is hung"):
             take(DataServiceDataset([hung], 8, TOKEN, "test", batch_timeout_s=1.0, reconnect_timeout_s=1.0, connect_timeout_s=3.0), 1)
         assert time.monotonic() - started < 30
 
@@ -344,3 +346,17 @@ def test_after_sigterm_a_data_host_serves_on_until_the_dnn_hosts_shut_it_down(im
         describe([host.target], TOKEN, timeout_s=10)
         host.stop.set()
         assert host.reason() == StopReason.SIGNAL  # nobody shut it down: it leaves after its grace
+
+
+def test_a_host_slow_to_send_its_first_batch_is_not_dropped_by_the_batch_deadline() -> None:
+    """Its preprocessing workers may still be starting: until a first batch, the start bound governs."""
+    batch = codec.encode_batch(np.zeros((8, 3, 32, 32), dtype=np.uint8), np.zeros(8, dtype=np.int64))
+
+    def slow_start(request, context):
+        time.sleep(2.0)
+        while context.is_active():
+            yield batch
+
+    with fake_data_host(slow_start, "127.0.78.11") as target:
+        dataset = DataServiceDataset([target], 8, TOKEN, "test", batch_timeout_s=0.5, connect_timeout_s=30)
+        assert len(take(dataset, 5)) == 5 and dataset.stats.lost_hosts == []

@@ -170,13 +170,18 @@ class DataServiceDataset(IterableDataset):
             reasons = "; ".join(f"{state.address}: {state.ended}" for state in states)
             raise DataServiceUnavailableError(f"all {len(self.addresses)} data hosts are gone ({reasons})")
 
+    def stall_limit_s(self, state: HostState) -> float:
+        """How long a stream may keep this side waiting: the batch deadline once the host has sent a batch;
+        before that, the start bound too (its preprocessing workers may still be starting)."""
+        return self.batch_timeout_s if state.batches else max(self.batch_timeout_s, self.connect_timeout_s)
+
     def _watch_deadlines(self, stop: threading.Event) -> None:
-        """Cancel any call that has kept this side waiting for a batch longer than the batch deadline."""
+        """Cancel any call that has kept this side waiting for a batch longer than it may."""
         while not stop.wait(0.5):
             now = time.monotonic()
             for state in self.stats.hosts.values():
                 waiting_since, call = state.waiting_since, state.call
-                if waiting_since is not None and call is not None and now - waiting_since > self.batch_timeout_s:
+                if waiting_since is not None and call is not None and now - waiting_since > self.stall_limit_s(state):
                     state.stalled = True
                     call.cancel()
 
@@ -226,8 +231,9 @@ class DataServiceDataset(IterableDataset):
                     state.lost = True
                     return
                 if state.stalled:
-                    reason = f"no batch for {self.batch_timeout_s:.0f} s: the host is hung or overloaded"
-                    log.warning("data host %s brought no batch for %.0f s; reconnecting", state.address, self.batch_timeout_s)
+                    limit = self.stall_limit_s(state)
+                    reason = f"no batch for {limit:.0f} s: the host is hung or overloaded"
+                    log.warning("data host %s brought no batch for %.0f s; reconnecting", state.address, limit)
                     # A host that took a stream and sent nothing gets the reconnect bound, not the start's.
                     retry_until = min(retry_until, time.monotonic() + self.reconnect_timeout_s)
                 else:

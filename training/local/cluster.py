@@ -135,6 +135,7 @@ class EmulationOptions:
     data_start_deadline_s: float = 120.0
     data_connect_timeout_s: float = 60.0
     data_batch_timeout_s: float = 20.0
+    dispatcher_silence_s: float = 15.0
     # Trainer processes per DNN host (torchrun's nproc-per-node); 0: one per GPU, or one without GPUs.
     processes_per_host: int = 0
     # CPUs per host of a group (group name → count); default one each.
@@ -229,6 +230,7 @@ def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tu
         data_start_deadline_s=options.data_start_deadline_s,
         data_connect_timeout_s=options.data_connect_timeout_s,
         data_batch_timeout_s=options.data_batch_timeout_s,
+        dispatcher_silence_s=options.dispatcher_silence_s,
         processes_per_host=options.processes_per_host,
     )
     return container_hyperparameters(spec, platform)

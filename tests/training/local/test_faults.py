@@ -43,7 +43,7 @@ def last_step(watcher: LineWatcher, host: str) -> int:
 
 @pytest.mark.cluster
 def test_a_hung_data_host_is_dropped_and_training_goes_on_with_the_others(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=2, steps=1_000_000, log_every=10), tmp_path, images)
+    cluster, watcher = start(spec(data_hosts=2, steps=1_000_000, log_every=10), tmp_path, images, data_batch_timeout_s=8)
     faults = Faults(cluster, watcher)
     try:
         stopped_at = faults.when("algo-3", r"^step=10/", lambda: faults.signal_host("algo-1", signal.SIGSTOP))
@@ -66,7 +66,7 @@ def test_a_hung_data_host_is_dropped_and_training_goes_on_with_the_others(tmp_pa
 
 @pytest.mark.cluster
 def test_a_job_whose_only_data_host_hangs_fails_with_a_named_error(tmp_path: Path, images: Path) -> None:
-    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images)
+    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images, data_batch_timeout_s=8)
     faults = Faults(cluster, watcher)
     try:
         stopped_at = faults.when("algo-2", r"^step=3/", lambda: faults.signal_host("algo-1", signal.SIGSTOP))
@@ -78,6 +78,7 @@ def test_a_job_whose_only_data_host_hangs_fails_with_a_named_error(tmp_path: Pat
         cluster.close()
     assert result.outcome("algo-2").exit_code == 1
     assert failure_of(cluster, "algo-2").startswith("DataServiceUnavailableError: all 1 data hosts are gone")
+    assert "no batch for 8 s: the host is hung" in failure_of(cluster, "algo-2")
     assert result.orphans == []
 
 
