@@ -129,3 +129,22 @@ def test_a_dispatcher_host_that_comes_up_late_does_not_fail_a_healthy_job(tmp_pa
         cluster.close()
     assert result.ok, result.report()
     assert cluster.summary()["steps"] == 12
+
+
+@pytest.mark.cluster
+def test_sigterm_stops_horovod_ranks_at_one_step_with_their_state_saved(tmp_path: Path, images: Path) -> None:
+    cluster, watcher = start(spec(data_hosts=1, steps=10_000), tmp_path, images, processes_per_host=2)
+    try:
+        watcher.wait_for("algo-2", r"^step=6/")
+        for host in cluster.hosts:  # StopTrainingJob signals every instance
+            cluster.kill_launcher(host.name, signal.SIGTERM)
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    tree = cluster.host("algo-2").base_dir
+    failure = (tree / "output" / "failure").read_text()
+    assert result.outcome("algo-2").exit_code != 0 and failure.startswith("TrainingStopped: stopped by SIGTERM after step"), failure
+    summary = json.loads((tree / "output" / "data" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and f"after step {summary['stopped_after_step']} " in failure
+    assert (tree / "checkpoints" / "checkpoint.npz").exists() and (tree / "model" / "model.keras").stat().st_size > 0
+    assert result.outcome("algo-1").exit_code == 0 and result.orphans == []
