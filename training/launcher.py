@@ -152,6 +152,8 @@ def failure_to_write(outcome: TrainersOutcome, *, stopped: bool, written: str, r
         return None if written else "stopped by SIGTERM (StopTrainingJob or a spot interruption) before the trainers reached a step boundary"
     if rank_failure and "killed by" in rank_failure:
         return f"{rank_failure} on {host}"
+    if outcome.returncode < 0:  # one process of several (Horovod) killed by a signal: the cause, whatever its peers wrote
+        return f"{trainer_failure(outcome.returncode, None)} on {host}"
     return None if written else f"{trainer_failure(outcome.returncode, rank_failure)} on {host}"
 
 
@@ -287,7 +289,8 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         else:
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
-        outcome = wait_for_trainers(processes, stop, abort=watchdog)
+        peer_grace_s = TORCHRUN_PEER_GRACE_S if settings.distribution == "torchrun" else PEER_GRACE_S
+        outcome = wait_for_trainers(processes, stop, abort=watchdog, peer_grace_s=peer_grace_s)
         status = outcome.status
         reason = failure_to_write(
             outcome, stopped=stop.is_set(), written=_failure_text(), rank_failure=read_rank_failure(rank_failure_file), host=cluster.current_host
@@ -399,9 +402,11 @@ def _start_horovod_ranks(
 
 
 # SIGTERM to the launcher: how long its trainers get to reach a step boundary and save before SIGKILL
-# (SageMaker sends SIGKILL 120 s after its SIGTERM). A failed peer or a watchdog: PEER_GRACE_S.
+# (SageMaker sends SIGKILL 120 s after its SIGTERM). A failed peer or a watchdog: PEER_GRACE_S; for
+# torchrun, longer than the 30 s it gives its own ranks, so that it is never killed with ranks running.
 STOP_GRACE_S = 100.0
 PEER_GRACE_S = 10.0
+TORCHRUN_PEER_GRACE_S = 40.0
 
 
 def dispatcher_lost(
@@ -454,31 +459,33 @@ def wait_for_trainers(
     status, returncode, abort_reason = 0, 0, None
     stopping_since: float | None = None
     grace_s = peer_grace_s
-    while any(process.poll() is None for process in processes):
-        failed = [process for process in processes if process.returncode not in (None, 0)]
+    failed: list[subprocess.Popen] = []  # in the order their failures were seen
+    while alive := [process for process in processes if process.poll() is None]:  # polls every one
+        failed += [process for process in processes if process.returncode not in (None, 0) and process not in failed]
         if abort is not None and stopping_since is None and (abort_reason := abort()):
             log.error("%s", abort_reason)
             write_failure(abort_reason)
             status, returncode = 1, 1
         if (failed or abort_reason or stop.is_set()) and stopping_since is None:
+            # A stop (SIGTERM) asks the trainers to save; a failure or an abort (SIGINT) only to end: torchrun
+            # then closes its ranks within its own 30 s, and nothing writes "stopped" over the cause.
+            sig = signal.SIGINT
             if failed:
                 returncode = failed[0].returncode
                 status = exit_status(returncode)
                 _log_trainer_end(returncode)
-            elif stop.is_set():
-                grace_s = stop_grace_s
+            elif stop.is_set() and not abort_reason:
+                sig, grace_s = signal.SIGTERM, stop_grace_s
                 log.warning("SIGTERM: the trainers get %.0f s to save a checkpoint", grace_s)
             stopping_since = time.monotonic()
-            for process in processes:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
+            for process in alive:
+                process.send_signal(sig)
         if stopping_since is not None and time.monotonic() - stopping_since > grace_s:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
+            for process in alive:
+                process.kill()
         time.sleep(0.1)
+    failed += [process for process in processes if process.returncode != 0 and process not in failed]
     if not status:
-        failed = [process for process in processes if process.returncode != 0]
         if failed:
             returncode = failed[0].returncode
             status = exit_status(returncode)
@@ -500,12 +507,27 @@ def supervise(command: list[str]) -> int:
     status once it ends."""
     pr_set_child_subreaper = 36  # so that this holds when it is not PID 1 too (the tests)
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_child_subreaper, 1)
-    child = subprocess.Popen(command)
+    pending: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        if child is None:
+            pending.append(signum)  # arrived while the launcher was starting: sent once it exists
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: os.kill(child.pid, signum))
+        signal.signal(sig, forward)
+    child = subprocess.Popen(command)
+    for signum in pending:
+        forward(signum, None)
     while True:
-        pid, wait_status = os.wait()  # any child: the launcher, or an orphan to collect
+        # Any child: the launcher, or an orphan to collect. Popen never waits for the launcher itself.
+        pid, wait_status = os.wait()
         if pid == child.pid:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
             return exit_status(os.waitstatus_to_exitcode(wait_status))
 
 

@@ -37,7 +37,8 @@ def cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
 
     def key(item: tuple[int, ProcessFailure]) -> tuple[bool, bool, float, int]:
         rank, failure = item
-        stopped = failure.exitcode == -signal.SIGTERM  # by torchrun itself, once another rank had failed
+        # Stopped: by a SIGTERM, or saved and left on one (TrainingStopped's 143): a consequence of the stop.
+        stopped = failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
         killed = failure.exitcode < 0 and not stopped
         return (not killed, stopped, failure.timestamp, rank)
 

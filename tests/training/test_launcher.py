@@ -221,12 +221,14 @@ def sleeper(handle_sigterm: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def test_the_first_failed_rank_stops_the_others_and_decides_the_status() -> None:
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_the_first_failed_rank_stops_the_others_and_decides_the_status(failing_rank: int) -> None:
     failing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); exit(3)"])
     survivor = sleeper()
-    outcome = wait_for_trainers([failing, survivor], threading.Event(), peer_grace_s=5)
+    ranks = [failing, survivor] if failing_rank == 0 else [survivor, failing]  # rank 1 failing while rank 0 runs
+    outcome = wait_for_trainers(ranks, threading.Event(), peer_grace_s=5)
     assert (outcome.status, outcome.returncode, outcome.abort_reason) == (3, 3, None)
-    assert survivor.returncode == -signal.SIGTERM  # stopped, not left waiting on a dead peer
+    assert survivor.returncode == -signal.SIGINT  # ended, not left waiting on a dead peer, and not asked to save
 
 
 def test_sigterm_gives_the_trainers_the_stop_grace_and_a_watchdog_reason_stops_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,6 +257,8 @@ def test_sigterm_gives_the_trainers_the_stop_grace_and_a_watchdog_reason_stops_t
          "rank 1 (local rank 1) was killed by SIGKILL on algo-3"),
         (TrainersOutcome(1, 1), False, "DataServiceUnavailableError: all gone", "rank 0 (local rank 0) exited with status 1", None),
         (TrainersOutcome(137, -9), False, "", None, "the trainer was killed by SIGKILL on algo-3"),
+        # A Horovod rank killed by the OOM killer: its peers' dying words are not the cause.
+        (TrainersOutcome(137, -9), False, "RuntimeError: gloo: connection closed by peer", None, "the trainer was killed by SIGKILL on algo-3"),
     ],
 )
 def test_the_failure_reason_is_the_cause_not_its_consequences(outcome, stopped, written, rank_failure, expected) -> None:

@@ -343,8 +343,9 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         return pb.ShutdownReply(host=self._settings.host, batches_served=self.batches_served)
 
 
-# Threads of a data host's gRPC server: enough for 8 DNN hosts × 16 trainer processes, each with a stream.
-STREAM_THREADS = 160
+# Threads of a data host's gRPC server, created as needed: one per open stream (64 DNN hosts × 8 trainer
+# processes) plus the control calls.
+STREAM_THREADS = 544
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 STREAM_BATCHES = f"/{SERVICE}/StreamBatches"

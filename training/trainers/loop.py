@@ -240,6 +240,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
             self.paths.model_dir.mkdir(parents=True, exist_ok=True)
             self.save_model(self.paths.model_dir)
             _write_json(self.paths.output_data_dir / "summary.json", summary)
+        # No rank leaves before the chief saved: torchrun would take an early exit (143 on a stop) for a
+        # failure and close the chief within its 30 s.
+        self.barrier()
         if stopped:
             raise TrainingStopped(f"stopped by SIGTERM after step {step} of {config.steps}; checkpoint and model saved")
         return summary
