@@ -553,10 +553,7 @@ def main() -> int:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     except (ClusterConfigError, HyperparameterError) as error:
-        message = f"{type(error).__name__}: {error}"
-        log.error("%s", message)
-        write_failure(message)
-        return CONFIG_ERROR_EXIT
+        return refuse(error)
     try:
         if role == DATA:
             try:
@@ -568,10 +565,15 @@ def main() -> int:
                 return fail_data_host(cluster, settings, message, code, stop)
         return run_dnn_host(cluster, settings, variant, stop)
     except (HyperparameterError, ChannelError, PortInUseError) as error:
-        message = f"{type(error).__name__}: {error}"
-        log.error("%s", message)
-        write_failure(message)
-        return CONFIG_ERROR_EXIT
+        return refuse(error)
+
+
+def refuse(error: Exception) -> int:
+    """A job that is wrong on this host: one clear line, the failure reason, the usage-error exit code."""
+    message = f"{type(error).__name__}: {error}"
+    log.error("%s", message)
+    write_failure(message)
+    return CONFIG_ERROR_EXIT
 
 
 if __name__ == "__main__":

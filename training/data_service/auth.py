@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
 
 import grpc
 
@@ -35,11 +34,10 @@ def presented_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Refuses every call whose token is not the job's; ``on_refusal`` is told the method that was refused."""
+    """Refuses every call whose token is not the job's."""
 
-    def __init__(self, token: str, on_refusal: Callable[[str], None] | None = None) -> None:
+    def __init__(self, token: str) -> None:
         self._token = token.encode()
-        self._on_refusal = on_refusal
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201 (grpc's interface)
         token = presented_token(handler_call_details.invocation_metadata)
@@ -47,8 +45,6 @@ class TokenAuth(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         method = handler_call_details.method
         log.warning("refused %s: %s", method, "no token" if not token else "a token that is not this job's")
-        if self._on_refusal is not None:
-            self._on_refusal(method)
         # A unary handler answers a streaming method too: the client gets the status and no message.
         return grpc.unary_unary_rpc_method_handler(_refuse)
 

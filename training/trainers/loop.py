@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from training.cluster import base_dir
+from training.failure import write_failure
 from training.hyperparameters import config_to_dict
 from training.metrics import metric_line
 from training.trainers.config import LoopConfig
@@ -57,6 +58,13 @@ class TrainingStopped(RuntimeError):
     """SIGTERM asked training to stop; it did at a step boundary, with its state saved."""
 
     exit_code = 128 + signal.SIGTERM
+
+
+def leave_stopped(stopped: TrainingStopped) -> int:
+    """What a trainer's main does with TrainingStopped: the reason for SageMaker, and 128 + SIGTERM."""
+    log.warning("%s", stopped)
+    write_failure(f"{type(stopped).__name__}: {stopped}")
+    return TrainingStopped.exit_code
 
 
 class StopRequest:
@@ -211,18 +219,17 @@ class TrainingLoop(ABC, Generic[BatchT]):
             # waiting in the next gradient all-reduce), and as soon as any of them was told to.
             longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
             stopped = stop_votes > 0 and step < config.steps  # a finished run is finished, not stopped
-            if step % config.log_every == 0 or step == config.steps:
-                if self.is_chief:
-                    values = {"loss": loss}
-                    if timed:
-                        values |= {
-                            "step_time_ms": elapsed,
-                            "data_wait_ms": longest_wait,
-                            "samples_per_s": config.batch_size * self.world_size * 1000 / elapsed,
-                        }
-                    else:
-                        values["warmup_ms"] = elapsed
-                    print(metric_line(step, config.steps, values), flush=True)
+            if self.is_chief and (step % config.log_every == 0 or step == config.steps):
+                values = {"loss": loss}
+                if timed:
+                    values |= {
+                        "step_time_ms": elapsed,
+                        "data_wait_ms": longest_wait,
+                        "samples_per_s": config.batch_size * self.world_size * 1000 / elapsed,
+                    }
+                else:
+                    values["warmup_ms"] = elapsed
+                print(metric_line(step, config.steps, values), flush=True)
             if stopped:
                 break
             self.after_step(step)

@@ -44,7 +44,7 @@ from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError,
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.trainers.config import AugmentConfig, VisionConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped
+from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
 
 log = logging.getLogger("training.pytorch_vision")
 
@@ -327,9 +327,7 @@ def main() -> int:
         write_failure(f"{type(error).__name__}: {error}")
         return 1
     except TrainingStopped as stopped:
-        log.warning("%s", stopped)
-        write_failure(f"{type(stopped).__name__}: {stopped}")
-        return TrainingStopped.exit_code
+        return leave_stopped(stopped)
     if trainer.is_chief:
         log.info("training finished: %d steps, step time p50 %s ms", summary["steps"], (summary["step_time_ms"] or {}).get("p50"))
     return 0

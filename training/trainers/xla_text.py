@@ -39,7 +39,7 @@ from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.metrics import metric_line
 from training.trainers.config import TextConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped
+from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
 
 log = logging.getLogger("training.xla_text")
 
@@ -305,9 +305,7 @@ def main() -> int:
         write_failure(f"{type(error).__name__}: {error}")
         return 1
     except TrainingStopped as stopped:
-        log.warning("%s", stopped)
-        write_failure(f"{type(stopped).__name__}: {stopped}")
-        return TrainingStopped.exit_code
+        return leave_stopped(stopped)
     return 0
 
 
