@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,16 +20,20 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from training.metrics import parse_metric_line  # noqa: E402
 from training.trainers.config import TextConfig  # noqa: E402
 from training.trainers.loop import OutputPaths  # noqa: E402
+from training.trainers.sampling import EndlessSampler  # noqa: E402
 from training.trainers.xla_text import (  # noqa: E402
+    EvalShard,
     TextDataError,
     TextTrainer,
+    build_model,
     cache_key,
-    label_ids,
+    channel_classes,
     load_tokenized,
     once_per_node,
-    read_polarity_csv,
-    shard_loader,
+    polarity_rows,
     tokenize_channel,
+    tokenized_path,
+    train_loader,
 )
 
 POSITIVE = ["great", "wonderful", "excellent", "loved", "perfect", "amazing", "superb", "delightful"]
@@ -75,17 +81,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def trainer(tiny_model: Path, data: Path, base: Path, **overrides) -> TextTrainer:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     config = TextConfig(**({"model": str(tiny_model), "max_seq_len": 16, "batch_size": 16, "learning_rate": 3e-3,
                             "warmup_steps": 3, "steps": 60} | overrides))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    train, classes = load_tokenized(tokenize_channel(data / "train", "train", tokenizer, config.max_seq_len, base / "cache"))
-    evaluation, _ = load_tokenized(tokenize_channel(data / "test", "test", tokenizer, config.max_seq_len, base / "cache"))
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=len(classes))
-    return TextTrainer(config, OutputPaths.under(base), model=model, tokenizer=tokenizer, train=train, evaluation=evaluation,
-                       classes=classes)
+    train = load_tokenized(tokenize_channel(data / "train", "train", tokenizer, config.max_seq_len, base / "cache"))
+    evaluation = load_tokenized(tokenize_channel(data / "test", "test", tokenizer, config.max_seq_len, base / "cache",
+                                                 classes=train.classes))
+    model = build_model(str(tiny_model), len(train.classes), config.seed)
+    return TextTrainer(config, OutputPaths.under(base), model=model, tokenizer=tokenizer, train=train, evaluation=evaluation)
 
 
 @pytest.fixture(scope="module")
@@ -111,30 +116,168 @@ def test_xla_training_learns_the_polarity_task(tiny_model, polarity, tmp_path, c
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "model").config.num_labels == 2
 
 
-def test_xla_training_resumes_from_its_checkpoint(tiny_model, polarity, tmp_path) -> None:
-    trainer(tiny_model, polarity, tmp_path, steps=6, warmup_steps=1, checkpoint_every=3).run()
+def test_xla_training_resumes_where_its_checkpoint_left_off(tiny_model, polarity, tmp_path) -> None:
+    at_checkpoint: list[torch.Tensor] = []
+
+    class Recording(TextTrainer):
+        def save_checkpoint(self, path: Path, state: dict) -> None:
+            at_checkpoint.append(torch.get_rng_state())
+            super().save_checkpoint(path, state)
+
+    first = trainer(tiny_model, polarity, tmp_path, steps=6, warmup_steps=1, checkpoint_every=3)
+    first.__class__ = Recording
+    first.run()
     resumed = trainer(tiny_model, polarity, tmp_path, steps=10, warmup_steps=1)
+    torch.manual_seed(1234)  # anything: the checkpoint's state must win
+    loaded = resumed.load_checkpoint(resumed.checkpoint_path)
+    assert loaded["step"] == 6 and loaded["samples_per_rank"] == 6 * 16
+    resumed.set_rng_state(loaded["rng"][0])
+    assert torch.equal(torch.get_rng_state(), at_checkpoint[-1])
+    assert resumed.lr_scheduler.last_epoch == 6  # the schedule goes on from step 7, not from its warm-up
+
     summary = resumed.run()
     assert summary["start_step"] == 6 and summary["timed_steps"] == 3
+    # The data position: the resumed run read on from sample 96 of the shard, not from its start again.
+    assert resumed.resume_samples == 96
+    sampler = train_loader(resumed.train_data, batch_size=16, world_size=1, rank=0, seed=0, start=96).sampler
+    straight = EndlessSampler(len(resumed.train_data), rank=0, world_size=1, seed=0)
+    assert list(itertools.islice(iter(sampler), 16)) == list(itertools.islice(iter(straight), 96, 112))
+    assert list(itertools.islice(iter(sampler), 16)) != list(itertools.islice(iter(straight), 16))
+
+
+def test_a_steady_state_step_is_one_executed_graph(tiny_model, polarity, tmp_path) -> None:
+    """torch-xla's own metrics: after the warm-up compiles, each step executes one graph and compiles none
+    (reading the loss inside the step executed a second, loss-only graph; the rate schedule must not
+    compile a graph per rate)."""
+    import torch_xla.debug.metrics as met
+
+    run = trainer(tiny_model, polarity, tmp_path, steps=12, warmup_steps=1, log_every=1)
+    batches = run.batches()
+
+    def count(metric: str) -> int:
+        data = met.metric_data(metric)
+        return data[0] if data else 0
+
+    for _ in range(3):  # warm-up: the step's graph and the loader's are compiled here
+        run.loss_value(run.train_step(next(batches)))
+    executed, compiled = [], []
+    for _ in range(4):
+        batch = next(batches)
+        before = count("ExecuteTime"), count("CompileTime")
+        run.loss_value(run.train_step(batch))  # as the loop does on a step it logs
+        executed.append(count("ExecuteTime") - before[0])
+        compiled.append(count("CompileTime") - before[1])
+    assert executed == [1, 1, 1, 1] and compiled == [0, 0, 0, 0]
+
+
+def _pending(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of these XLA tensors still has computation to run (its IR is more than device data)."""
+    import torch_xla
+
+    text = torch_xla._XLAC._get_xla_tensors_text(tensors)
+    return any("=" in line and "xla::device_data()" not in line for line in text.splitlines())
+
+
+def test_every_rank_has_settled_its_step_when_the_chief_saves(tiny_model, polarity, tmp_path) -> None:
+    seen: list[bool] = []
+
+    class Recording(TextTrainer):
+        def save_checkpoint(self, path: Path, state: dict) -> None:
+            seen.append(_pending(list(self.model.parameters()) + [t for s in self.optimizer.state.values() for t in s.values()
+                                                                  if isinstance(t, torch.Tensor) and t.device.type == "xla"]))
+            super().save_checkpoint(path, state)
+
+    run = trainer(tiny_model, polarity, tmp_path, steps=4, warmup_steps=1, checkpoint_every=2)
+    run.__class__ = Recording
+    run.run()
+    assert seen == [False, False]
+
+
+def test_the_rate_warms_up_then_decays_linearly(tiny_model, polarity, tmp_path) -> None:
+    run = trainer(tiny_model, polarity, tmp_path, steps=10, warmup_steps=1, lr_warmup_fraction=0.2, learning_rate=1e-3)
+    rates = []
+    batches = run.batches()
+    for _ in range(10):
+        rates.append(run.optimizer.param_groups[0]["lr"])
+        run.train_step(next(batches))
+    assert rates == pytest.approx([5e-4, 1e-3, 1e-3, 0.875e-3, 0.75e-3, 0.625e-3, 0.5e-3, 0.375e-3, 0.25e-3, 0.125e-3])
 
 
 def test_polarity_csv_reading(tmp_path: Path) -> None:
     folder = write_csv(tmp_path / "a" / "x.csv", 4, seed=0, header=True)
-    texts, labels = read_polarity_csv(folder, "train")
-    assert len(texts) == 4 and labels == [2, 1, 2, 1] and ". " in texts[0]
-    assert label_ids([2, 1, 2]) == ([1, 0, 1], [1, 2])
+    rows = list(polarity_rows(folder, "train"))
+    assert [label for label, _ in rows] == [2, 1, 2, 1] and ". " in rows[0][1]
+    assert channel_classes(folder, "train") == (4, [1, 2])
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "bad.csv").write_text("1,only a title\n")
     with pytest.raises(TextDataError, match="bad.csv line 1: expected label,title,content"):
-        read_polarity_csv(tmp_path / "b", "train")
+        list(polarity_rows(tmp_path / "b", "train"))
 
 
 def test_the_cache_is_named_after_its_inputs(tmp_path: Path) -> None:
     folder = write_csv(tmp_path / "c" / "x.csv", 4, seed=0)
     before = cache_key(folder, "tok", 16)
     assert cache_key(folder, "tok", 32) != before
+    assert cache_key(folder, "tok", 16, classes=[1, 2]) != before  # an eval channel's, mapped by training's classes
     write_csv(folder / "x.csv", 6, seed=0)
     assert cache_key(folder, "tok", 16) != before
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording how many texts each call was given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+        self.name_or_path = tokenizer.name_or_path
+
+    def __call__(self, texts, **options):
+        self.calls.append(len(texts))
+        return self.tokenizer(texts, **options)
+
+
+def test_tokenisation_goes_in_chunks_into_memory_mapped_int32(tiny_model, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = write_csv(tmp_path / "data" / "part.csv", 45, seed=4)
+    tokenizer = CountingTokenizer(AutoTokenizer.from_pretrained(tiny_model))
+    tokenized = load_tokenized(tokenize_channel(folder, "train", tokenizer, 16, tmp_path / "cache", chunk=10))
+    assert tokenizer.calls == [10, 10, 10, 10, 5]  # never the whole channel in one call
+    assert tokenized.input_ids.dtype == np.int32 and isinstance(tokenized.input_ids, np.memmap)
+    whole = tokenizer.tokenizer([text for _, text in polarity_rows(folder, "train")], truncation=True, padding="max_length",
+                                max_length=16, return_tensors="np")
+    assert np.array_equal(tokenized.input_ids, whole["input_ids"]) and np.array_equal(tokenized.attention_mask, whole["attention_mask"])
+    assert tokenized.labels.tolist() == [1, 0] * 22 + [1] and tokenized.classes == (1, 2)
+    assert not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_evaluation_labels_mean_what_they_meant_in_training(tiny_model, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    only_positive = tmp_path / "eval"
+    only_positive.mkdir()
+    (only_positive / "e.csv").write_text("2,good,great\n2,fine,superb\n")
+    # Mapped on its own, the one class would become id 0 (negative in training); mapped through training's, 1.
+    evaluation = load_tokenized(tokenize_channel(only_positive, "test", tokenizer, 16, tmp_path / "cache", classes=(1, 2)))
+    assert evaluation.labels.tolist() == [1, 1]
+    (only_positive / "e.csv").write_text("3,odd,item\n")
+    with pytest.raises(TextDataError, match=r"labels \[3\] that the training channel's classes \[1, 2\] do not have"):
+        tokenize_channel(only_positive, "test", tokenizer, 16, tmp_path / "cache", classes=(1, 2))
+
+
+def test_evaluation_counts_every_example_once_across_ranks(tiny_model, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = write_csv(tmp_path / "data" / "part.csv", 10, seed=5)
+    dataset = load_tokenized(tokenize_channel(folder, "test", AutoTokenizer.from_pretrained(tiny_model), 16, tmp_path / "cache"))
+    counted: list[int] = []
+    for rank in range(3):
+        shard = EvalShard(dataset, rank=rank, world_size=3, batch_size=3)
+        for index in range(len(shard)):
+            ids, _, _, weights = shard[index]
+            assert ids.shape == (3, 16)  # fixed shape: one compiled evaluation graph
+            counted += shard.batches[index].indices[: int(weights.sum())]
+    assert sorted(counted) == list(range(10))  # a DistributedSampler would have padded 10 to 12
 
 
 def _node(rank: int, world: int, port: int, root: str, tiny_model: str, results: dict) -> None:
@@ -143,18 +286,17 @@ def _node(rank: int, world: int, port: int, root: str, tiny_model: str, results:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     calls = Path(root) / "tokenized-by"
+    folder, cache = Path(root) / "data", Path(root) / "cache"
 
     def make() -> Path:
-        existing = sorted((Path(root) / "cache").glob("train-*.pt"))
-        if not existing:
-            with calls.open("a") as handle:
-                handle.write(f"{rank}\n")
-        return tokenize_channel(Path(root) / "data", "train", tokenizer, 16, Path(root) / "cache")
+        with calls.open("a") as handle:
+            handle.write(f"{rank}\n")
+        return tokenize_channel(folder, "train", tokenizer, 16, cache)
 
-    path = once_per_node(local_rank=rank, make=make, barrier=dist.barrier)
-    dataset, _ = load_tokenized(path)
-    loader = shard_loader(dataset, batch_size=4, world_size=world, rank=rank, seed=0, train=True)
-    indices = list(iter(loader.sampler))
+    path = once_per_node(rank, make, tokenized_path(folder, "train", tokenizer, 16, cache), poll_s=0.05)
+    dataset = load_tokenized(path)
+    loader = train_loader(dataset, batch_size=4, world_size=world, rank=rank, seed=0)
+    indices = list(itertools.islice(iter(loader.sampler), 40))  # two epochs of this rank's shard
     results[rank] = (str(path), indices)
     dist.destroy_process_group()
 
@@ -169,7 +311,45 @@ def test_tokenisation_happens_once_per_node_and_ranks_get_disjoint_shards(tiny_m
     assert (tmp_path / "tokenized-by").read_text().split() == ["0"]  # local rank 0 made it, rank 1 waited
     (path_0, shard_0), (path_1, shard_1) = results[0], results[1]
     assert path_0 == path_1
-    assert not set(shard_0) & set(shard_1) and len(shard_0) == len(shard_1) == 20
+    for epoch in (slice(0, 20), slice(20, 40)):  # every epoch: disjoint halves that cover the channel
+        assert sorted(shard_0[epoch] + shard_1[epoch]) == list(range(40))
+    assert shard_0[:20] != shard_0[20:]  # and reshuffled between epochs
+
+
+def _one_model(rank: int, world: int, port: int, tiny_model: str, results: dict) -> None:
+    """What TextTrainer does, with gloo standing in for XLA's collectives (which need a real device)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.rand(rank * 7 + 1)  # the ranks' random streams are wherever their different histories left them
+    model = build_model(tiny_model, 2, seed=0)
+    heads_before_broadcast = model.classifier.weight.detach().clone()
+    for tensor in list(model.parameters()) + list(model.buffers()):  # xm.broadcast_master_param
+        dist.broadcast(tensor.data, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    for _ in range(3):
+        ids = torch.randint(4, 20, (4, 8), generator=generator)
+        loss = model(input_ids=ids, labels=torch.randint(0, 2, (4,), generator=generator)).loss
+        loss.backward()
+        for parameter in model.parameters():  # xm.optimizer_step: average the gradients, then step
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= world
+        optimizer.step()
+        optimizer.zero_grad()
+    results[rank] = (heads_before_broadcast, {name: value.detach().clone() for name, value in model.state_dict().items()})
+    dist.destroy_process_group()
+
+
+def test_ranks_train_one_model_whatever_their_random_streams_did_before(tiny_model) -> None:
+    from training.local.cluster import free_port
+
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_one_model, args=(2, free_port(), str(tiny_model), results), nprocs=2, join=True)
+    (head_0, state_0), (head_1, state_1) = results[0], results[1]
+    assert torch.equal(head_0, head_1)  # seeded before building: the same fresh head on both
+    assert state_0.keys() == state_1.keys()
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)
 
 
 @pytest.mark.cluster

@@ -13,6 +13,9 @@ from typing import ClassVar
 MODELS = ("cnn", "resnet18", "resnet50")
 KERAS_MODELS = ("cnn", "resnet50")
 AUGMENTATIONS = ("standard", "heavy")
+# "auto": bf16 where the GPU has it (Ampere and later), fp16 with loss scaling on older GPUs (V100, i.e.
+# ml.p3), fp32 on CPUs. The others force one, to compare.
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class ImageClassificationConfig(LoopConfig):
     momentum: float = 0.9
     weight_decay: float = 1e-4
     cached_input_batches: int = 0  # N > 0: cycle the first N real batches in memory; the model alone
+    # The learning rate is per worker: with W workers the peak is W × learning_rate (linear scaling,
+    # Horovod's guidance), reached by a linear warm-up over this fraction of the steps.
+    scale_lr: bool = True
+    lr_warmup_fraction: float = 0.05
+    precision: str = "auto"  # see PRECISIONS
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +81,9 @@ class ImageClassificationConfig(LoopConfig):
         _positive(self, "cnn_width", "learning_rate")
         if self.cached_input_batches < 0:
             raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
+        _fraction(self, "lr_warmup_fraction")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         AugmentConfig(image_size=self.image_size, augment=self.augment)  # raises on a bad size or augmentation
 
     @property
@@ -87,6 +98,8 @@ class VisionConfig(ImageClassificationConfig):
 
     model: str = "resnet18"
     dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
+    channels_last: bool = True  # on GPUs: NHWC memory format, which tensor cores want (ignored on CPUs)
+    compile: bool = False  # torch.compile the model (a longer warm-up for a faster step)
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,19 @@ class KerasVisionConfig(ImageClassificationConfig):
 
     models: ClassVar[tuple[str, ...]] = KERAS_MODELS
     model: str = "resnet50"
+    # XLA-compile the gradient computation ("auto": on GPUs only, where it fuses the mixed-precision
+    # casts). Horovod's all-reduce always runs outside the compiled part (its XLA ops are not built in).
+    jit_compile: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.jit_compile not in ("auto", "true", "false"):
+            raise ValueError(f"jit_compile must be auto, true or false, got {self.jit_compile!r}")
+
+
+def _fraction(config: object, name: str) -> None:
+    if not 0 <= getattr(config, name) < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)}")
 
 
 def _positive(config: object, *names: str) -> None:
@@ -113,12 +139,15 @@ class TextConfig(LoopConfig):
     eval_channel: str = ""  # CSV channel to evaluate on at the end (and every eval_every steps)
     eval_every: int = 0  # steps between evaluations; 0: only at the end
     max_seq_len: int = 128  # tokens per example after truncation and padding
-    learning_rate: float = 5e-5  # AdamW
+    learning_rate: float = 5e-5  # AdamW; the peak, after the warm-up, decaying linearly to zero at the end
     weight_decay: float = 0.01
+    lr_warmup_fraction: float = 0.1  # of the steps, linear from zero (the Neuron BERT recipe's schedule)
+    tokenize_chunk: int = 4096  # texts per tokenizer call: bounds the tokenising host's memory
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive(self, "max_seq_len", "learning_rate")
+        _positive(self, "max_seq_len", "learning_rate", "tokenize_chunk")
+        _fraction(self, "lr_warmup_fraction")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be ≥ 0, got {self.eval_every}")
         if self.eval_every and not self.eval_channel:

@@ -10,7 +10,12 @@ must look the same across variants:
   the data wait is the longest any rank waited for that step (``reduce_max``), since one rank starved of
   batches holds every rank up in the next collective; the summary's counts are summed over ranks;
 * checkpoints in ``/opt/ml/checkpoints`` (synced to S3 by SageMaker's CheckpointConfig), written to a
-  temporary name then renamed, and resumed from at start;
+  temporary name then renamed, and resumed from at start: the step, the data position (samples each rank
+  has consumed, so a resumed run skips them instead of replaying its first batches) and every rank's
+  random-number state travel with the model and optimizer; every rank settles its device work (an XLA
+  step's pending collectives) before the chief saves;
+* the loss is read from the device only on the steps that print it (``loss_value``): on XLA, reading it
+  inside the step would execute a second graph;
 * SIGTERM (StopTrainingJob, a spot interruption: SageMaker waits 120 s before SIGKILL) ends training at
   the end of the step in which any rank received it (the ranks vote after every step): a checkpoint, the
   model and a summary with status ``stopped`` are written, and TrainingStopped says after which step;
@@ -22,9 +27,11 @@ must look the same across variants:
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
+import random
 import signal
 import statistics
 import threading
@@ -34,6 +41,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from training.cluster import base_dir
 from training.failure import write_failure
@@ -128,6 +137,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
         self.paths = paths
         self.rank = rank
         self.world_size = world_size
+        # Samples this rank consumed in earlier runs of the job (from the checkpoint): where ``batches``
+        # starts, so that a resumed run does not replay what was already trained on.
+        self.resume_samples = 0
 
     @property
     def is_chief(self) -> bool:
@@ -140,16 +152,36 @@ class TrainingLoop(ABC, Generic[BatchT]):
         """The training input, one batch per step."""
 
     @abstractmethod
-    def train_step(self, batch: BatchT) -> float:
-        """One optimizer step; returns the loss as a Python float, which also waits for the device."""
+    def train_step(self, batch: BatchT) -> Any:
+        """One optimizer step, finished on the device when it returns (the step time is the wall time);
+        returns the loss in whatever form is cheapest (``loss_value`` reads it when it is printed)."""
+
+    def loss_value(self, loss: Any) -> float:
+        """The loss ``train_step`` returned, as a Python float; called only on the steps that log it."""
+        return float(loss)
 
     @abstractmethod
-    def save_checkpoint(self, path: Path, step: int) -> None:
-        """Write everything needed to resume after ``step`` to ``path`` (chief only)."""
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        """Write the model and optimizer, and the loop's ``state`` (JSON-able: step, data position and
+        every rank's RNG state) with them, to ``path`` (chief only)."""
 
     @abstractmethod
-    def load_checkpoint(self, path: Path) -> int:
-        """Restore from ``path`` on every process; return the step it was taken after."""
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore the model and optimizer from ``path`` on every process; return the loop's state."""
+
+    def settle(self) -> None:
+        """Wait until this process's device work is done (pending graphs and their collectives); every
+        rank calls it before the chief saves a checkpoint."""
+
+    def rng_state(self) -> dict[str, Any]:
+        """This process's random-number state, JSON-able; variants add their framework's generators."""
+        kind, keys, position, has_gauss, gauss = np.random.get_state()
+        return {"python": _encode(random.getstate()), "numpy": [kind, keys.tolist(), position, has_gauss, gauss]}
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        random.setstate(_decode(state["python"]))
+        kind, keys, position, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, gauss))
 
     @abstractmethod
     def save_model(self, model_dir: Path) -> None:
@@ -194,7 +226,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         step_ms: list[float] = []
         wait_ms: list[float] = []
         warmup_ms: list[float] = []
-        loss = float("nan")
+        loss: Any = float("nan")
+        self._steps_this_run = 0
         batches = iter(self.batches())
         last = time.perf_counter()
         step = start_step
@@ -206,6 +239,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
                 raise DataExhaustedError(f"the input ended after step {step - 1} of {config.steps}") from None
             fetched = time.perf_counter()
             loss = self.train_step(batch)
+            self._steps_this_run = step - start_step
             now = time.perf_counter()
             if progress is not None:
                 progress.touch()
@@ -220,7 +254,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
             stopped = stop_votes > 0 and step < config.steps  # a finished run is finished, not stopped
             if self.is_chief and (step % config.log_every == 0 or step == config.steps):
-                values = {"loss": loss}
+                values = {"loss": self.loss_value(loss)}
                 if timed:
                     values |= {
                         "step_time_ms": elapsed,
@@ -237,6 +271,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
                 self._checkpoint(step)
             last = time.perf_counter()  # evaluation and checkpoints are not the next step's time
         self._checkpoint(step)
+        loss = self.loss_value(loss)
         self.barrier()
         # The longest wait of any rank, per step (equal lengths: every rank timed the same steps).
         wait_ms = elementwise_max(self.gather(wait_ms))
@@ -257,15 +292,30 @@ class TrainingLoop(ABC, Generic[BatchT]):
     def _restore(self) -> int:
         if not self.checkpoint_path.exists():
             return 0
-        step = self.load_checkpoint(self.checkpoint_path)
-        log.info("resumed from %s after step %d", self.checkpoint_path, step)
+        state = self.load_checkpoint(self.checkpoint_path)
+        step = int(state["step"])
+        self.resume_samples = int(state.get("samples_per_rank", step * self.config.batch_size))
+        rng = state.get("rng") or []
+        if len(rng) == self.world_size:
+            self.set_rng_state(rng[self.rank])
+        else:  # a different world size: fresh streams, still apart per rank and from the first run's
+            self.set_rng_state(self._fresh_rng(step))
+        log.info("resumed from %s after step %d (%d samples per rank consumed)", self.checkpoint_path, step, self.resume_samples)
         return min(step, self.config.steps)
 
+    def _fresh_rng(self, step: int) -> dict[str, Any]:
+        random.seed(f"{self.config.seed}/{self.rank}/{step}")
+        np.random.seed([self.config.seed, self.rank, step])
+        return self.rng_state()
+
     def _checkpoint(self, step: int) -> None:
+        self.settle()  # every rank: no collective of the last step may still be pending while the chief saves
+        rng = self.gather(self.rng_state())
         if self.is_chief:
+            state = {"step": step, "samples_per_rank": self.resume_samples + self._steps_this_run * self.config.batch_size, "rng": rng}
             self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             partial = self.checkpoint_path.with_name(self.checkpoint_name + ".partial")
-            self.save_checkpoint(partial, step)
+            self.save_checkpoint(partial, state)
             os.replace(partial, self.checkpoint_path)
         self.barrier()
 
@@ -295,6 +345,24 @@ class TrainingLoop(ABC, Generic[BatchT]):
             "world_size": self.world_size,
             "elapsed_s": round(elapsed_s, 3),
         } | self.summary_extra()
+
+
+def _encode(value: Any) -> Any:
+    """Python's random state (nested tuples of ints) as JSON-able lists."""
+    return [_encode(item) for item in value] if isinstance(value, (tuple, list)) else value
+
+
+def _decode(value: Any) -> Any:
+    return tuple(_decode(item) for item in value) if isinstance(value, list) else value
+
+
+def encode_bytes(data: bytes) -> str:
+    """Framework RNG states (byte tensors) as text a JSON-able checkpoint state can hold."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode_bytes(text: str) -> bytes:
+    return base64.b64decode(text)
 
 
 def _progress_mark(rank: int, environ: Mapping[str, str] = os.environ) -> Path | None:

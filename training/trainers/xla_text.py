@@ -1,20 +1,32 @@
 """PyTorch/XLA sequence classification (BERT-style, via transformers): the Trainium trainer.
 
-One process per NeuronCore, started by torchrun; each one trains on the XLA device, with:
+One process per NeuronCore, started by torchrun; each one trains on the XLA device, as the Neuron guide
+and pytorch/xla's own multi-process examples do:
 
 * world size and ordinals from ``torch_xla.runtime`` (not the deprecated xrt calls);
+* one model: the seed is set before the model is built, and the master's parameters are broadcast to
+  every rank (``from_pretrained(num_labels=…)`` draws a fresh classifier head, and ``xm.optimizer_step``
+  only averages gradients: ranks that start apart stay apart);
 * the training CSV (AmazonPolarity layout: label, title, content) tokenised once per node, by local rank 0,
-  into a cache named after its inputs, while the other ranks wait at a rendezvous;
-* a DistributedSampler shard per rank, fed through MpDeviceLoader, and ``xm.optimizer_step`` (which
-  all-reduces gradients across ranks); the loss is read every step, so every step is one executed graph;
+  in chunks of ``tokenize_chunk`` texts straight into memory-mapped int32 arrays (a 3.6M-row channel in
+  one tokenizer call would need ~90 GiB), into a cache named after its inputs; the node's other ranks wait
+  for the finished cache on the file system, not in a device collective (the Neuron runtime times those
+  out after 30 s by default);
+* an endless, resumable shard per rank (training/trainers/sampling.py) fed through MpDeviceLoader, and
+  ``xm.optimizer_step`` (which all-reduces gradients across ranks); each step ends with ``torch_xla.sync()``
+  and ``wait_device_ops``, so a step is one executed graph and its time is the device's; the loss is read
+  only on the steps that print it, from the already executed graph;
+* AdamW with linear warm-up and linear decay (the Neuron BERT recipe's schedule);
 * the shared loop (training/trainers/loop.py): warm-up steps, where XLA compiles, are left out of step time
   and reported as ``warmup_s``; ``max_train_steps`` is ``steps``, honoured exactly;
-* evaluation over the whole eval channel (its own sampler and loader, never a training batch), every
-  ``eval_every`` steps and at the end, reduced across ranks;
-* checkpoints and the model saved from the device to the CPU by the chief only.
+* evaluation over the whole eval channel, every example counted once (fixed-size batches, the padding of
+  the last one not counted), its labels mapped through the training classes, every ``eval_every`` steps
+  and at the end, reduced across ranks;
+* checkpoints and the model saved from the device to the CPU by the chief, after every rank has settled.
 
 Locally, torch-xla runs on its CPU device (``PJRT_DEVICE=CPU``) in a single process; XLA's collectives do
-not work there, so the multi-process parts (sharding, once-per-node tokenisation) are tested with gloo.
+not work there, so the multi-process parts (one model, sharding, once-per-node tokenisation) are tested
+with gloo.
 
     python -m training.trainers.xla_text      (started by the launcher, like every trainer)
 """
@@ -23,15 +35,20 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import logging
 import os
+import shutil
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from training.cluster import ClusterConfigError, base_dir, load_cluster
 from training.data_service.dataset import ChannelError, EmptyChannelError, channel_dir, scan_csv_channel
@@ -39,7 +56,17 @@ from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.metrics import metric_line
 from training.trainers.config import TextConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
+from training.trainers.loop import (
+    DataExhaustedError,
+    OutputPaths,
+    TrainingLoop,
+    TrainingStopped,
+    decode_bytes,
+    encode_bytes,
+    leave_stopped,
+)
+from training.trainers.sampling import EndlessSampler, ShardTooSmallError, eval_batches
+from training.trainers.schedule import Schedule
 
 log = logging.getLogger("training.xla_text")
 
@@ -50,12 +77,10 @@ class TextDataError(ChannelError):
     """A CSV channel that cannot be read as (label, title, content) rows."""
 
 
-def read_polarity_csv(folder: Path, channel: str) -> tuple[list[str], list[int]]:
-    """Texts ("title. content") and labels from every .csv file of a channel, in file-name order. A
-    header row is recognised by a non-numeric label and skipped."""
+def polarity_rows(folder: Path, channel: str) -> Iterator[tuple[int, str]]:
+    """(label, "title. content") of every row of every .csv file of a channel, in file-name order, read as
+    a stream (a channel may not fit in memory). A header row is recognised by a non-numeric label."""
     files = scan_csv_channel(folder, channel, "this host's group")
-    texts: list[str] = []
-    labels: list[int] = []
     for path in files:
         with path.open(newline="", encoding="utf-8") as handle:
             for line, row in enumerate(csv.reader(handle), start=1):
@@ -63,70 +88,170 @@ def read_polarity_csv(folder: Path, channel: str) -> tuple[list[str], list[int]]
                     continue
                 if len(row) < 3:
                     raise TextDataError(f"{path.name} line {line}: expected label,title,content, got {len(row)} fields")
-                labels.append(int(row[0]))
-                texts.append(f"{row[1].strip()}. {row[2].strip()}")
-    if not texts:
+                try:
+                    label = int(row[0])
+                except ValueError:
+                    raise TextDataError(f"{path.name} line {line}: label {row[0]!r} is not an integer") from None
+                yield label, f"{row[1].strip()}. {row[2].strip()}"
+
+
+def channel_classes(folder: Path, channel: str) -> tuple[int, list[int]]:
+    """(rows, the sorted distinct labels) of a channel: AmazonPolarity writes classes as 1/2, the Hugging
+    Face copy as 0/1; the training channel's classes, in sorted order, become ids 0..n-1."""
+    rows, labels = 0, set()
+    for label, _ in polarity_rows(folder, channel):
+        rows += 1
+        labels.add(label)
+    if not rows:
         raise EmptyChannelError(f"channel {channel!r} at {folder} holds no CSV rows")
-    return texts, labels
+    return rows, sorted(labels)
 
 
-def label_ids(labels: list[int]) -> tuple[list[int], list[int]]:
-    """AmazonPolarity writes classes as 1/2, the Hugging Face copy as 0/1: map whatever is there to
-    0..n-1, in sorted order. Returns (ids, the original label of each id)."""
-    classes = sorted(set(labels))
-    index = {label: position for position, label in enumerate(classes)}
-    return [index[label] for label in labels], classes
-
-
-def cache_key(folder: Path, tokenizer_name: str, max_seq_len: int) -> str:
+def cache_key(folder: Path, tokenizer_name: str, max_seq_len: int, classes: Sequence[int] | None = None) -> str:
     """Names the tokenised cache after what it was made from, so a changed input never reuses it."""
-    digest = hashlib.sha256(f"{tokenizer_name}|{max_seq_len}".encode())
+    digest = hashlib.sha256(f"{tokenizer_name}|{max_seq_len}|{list(classes) if classes is not None else ''}".encode())
     for path in sorted(folder.glob("*.csv")):
         stat = path.stat()
         digest.update(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
 
 
-def tokenize_channel(folder: Path, channel: str, tokenizer: Any, max_seq_len: int, cache_dir: Path) -> Path:
-    """Tokenise a CSV channel into ``cache_dir`` (once: an existing cache is kept); returns the file."""
-    path = cache_dir / f"{channel}-{cache_key(folder, getattr(tokenizer, 'name_or_path', ''), max_seq_len)}.pt"
+@dataclass(frozen=True)
+class TokenizedText(Dataset):
+    """A tokenised channel, memory-mapped: int32 token ids and masks [rows, max_seq_len], int64 labels."""
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    labels: np.ndarray
+    classes: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.from_numpy(np.array(self.input_ids[index])), torch.from_numpy(np.array(self.attention_mask[index])),
+                torch.tensor(self.labels[index]))
+
+
+def tokenized_path(folder: Path, channel: str, tokenizer: Any, max_seq_len: int, cache_dir: Path, classes: Sequence[int] | None = None) -> Path:
+    """Where ``tokenize_channel`` leaves a channel's cache (a folder); the same on every rank. Pure but
+    for reading the files' sizes and times."""
+    key = cache_key(folder, getattr(tokenizer, "name_or_path", ""), max_seq_len, classes)
+    return cache_dir / f"{channel}-{key}"
+
+
+def tokenize_channel(
+    folder: Path,
+    channel: str,
+    tokenizer: Any,
+    max_seq_len: int,
+    cache_dir: Path,
+    *,
+    classes: Sequence[int] | None = None,
+    chunk: int = 4096,
+) -> Path:
+    """Tokenise a CSV channel into ``cache_dir`` (once: an existing cache is kept); returns its folder.
+
+    ``classes``: the training channel's classes, for an evaluation channel (its ids must mean what they
+    meant in training; a label training never saw is refused); None for the training channel itself.
+    The rows are tokenised ``chunk`` at a time into preallocated memory-mapped int32 arrays, so memory
+    stays bounded whatever the channel's size."""
+    path = tokenized_path(folder, channel, tokenizer, max_seq_len, cache_dir, classes)
     if path.exists():
         return path
-    texts, labels = read_polarity_csv(folder, channel)
-    ids, classes = label_ids(labels)
-    encoded = tokenizer(texts, truncation=True, padding="max_length", max_length=max_seq_len, return_tensors="pt")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save(
-        {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
-         "labels": torch.tensor(ids, dtype=torch.long), "classes": classes},
-        partial,
-    )
+    rows, seen = channel_classes(folder, channel)
+    if classes is None:
+        classes = seen
+    unknown = sorted(set(seen) - set(classes))
+    if unknown:
+        raise TextDataError(f"channel {channel!r} has labels {unknown} that the training channel's classes {list(classes)} do not have")
+    index = {label: position for position, label in enumerate(classes)}
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    arrays = {name: np.lib.format.open_memmap(partial / f"{name}.npy", mode="w+", dtype=np.int32, shape=(rows, max_seq_len))
+              for name in ("input_ids", "attention_mask")}
+    labels = np.lib.format.open_memmap(partial / "labels.npy", mode="w+", dtype=np.int64, shape=(rows,))
+    texts: list[str] = []
+    done = 0
+
+    def flush() -> None:
+        nonlocal done
+        encoded = tokenizer(texts, truncation=True, padding="max_length", max_length=max_seq_len, return_tensors="np")
+        for name, array in arrays.items():
+            array[done : done + len(texts)] = encoded[name]
+        done += len(texts)
+        texts.clear()
+
+    for row, (label, text) in enumerate(polarity_rows(folder, channel)):
+        labels[row] = index[label]
+        texts.append(text)
+        if len(texts) == chunk:
+            flush()
+    if texts:
+        flush()
+    for array in (*arrays.values(), labels):
+        array.flush()
+    (partial / "classes.json").write_text(json.dumps(list(classes)))
     os.replace(partial, path)
     return path
 
 
-def once_per_node(local_rank: int, make: Callable[[], Path], barrier: Callable[[], None]) -> Path:
-    """Local rank 0 makes the file while the node's other ranks wait; then every rank has it. ``make``
-    must be deterministic (the other ranks call it too, after the barrier, to learn the path: it finds
-    the cache and returns at once)."""
+def once_per_node(local_rank: int, make: Callable[[], Path], expected: Path, *, poll_s: float = 0.5) -> Path:
+    """Local rank 0 makes the file (``make`` returns ``expected``) while the node's other ranks wait for it
+    to appear: on the file system, not in a collective, because making it can take minutes and the Neuron
+    runtime times device collectives out after 30 s. ``make`` must leave ``expected`` atomically (it
+    renames a finished folder into place). If rank 0 fails, torchrun ends the waiting ranks."""
     if local_rank == 0:
-        path = make()
-        barrier()
-        return path
-    barrier()
-    return make()
+        return make()
+    waited = 0.0
+    while not expected.exists():
+        time.sleep(poll_s)
+        waited += poll_s
+        if waited % 60 < poll_s:
+            log.info("local rank %d still waiting for local rank 0 to tokenise %s (%.0f s)", local_rank, expected.name, waited)
+    return expected
 
 
-def load_tokenized(path: Path) -> tuple[TensorDataset, list[int]]:
-    data = torch.load(path, weights_only=True)
-    return TensorDataset(data["input_ids"], data["attention_mask"], data["labels"]), list(data["classes"])
+def load_tokenized(path: Path) -> TokenizedText:
+    arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in ("input_ids", "attention_mask", "labels")}
+    return TokenizedText(**arrays, classes=tuple(json.loads((path / "classes.json").read_text())))
 
 
-def shard_loader(dataset: TensorDataset, *, batch_size: int, world_size: int, rank: int, seed: int, train: bool) -> DataLoader:
-    """This rank's share: shuffled, equal and full batches for training; in order and whole for eval."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed, drop_last=train)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=train)
+def train_loader(dataset: TokenizedText, *, batch_size: int, world_size: int, rank: int, seed: int, start: int = 0) -> DataLoader:
+    """This rank's endless shard, from ``start`` samples in; every batch full (one graph shape)."""
+    try:
+        sampler = EndlessSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, start=start)
+    except ShardTooSmallError as error:
+        raise DataExhaustedError(str(error)) from None
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+class EvalShard(Dataset):
+    """This rank's evaluation batches (training/trainers/sampling.eval_batches): fixed-size, each with a
+    0/1 weight per example so that the padding of the last batch is not counted."""
+
+    def __init__(self, dataset: TokenizedText, *, rank: int, world_size: int, batch_size: int) -> None:
+        self.dataset = dataset
+        self.batches = eval_batches(len(dataset), rank=rank, world_size=world_size, batch_size=batch_size)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        batch = self.batches[index]
+        ids, mask, labels = (torch.stack(column) for column in zip(*(self.dataset[i] for i in batch.indices), strict=True))
+        weights = torch.zeros(len(batch.indices), dtype=torch.int32)
+        weights[: batch.valid] = 1
+        return ids, mask, labels, weights
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [batch, 1, 1, tokens] additive mask the attention layers add (0 to attend, the dtype's minimum
+    to ignore). Given a 2-D mask, transformers first asks ``mask.all()`` to skip masking: a value read
+    from the device in the middle of the step, which on XLA executes a graph of its own every step and
+    makes two step graphs (batches with and without padding). A prepared 4-D mask is used as it is."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
 class TextTrainer(TrainingLoop[Batch]):
@@ -139,9 +264,8 @@ class TextTrainer(TrainingLoop[Batch]):
         *,
         model: torch.nn.Module,
         tokenizer: Any,
-        train: TensorDataset,
-        evaluation: TensorDataset | None,
-        classes: list[int],
+        train: TokenizedText,
+        evaluation: TokenizedText | None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -151,9 +275,18 @@ class TextTrainer(TrainingLoop[Batch]):
         self.text = config
         self.device = torch_xla.device()
         self.model = model.to(self.device)
+        if world_size > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.broadcast_master_param(self.model)  # one model: every rank starts from the master's weights
+            torch_xla.sync()
         self.tokenizer = tokenizer
-        self.train_data, self.eval_data, self.classes = train, evaluation, classes
+        self.train_data, self.eval_data, self.classes = train, evaluation, list(train.classes)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.schedule = Schedule(config.learning_rate, config.steps, config.lr_warmup_fraction, decay=True)
+        # The rate for step s is factor(s); LambdaLR counts from 0, the loop's steps from 1. On XLA the rate
+        # travels as device data, so a new rate each step compiles no new graph.
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda done: self.schedule.factor(done + 1))
         self.eval_accuracy: float | None = None
 
     def _device_loader(self, loader: DataLoader) -> Iterator[Any]:
@@ -162,25 +295,33 @@ class TextTrainer(TrainingLoop[Batch]):
         return iter(pl.MpDeviceLoader(loader, self.device))
 
     def batches(self) -> Iterator[Batch]:
-        loader = shard_loader(self.train_data, batch_size=self.text.batch_size, world_size=self.world_size, rank=self.rank,
-                              seed=self.text.seed, train=True)
-        if len(loader) == 0:
-            raise DataExhaustedError(f"{len(self.train_data)} examples make no full batch of {self.text.batch_size} per rank")
-        epoch = 0
-        while True:
-            loader.sampler.set_epoch(epoch)
-            for input_ids, attention_mask, labels in self._device_loader(loader):
-                yield {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-            epoch += 1
+        loader = train_loader(self.train_data, batch_size=self.text.batch_size, world_size=self.world_size, rank=self.rank,
+                              seed=self.text.seed, start=self.resume_samples)
+        for input_ids, attention_mask, labels in self._device_loader(loader):
+            yield {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
-    def train_step(self, batch: Batch) -> float:
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        import torch_xla
         import torch_xla.core.xla_model as xm
 
-        loss = self.model(**batch).loss
+        loss = self.model(input_ids=batch["input_ids"], attention_mask=additive_mask(batch["attention_mask"]), labels=batch["labels"]).loss
         loss.backward()
         xm.optimizer_step(self.optimizer)  # all-reduces gradients across ranks, then steps
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()  # executes this step's graph
+        self.lr_scheduler.step()
+        torch_xla.sync()  # the step's one graph: forward, backward, all-reduce, update
+        xm.wait_device_ops()  # the step time is the device's, not the tracing's
+        return loss  # already computed: reading it later executes nothing
+
+    def loss_value(self, loss: Any) -> float:
+        return loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+
+    def settle(self) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        torch_xla.sync()
+        xm.wait_device_ops()
 
     def after_step(self, step: int) -> None:
         if self.text.eval_every and step % self.text.eval_every == 0 and step < self.text.steps:
@@ -188,19 +329,19 @@ class TextTrainer(TrainingLoop[Batch]):
             if self.is_chief:
                 print(metric_line(step, self.text.steps, {"eval_accuracy": accuracy}), flush=True)
 
-    def evaluate(self) -> float:
-        """Accuracy over the whole eval channel, every rank scoring its shard."""
+    def evaluate(self) -> float | None:
+        """Accuracy over the whole eval channel, every example counted once, every rank scoring its shard."""
         assert self.eval_data is not None
-        loader = shard_loader(self.eval_data, batch_size=self.text.batch_size, world_size=self.world_size, rank=self.rank,
-                              seed=self.text.seed, train=False)
+        shard = EvalShard(self.eval_data, rank=self.rank, world_size=self.world_size, batch_size=self.text.batch_size)
+        loader = DataLoader(shard, batch_size=None)
         correct = torch.zeros((), device=self.device)
         total = torch.zeros((), device=self.device)
         self.model.eval()
         with torch.no_grad():
-            for input_ids, attention_mask, labels in self._device_loader(loader):
-                logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-                correct += (logits.argmax(-1) == labels).sum()
-                total += labels.numel()
+            for input_ids, attention_mask, labels, weights in self._device_loader(loader):
+                logits = self.model(input_ids=input_ids, attention_mask=additive_mask(attention_mask)).logits
+                correct += ((logits.argmax(-1) == labels) * weights).sum()
+                total += weights.sum()
         self.model.train()
         counts = torch.stack([correct, total])
         if self.world_size > 1:
@@ -211,16 +352,31 @@ class TextTrainer(TrainingLoop[Batch]):
         self.eval_accuracy = correct_count / total_count if total_count else None
         return self.eval_accuracy
 
-    def save_checkpoint(self, path: Path, step: int) -> None:
+    def rng_state(self) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
 
-        xm.save({"step": step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, str(path), master_only=False)
+        return super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes()), "xla": xm.get_rng_state()}
 
-    def load_checkpoint(self, path: Path) -> int:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        return int(state["step"])
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        super().set_rng_state(state)
+        if "torch" in state:
+            torch.set_rng_state(torch.frombuffer(bytearray(decode_bytes(state["torch"])), dtype=torch.uint8))
+            xm.set_rng_state(int(state["xla"]))
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "lr_scheduler": self.lr_scheduler.state_dict(), "loop": state}, str(path), master_only=False)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        return saved["loop"]
 
     def save_model(self, model_dir: Path) -> None:
         cpu_state = {name: tensor.cpu() for name, tensor in self.model.state_dict().items()}
@@ -257,7 +413,17 @@ class TextTrainer(TrainingLoop[Batch]):
             "device": str(self.device),
             "classes": self.classes,
             "eval_accuracy": self.eval_accuracy,
+            "eval_examples": len(self.eval_data) if self.eval_data is not None else 0,
         }
+
+
+def build_model(source: str, num_labels: int, seed: int) -> torch.nn.Module:
+    """The pretrained model with a fresh classification head, the same head on every rank: the seed is
+    set before the head is drawn (the master's parameters are broadcast as well, in TextTrainer)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
 
 
 def build_trainer(environ: dict[str, str]) -> TextTrainer:
@@ -271,29 +437,26 @@ def build_trainer(environ: dict[str, str]) -> TextTrainer:
 
         dist.init_process_group("xla", init_method="xla://")
     rank, local_rank = (xr.global_ordinal(), xr.local_ordinal()) if world_size > 1 else (0, 0)
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     # The model and tokenizer come from a channel (offline, versioned with the data) or a named model.
     source = str(channel_dir(config.model_channel, environ)) if config.model_channel else config.model
     tokenizer = AutoTokenizer.from_pretrained(source)
     cache = base_dir(environ) / "tokenized"  # node-local: every host tokenises its own copy
 
-    def barrier() -> None:
-        if world_size > 1:
-            import torch_xla.core.xla_model as xm
-
-            xm.rendezvous("tokenized")
-
-    def tokenized(channel: str) -> Path:
+    def tokenized(channel: str, classes: Sequence[int] | None) -> TokenizedText:
         folder = channel_dir(channel, environ)
-        return once_per_node(local_rank, lambda: tokenize_channel(folder, channel, tokenizer, config.max_seq_len, cache), barrier)
+        path = tokenized_path(folder, channel, tokenizer, config.max_seq_len, cache, classes)
+        make = lambda: tokenize_channel(folder, channel, tokenizer, config.max_seq_len, cache, classes=classes,  # noqa: E731
+                                        chunk=config.tokenize_chunk)
+        return load_tokenized(once_per_node(local_rank, make, path))
 
-    train, classes = load_tokenized(tokenized(settings.data_channel))
-    evaluation = load_tokenized(tokenized(config.eval_channel))[0] if config.eval_channel else None
-    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=len(classes))
-    log.info("host %s rank %d/%d: %d training examples, classes %s", cluster.current_host, rank, world_size, len(train), classes)
+    train = tokenized(settings.data_channel, None)
+    evaluation = tokenized(config.eval_channel, train.classes) if config.eval_channel else None
+    model = build_model(source, len(train.classes), config.seed)
+    log.info("host %s rank %d/%d: %d training examples, classes %s", cluster.current_host, rank, world_size, len(train), list(train.classes))
     return TextTrainer(config, OutputPaths.from_environment(environ), model=model, tokenizer=tokenizer, train=train,
-                       evaluation=evaluation, classes=classes, rank=rank, world_size=world_size)
+                       evaluation=evaluation, rank=rank, world_size=world_size)
 
 
 def main() -> int:
