@@ -3,8 +3,10 @@ outputs, checkpoint resume, undecodable files."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from training.data_service.dataset import scan_image_folder
 from training.metrics import METRIC_DEFINITIONS, metric_line, parse_metric_line
 from training.trainers.config import VisionConfig
 from training.trainers.loop import OutputPaths, summarize
-from training.trainers.pytorch_vision import VisionTrainer, build_model
+from training.trainers.pytorch_vision import VisionTrainer, build_model, local_loader, resolve_precision
 
 SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_rate=0.05, dataloader_workers=1)
 
@@ -62,12 +64,64 @@ def test_a_second_run_resumes_from_the_checkpoint(images: Path, tmp_path: Path, 
     weights = {name: value.clone() for name, value in first.module.state_dict().items()}
     capsys.readouterr()
     resumed = trainer(images, tmp_path, steps=10, warmup_steps=1)
-    assert resumed.load_checkpoint(resumed.checkpoint_path) == 6
+    assert resumed.load_checkpoint(resumed.checkpoint_path)["step"] == 6
+    assert resumed.lr_scheduler.last_epoch == 6
     assert all(torch.equal(weights[name], value) for name, value in resumed.module.state_dict().items())
     summary = resumed.run()
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step=")]
     assert summary["start_step"] == 6 and summary["timed_steps"] == 3
     assert steps[0].startswith("step=7/10") and steps[-1].startswith("step=10/10")
+    assert resumed.resume_samples == 6 * 16  # its loader read on from there (test_sampling: where that is)
+
+
+class Probe(torch.utils.data.Dataset):
+    """What a DataLoader worker is: its process and the seed its augmentations draw from."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        import os
+
+        return index, os.getpid(), torch.utils.data.get_worker_info().seed
+
+
+def _probe(rank: int, start: int = 0, batches: int = 6) -> list[tuple[int, int, int]]:
+    loader = local_loader(Probe(), batch_size=2, rank=rank, world_size=2, seed=0, start=start, workers=2, pin_memory=False,
+                          collate_fn=lambda items: items)
+    return [item for batch in itertools.islice(loader, batches) for item in batch]
+
+
+def test_each_rank_draws_its_own_augmentations_and_workers_never_restart() -> None:
+    rank_0, rank_1, resumed = _probe(0), _probe(1), _probe(0, start=4)
+    seeds = lambda items: {seed for _, _, seed in items}  # noqa: E731
+    assert len(seeds(rank_0)) == 2 and not seeds(rank_0) & seeds(rank_1)  # worker k of each rank: different crops
+    assert not seeds(rank_0) & seeds(resumed)  # a resumed run does not replay the first run's crops either
+    # Six batches are three epochs of a 4-sample shard: the same two worker processes all along.
+    assert len({pid for _, pid, _ in rank_0}) == 2
+    first_epochs = [index for index, _, _ in rank_0[:4] + rank_1[:4]]
+    assert sorted(first_epochs) == list(range(8))  # the two ranks' halves of an epoch: the whole set, once
+
+
+def test_precision_follows_the_device() -> None:
+    cuda = torch.device("cuda", 0)
+    assert resolve_precision("auto", cuda, (9, 0)) == "bf16"  # H100/H200
+    assert resolve_precision("auto", cuda, (8, 0)) == "bf16"  # A100 (ml.p4d)
+    assert resolve_precision("auto", cuda, (7, 0)) == "fp16"  # V100 (ml.p3): no bf16, loss scaling instead
+    assert resolve_precision("fp32", cuda, (9, 0)) == "fp32"
+    assert resolve_precision("bf16", torch.device("cpu")) == "fp32"
+
+
+def test_the_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_path: Path) -> None:
+    run = trainer(images, tmp_path, steps=20, warmup_steps=1, lr_warmup_fraction=0.2, learning_rate=0.1)
+    rates = []
+    batches = run.batches()
+    for _ in range(6):
+        rates.append(run.optimizer.param_groups[0]["lr"])
+        run.train_step(next(batches))
+    assert rates == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])  # one worker: the configured rate
+    assert run.schedule.at(10) == pytest.approx(0.1)
+    assert replace(run.schedule, workers=8).at(10) == pytest.approx(0.8)  # eight: eight times the rate
 
 
 def test_undecodable_files_are_skipped_and_counted(images: Path, tmp_path: Path) -> None:

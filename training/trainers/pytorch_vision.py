@@ -11,8 +11,19 @@ Where its batches come from depends on the job:
   against. (Random tensors are not a faithful stand-in: on the CPU, a step on noise measured 5–10%
   slower than on real images.)
 
-Normalisation to float runs on the device in every case. The launcher starts this module through
-torchrun (or directly); it reads the job from the SageMaker files like any other process on the host:
+Normalisation to float runs on the device in every case. On a GPU the defaults are what the device is
+fast at (measured on one H200, ResNet50 at 224², train-only: fp32 60 ms/step, bf16 + channels_last 29 ms):
+mixed precision (``precision``: bf16 autocast on Ampere and later, fp16 with a gradient scaler on older
+GPUs), channels_last, cuDNN's autotuner, batches in page-locked memory copied without blocking, and
+``torch.compile`` on request. Each process binds its GPU before NCCL starts.
+
+The learning rate is per worker and scaled by the number of workers after a linear warm-up
+(training/trainers/schedule.py). The homogeneous input is an endless per-rank shard
+(training/trainers/sampling.py): workers never drain at an epoch boundary, a resumed job reads on from
+its checkpoint's data position, and each rank's DataLoader workers draw their own augmentations.
+
+The launcher starts this module through torchrun (or directly); it reads the job from the SageMaker files
+like any other process on the host:
 
     python -m training.trainers.pytorch_vision
 """
@@ -34,7 +45,7 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset
@@ -44,7 +55,17 @@ from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError,
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.trainers.config import AugmentConfig, VisionConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
+from training.trainers.loop import (
+    DataExhaustedError,
+    OutputPaths,
+    TrainingLoop,
+    TrainingStopped,
+    decode_bytes,
+    encode_bytes,
+    leave_stopped,
+)
+from training.trainers.sampling import EndlessSampler, ShardTooSmallError
+from training.trainers.schedule import Schedule
 
 log = logging.getLogger("training.pytorch_vision")
 
@@ -79,6 +100,20 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
 
 
+def resolve_precision(requested: str, device: torch.device, capability: tuple[int, int] | None = None) -> str:
+    """What "auto" means on this device: bf16 on GPUs that have it (compute capability 8.0, Ampere, and
+    later), fp16 on older ones (V100 is 7.0), fp32 on CPUs. A forced choice is kept, except that half
+    precision is not used on a CPU. Pure."""
+    if device.type != "cuda":
+        return "fp32"
+    if requested != "auto":
+        return requested
+    return "bf16" if capability is not None and capability >= (8, 0) else "fp16"
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_model(config: VisionConfig, num_classes: int) -> nn.Module:
     if config.model == "cnn":
         return SmallCNN(num_classes, config.cnn_width)
@@ -88,9 +123,10 @@ def build_model(config: VisionConfig, num_classes: int) -> nn.Module:
 class LocalImages(Dataset):
     """Map-style dataset over an ImageFolder channel; an undecodable file yields None and is counted."""
 
-    def __init__(self, folder: ImageFolder, augment: AugmentConfig) -> None:
+    def __init__(self, folder: ImageFolder, augment: AugmentConfig, seed: int = 0) -> None:
         self.folder = folder
         self.augment = augment
+        self.seed = seed  # for reading in the trainer's own process (no workers)
         self._rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
@@ -98,8 +134,9 @@ class LocalImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[np.ndarray | None, int]:
         if self._rng is None:
-            # DataLoader seeds each worker differently on every epoch; derive numpy's stream from it.
-            self._rng = np.random.default_rng(torch.initial_seed() % 2**32)
+            # The DataLoader seeds each worker (worker_seed + its index); numpy's stream derives from it.
+            worker = torch.utils.data.get_worker_info()
+            self._rng = np.random.default_rng((worker.seed if worker is not None else self.seed) % 2**32)
         path, label = self.folder.samples[index]
         try:
             return load_and_augment(path, self._rng, self.augment), label
@@ -114,6 +151,36 @@ def ignore_stop_signal(_worker_id: int) -> None:
     error in the main process) before it reaches the step boundary where it saves. The workers still
     end with their trainer, which shuts them down, or, if it dies, by noticing that it is gone."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def worker_seed(seed: int, rank: int, start: int) -> int:
+    """The seed of a rank's DataLoader workers (torch gives worker k this plus k): apart for every rank, so
+    that worker k of each rank does not draw the same crops, and for every resumed run. Pure."""
+    return (seed * 1_000_003 + rank) * 1_000_003 + start
+
+
+def local_loader(
+    dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, start: int, workers: int, pin_memory: bool,
+    collate_fn: Any = None,
+) -> DataLoader:
+    """This rank's endless shard of ``dataset`` from ``start`` samples in, decoded by ``workers`` processes
+    that persist (the sampler never ends, so they never drain) and draw augmentations of their own."""
+    try:
+        sampler = EndlessSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, start=start)
+    except ShardTooSmallError as error:
+        raise DataExhaustedError(str(error)) from None
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        worker_init_fn=ignore_stop_signal,
+        generator=torch.Generator().manual_seed(worker_seed(seed, rank, start)),
+        pin_memory=pin_memory,
+        prefetch_factor=2 if workers > 0 else None,
+        drop_last=True,
+    )
 
 
 def collate_skipping(items: list[tuple[np.ndarray | None, int]]) -> VisionBatch:
@@ -152,8 +219,13 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.service = service
         self.cpus = cpus
         self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        self.precision = resolve_precision(config.precision, self.device, capability)
+        self.memory_format = torch.channels_last if config.channels_last and self.device.type == "cuda" else torch.contiguous_format
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed input shapes: pick each convolution's fastest kernel once
         torch.manual_seed(config.seed)
-        self.module = build_model(config, len(classes)).to(self.device)
+        self.module = build_model(config, len(classes)).to(self.device, memory_format=self.memory_format)
         self.model: nn.Module = self.module
         # The loop's own collectives (data wait, stop votes, summary counts) are host values: on a gloo
         # group of their own when the gradients go over NCCL, so they never wait on the device.
@@ -162,9 +234,17 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             self.model = DistributedDataParallel(self.module, device_ids=[local_rank] if self.device.type == "cuda" else None)
             if dist.get_backend() != "gloo":
                 self.host_group = dist.new_group(backend="gloo")
+        if config.compile:
+            self.model = torch.compile(self.model)
         self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
+            self.module.parameters(), lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
         )
+        self.schedule = Schedule(config.learning_rate, config.steps, config.lr_warmup_fraction, workers=world_size,
+                                 scale_with_workers=config.scale_lr)
+        # LambdaLR counts the steps taken (from 0); the schedule, the step about to be taken (from 1).
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda done: self.schedule.factor(done + 1))
+        # fp16 needs its loss scaled (its range is too narrow for small gradients); bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
         self.criterion = nn.CrossEntropyLoss()
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
@@ -187,46 +267,54 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
 
     def _local_batches(self) -> Iterator[VisionBatch]:
         assert self.local_folder is not None
-        dataset = LocalImages(self.local_folder, self.vision.augment_config)
-        sampler = DistributedSampler(dataset, self.world_size, self.rank, shuffle=True, seed=self.vision.seed)
+        seed = worker_seed(self.vision.seed, self.rank, self.resume_samples)
+        dataset = LocalImages(self.local_folder, self.vision.augment_config, seed=seed)
         workers = self.cpus if self.vision.dataloader_workers < 0 else self.vision.dataloader_workers
-        loader = DataLoader(
-            dataset,
-            batch_size=self.vision.batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            collate_fn=collate_skipping,
-            worker_init_fn=ignore_stop_signal,
-            pin_memory=self.device.type == "cuda",
-            persistent_workers=workers > 0,
-            prefetch_factor=2 if workers > 0 else None,
-            drop_last=True,
-        )
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
-            for batch in loader:
-                self.skipped_samples += batch.skipped
-                yield batch
-            epoch += 1
+        loader = local_loader(dataset, batch_size=self.vision.batch_size, rank=self.rank, world_size=self.world_size,
+                              seed=self.vision.seed, start=self.resume_samples, workers=workers,
+                              pin_memory=self.device.type == "cuda", collate_fn=collate_skipping)
+        for batch in loader:
+            self.skipped_samples += batch.skipped
+            yield batch
 
     def train_step(self, batch: VisionBatch) -> float:
         images = batch.images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
+        images = images.contiguous(memory_format=self.memory_format)
         labels = batch.labels.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.criterion(self.model(images), labels)
-        loss.backward()
-        self.optimizer.step()
-        return loss.item()
+        dtype = AUTOCAST_DTYPES.get(self.precision)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = self.criterion(self.model(images), labels)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.lr_scheduler.step()
+        return loss.item()  # waits for the device: the step time is the GPU's
 
-    def save_checkpoint(self, path: Path, step: int) -> None:
-        torch.save({"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, path)
+    def rng_state(self) -> dict[str, Any]:
+        state = super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes())}
+        if self.device.type == "cuda":
+            state["cuda"] = encode_bytes(torch.cuda.get_rng_state(self.device).numpy().tobytes())
+        return state
 
-    def load_checkpoint(self, path: Path) -> int:
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        return int(state["step"])
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        super().set_rng_state(state)
+        if "torch" in state:
+            torch.set_rng_state(_byte_tensor(state["torch"]))
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(_byte_tensor(state["cuda"]), self.device)
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict(), "loop": state}, path)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        saved = torch.load(path, map_location=self.device, weights_only=True)
+        self.module.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        return saved["loop"]
 
     def save_model(self, model_dir: Path) -> None:
         torch.save(self.module.state_dict(), model_dir / "model.pt")
@@ -256,6 +344,9 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             "model": self.vision.model,
             "device": self.device.type,
             "data_source": self.source,
+            "precision": self.precision,
+            "channels_last": self.memory_format == torch.channels_last,
+            "compiled": self.vision.compile,
             "cached_input_batches": self.vision.cached_input_batches,
             "classes": len(self.classes),
         }
@@ -281,6 +372,10 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         return extra
 
 
+def _byte_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(decode_bytes(text)), dtype=torch.uint8)
+
+
 def host_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -292,6 +387,9 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
     local_rank, local_world = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
     cpus = max(1, host_cpus() // local_world)
     torch.set_num_threads(cpus)
+    if torch.cuda.is_available():
+        # Before NCCL and before any pinned memory: otherwise every rank makes a context on GPU 0.
+        torch.cuda.set_device(local_rank)
     if world_size > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     paths = OutputPaths.from_environment(environ)
@@ -311,6 +409,7 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
             client_id=f"{cluster.current_host}/rank{rank}",
             connect_timeout_s=settings.data_connect_timeout_s,
             batch_timeout_s=settings.data_batch_timeout_s,
+            pin_memory=torch.cuda.is_available(),
         )
         return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service, **common)
     folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
