@@ -16,7 +16,8 @@ from training.data_service.dataset import scan_image_folder
 from training.metrics import METRIC_DEFINITIONS, metric_line, parse_metric_line
 from training.trainers.config import VisionConfig
 from training.trainers.loop import OutputPaths, summarize
-from training.trainers.pytorch_vision import VisionTrainer, build_model, local_loader, resolve_precision
+from training.trainers.precision import resolve_precision
+from training.trainers.pytorch_vision import VisionTrainer, build_model, local_loader
 
 SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_rate=0.05, dataloader_workers=1)
 
@@ -104,12 +105,13 @@ def test_each_rank_draws_its_own_augmentations_and_workers_never_restart() -> No
 
 
 def test_precision_follows_the_device() -> None:
-    cuda = torch.device("cuda", 0)
-    assert resolve_precision("auto", cuda, (9, 0)) == "bf16"  # H100/H200
-    assert resolve_precision("auto", cuda, (8, 0)) == "bf16"  # A100 (ml.p4d)
-    assert resolve_precision("auto", cuda, (7, 0)) == "fp16"  # V100 (ml.p3): no bf16, loss scaling instead
-    assert resolve_precision("fp32", cuda, (9, 0)) == "fp32"
-    assert resolve_precision("bf16", torch.device("cpu")) == "fp32"
+    assert resolve_precision("auto", gpu=True, capability=(9, 0)) == "bf16"  # H100/H200
+    assert resolve_precision("auto", gpu=True, capability=(8, 0)) == "bf16"  # A100 (ml.p4d)
+    assert resolve_precision("auto", gpu=True, capability=(7, 0)) == "fp16"  # V100 (ml.p3): no bf16, loss scaling instead
+    assert resolve_precision("fp32", gpu=True, capability=(9, 0)) == "fp32"
+    assert resolve_precision("bf16", gpu=False) == "fp32"
+    run = VisionTrainer(VisionConfig(**SMALL), OutputPaths.under(Path("/nonexistent")), classes=["a", "b"], source="local")
+    assert run.precision == "fp32" and not run.scaler.is_enabled()  # this machine has no GPU
 
 
 def test_the_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_path: Path) -> None:

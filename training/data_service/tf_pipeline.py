@@ -10,7 +10,14 @@ Only TensorFlow ops are used (no Python functions), so the graph serialises to t
 workers. Files are listed relative to the channel folder and read relative to the process's working
 directory: every data host runs its workers in its own copy of the channel, wherever that is mounted.
 Batches leave as uint8 (batch, size, size, 3): normalisation happens on the trainer, which keeps the
-bytes on the wire at one per pixel and channel, as in the PyTorch data service.
+bytes on the wire at one per pixel and channel, as in the PyTorch data service. They are registered
+uncompressed (``register``): tf.data.service compresses by default, and undoing that would spend the
+DNN host's CPU on every batch, the one thing the data group is there to save.
+
+With several data hosts, the trainers read with dynamic sharding (``read_from_service``): the
+dispatcher hands the file list out one file at a time to whichever worker asks next, so each file is
+read once per epoch across all data hosts. With ``parallel_epochs`` every worker would run the whole
+graph, and N data hosts would send every image N times per epoch.
 """
 
 from __future__ import annotations
@@ -37,19 +44,53 @@ def element_spec(batch_size: int, image_size: int) -> tuple[tf.TensorSpec, tf.Te
     )
 
 
+def register(dispatcher: str, dataset: tf.data.Dataset) -> None:
+    """Register the pipeline with the dispatcher at host:port under ``DATASET_ID``, uncompressed."""
+    tf.data.experimental.service.register_dataset(f"grpc://{dispatcher}", dataset, dataset_id=DATASET_ID, compression=None)
+
+
+def read_from_service(dispatcher: str, batch_size: int, image_size: int) -> tf.data.Dataset:
+    """The registered pipeline as a trainer reads it: one job shared by every trainer process (each batch
+    to one of them), the file list sharded dynamically across the data hosts' workers."""
+    return tf.data.experimental.service.from_dataset_id(
+        processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
+        service=f"grpc://{dispatcher}",
+        dataset_id=DATASET_ID,
+        element_spec=element_spec(batch_size, image_size),
+        job_name=JOB_NAME,
+    ).prefetch(2)
+
+
 def relative_samples(folder: ImageFolder) -> tuple[list[str], list[int]]:
     """The folder's files relative to its root (and their labels), in the folder's sorted order."""
     paths = [os.path.relpath(path, folder.root) for path, _ in folder.samples]
     return paths, [label for _, label in folder.samples]
 
 
-def augmentation_pipeline(paths: list[str], labels: list[int], batch_size: int, augment: AugmentConfig, seed: int) -> tf.data.Dataset:
+def augmentation_pipeline(
+    paths: list[str],
+    labels: list[int],
+    batch_size: int,
+    augment: AugmentConfig,
+    seed: int,
+    *,
+    shard: tuple[int, int] = (0, 1),
+    skip: int = 0,
+) -> tf.data.Dataset:
     """Endless shuffled batches of augmented images. Files that do not decode are skipped (the batch is
-    filled from the next ones), as the PyTorch data service replaces them."""
+    filled from the next ones), as the PyTorch data service replaces them.
+
+    ``shard`` (rank, ranks): a homogeneous multi-process job gives each rank its own part of the files.
+    ``skip``: files this rank already read (a resumed job), passed over before any is decoded; the order
+    is the same seeded sequence as in the first run, so the resumed run reads on from there."""
     if not paths:
         raise ValueError("the pipeline needs at least one image")
+    rank, ranks = shard
     dataset = tf.data.Dataset.from_tensor_slices((tf.constant(paths), tf.constant(labels, tf.int32)))
-    dataset = dataset.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True).repeat()
+    if ranks > 1:
+        dataset = dataset.shard(ranks, rank)
+    size = len(range(rank, len(paths), ranks))
+    dataset = dataset.shuffle(size, seed=seed, reshuffle_each_iteration=True).repeat().skip(skip)
     dataset = dataset.map(lambda path, label: (load_and_augment(path, augment), label), num_parallel_calls=tf.data.AUTOTUNE)
     dataset = dataset.ignore_errors()
     return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)

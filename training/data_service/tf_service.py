@@ -13,8 +13,9 @@ gRPC, whose at-fork handlers would otherwise run in the forked child and abort i
 still the launcher that started it, which closes the window between the start and that call.
 
 The dispatcher host registers the augmentation pipeline (training/data_service/tf_pipeline.py) under
-a fixed dataset id; trainers read it with ``from_dataset_id`` and one shared job name, so each batch goes
-to exactly one trainer process. The child runs in the channel folder: the pipeline lists files relative
+a fixed dataset id, uncompressed; trainers read it with ``from_dataset_id``, one shared job name and
+dynamic sharding, so each batch goes to exactly one trainer process and each file is read once per epoch
+across the data hosts. The child runs in the channel folder: the pipeline lists files relative
 to it, so every worker reads its own host's copy of the channel.
 
     python -m training.data_service.tf_service --worker-address 10.0.0.5:6200 \
@@ -164,7 +165,7 @@ def run_servers(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     from training.data_service.dataset import scan_image_folder
-    from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, relative_samples
+    from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, register, relative_samples
     from training.trainers.config import AugmentConfig
 
     service = tf.data.experimental.service
@@ -188,7 +189,7 @@ def run_servers(args: argparse.Namespace) -> None:
         paths, labels = relative_samples(folder)
         augment = AugmentConfig(image_size=args.image_size, augment=args.augment)
         dataset = augmentation_pipeline(paths, labels, args.batch_size, augment, args.seed)
-        service.register_dataset(f"grpc://{args.dispatcher_address}", dataset, dataset_id=DATASET_ID)
+        register(args.dispatcher_address, dataset)
         log.info("registered the augmentation pipeline (%d images, %d classes) as %r", len(paths), len(folder.classes), DATASET_ID)
     print(READY_LINE, flush=True)
     worker.join()

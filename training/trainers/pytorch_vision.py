@@ -64,6 +64,7 @@ from training.trainers.loop import (
     encode_bytes,
     leave_stopped,
 )
+from training.trainers.precision import resolve_precision
 from training.trainers.sampling import EndlessSampler, ShardTooSmallError
 from training.trainers.schedule import Schedule
 
@@ -98,17 +99,6 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
-
-
-def resolve_precision(requested: str, device: torch.device, capability: tuple[int, int] | None = None) -> str:
-    """What "auto" means on this device: bf16 on GPUs that have it (compute capability 8.0, Ampere, and
-    later), fp16 on older ones (V100 is 7.0), fp32 on CPUs. A forced choice is kept, except that half
-    precision is not used on a CPU. Pure."""
-    if device.type != "cuda":
-        return "fp32"
-    if requested != "auto":
-        return requested
-    return "bf16" if capability is not None and capability >= (8, 0) else "fp16"
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,7 +210,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.cpus = cpus
         self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        self.precision = resolve_precision(config.precision, self.device, capability)
+        self.precision = resolve_precision(config.precision, gpu=self.device.type == "cuda", capability=capability)
         self.memory_format = torch.channels_last if config.channels_last and self.device.type == "cuda" else torch.contiguous_format
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick each convolution's fastest kernel once

@@ -12,14 +12,19 @@ Where its batches come from depends on the job:
 Distribution (the job's ``distribution``):
 
 * ``horovod``: one process per device on every DNN host (started by the launcher,
-  training/horovod_launch.py); gradients are averaged by ``hvd.DistributedGradientTape`` in a custom
-  loop (Horovod's Keras callbacks do not work with Keras 3), and rank 0's variables are broadcast after
-  the first step;
+  training/horovod_launch.py); gradients are averaged by Horovod's grouped all-reduce in a custom loop
+  (Horovod's Keras callbacks do not work with Keras 3), outside the XLA-compiled part of the step (its
+  XLA ops are not built in), and rank 0's variables are broadcast after the first step;
 * ``mirrored``: one process, ``tf.distribute.MirroredStrategy`` over this host's devices;
 * ``none``: one process, one device.
 
-Normalisation to float happens inside the compiled step, on the device. The shared loop
-(training/trainers/loop.py) does timing, metric lines, checkpoints and the summary.
+Normalisation to float happens inside the compiled step, on the device. On a GPU the defaults are what
+it is fast at: mixed precision (``precision``: bf16 on Ampere and later, fp16 with loss scaling on older
+GPUs) and XLA compilation of the forward and backward pass (``jit_compile``). The learning rate is per
+worker, scaled by the number of workers after a linear warm-up (training/trainers/schedule.py). A
+homogeneous job gives each rank its own shard of the files and its own augmentation seed, and a resumed
+one reads on from its checkpoint's data position. The shared loop (training/trainers/loop.py) does
+timing, metric lines, checkpoints and the summary.
 
     python -m training.trainers.tf_vision
 """
@@ -28,10 +33,11 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +49,14 @@ import tensorflow as tf  # noqa: E402
 
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.control import DataServiceError, describe, wait_for_port
-from training.data_service.dataset import ChannelError, channel_dir, scan_image_folder
-from training.data_service.tf_pipeline import DATASET_ID, JOB_NAME, augmentation_pipeline, element_spec
+from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
+from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, read_from_service
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.trainers.config import KerasVisionConfig
 from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
+from training.trainers.precision import resolve_precision
+from training.trainers.schedule import Schedule
 
 log = logging.getLogger("training.tf_vision")
 
@@ -86,11 +94,9 @@ class Distribution:
     def scope(self):  # noqa: ANN201 (a context manager)
         return tf.distribute.get_strategy().scope()
 
-    def tape(self, tape: tf.GradientTape) -> tf.GradientTape:
-        return tape
-
-    def sources(self, variables: list) -> list:
-        return variables
+    def allreduce(self, gradients: list) -> list:
+        """The gradients averaged over every process (outside any XLA-compiled function)."""
+        return gradients
 
     def after_first_step(self, model: keras.Model, optimizer: keras.optimizers.Optimizer) -> None:
         pass
@@ -125,12 +131,8 @@ class HorovodDistribution(Distribution):
             tf.config.set_visible_devices(gpus[self.local_rank % len(gpus)], "GPU")
             tf.config.experimental.set_memory_growth(gpus[self.local_rank % len(gpus)], True)
 
-    def tape(self, tape: tf.GradientTape) -> tf.GradientTape:
-        return self.hvd.DistributedGradientTape(tape)
-
-    def sources(self, variables: list) -> list:
-        # Horovod keys gradients by tf.Variable.ref(); Keras 3 variables wrap a tf.Variable (.value).
-        return [variable.value for variable in variables]
+    def allreduce(self, gradients: list) -> list:
+        return self.hvd.grouped_allreduce(gradients, op=self.hvd.Average)
 
     def after_first_step(self, model: keras.Model, optimizer: keras.optimizers.Optimizer) -> None:
         # Every rank starts from rank 0's weights and optimizer state (built by the first step).
@@ -167,6 +169,21 @@ class MirroredDistribution(Distribution):
 DISTRIBUTIONS = {"horovod": HorovodDistribution, "mirrored": MirroredDistribution, "none": Distribution}
 
 
+# What a trainer's input is, given the samples this rank already consumed (a resumed job skips them).
+DatasetFactory = Callable[[int], tf.data.Dataset]
+
+
+def gpu_capability() -> tuple[bool, tuple[int, int] | None]:
+    """(whether this process has a GPU, its compute capability)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return False, None
+    return True, tf.config.experimental.get_device_details(gpus[0]).get("compute_capability")
+
+
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
+
 class KerasVisionTrainer(TrainingLoop[Batch]):
     checkpoint_name = "checkpoint.npz"
 
@@ -177,7 +194,7 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
         *,
         distribution: Distribution,
         classes: list[str],
-        dataset: tf.data.Dataset,
+        dataset: DatasetFactory,
         source: str,
     ) -> None:
         super().__init__(config, paths, rank=distribution.rank, world_size=distribution.size)
@@ -185,58 +202,75 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
         self.distribution = distribution
         self.classes = classes
         self.source = source
-        self.dataset = dataset
-        keras.utils.set_random_seed(config.seed)
+        self.make_dataset = dataset
+        gpu, capability = gpu_capability()
+        self.precision = resolve_precision(config.precision, gpu=gpu, capability=capability)
+        self.jit_compile = config.jit_compile == "true" or (config.jit_compile == "auto" and gpu)
+        keras.mixed_precision.set_global_policy(POLICIES[self.precision])
+        keras.utils.set_random_seed(config.seed)  # the same initial model on every rank
+        self.schedule = Schedule(config.learning_rate, config.steps, config.lr_warmup_fraction, workers=distribution.size,
+                                 scale_with_workers=config.scale_lr)
         with distribution.scope():
             self.model = build_model(config, len(classes))
-            self.optimizer = keras.optimizers.SGD(
-                learning_rate=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
-            )
+            optimizer = keras.optimizers.SGD(learning_rate=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay)
+            # fp16's range is too narrow for small gradients: scale the loss up, the gradients back down.
+            self.optimizer = keras.optimizers.LossScaleOptimizer(optimizer) if self.precision == "fp16" else optimizer
             self.optimizer.build(self.model.trainable_variables)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum_over_batch_size")
         self._first_step = True
+        self._gradients = tf.function(self._forward_backward, jit_compile=self.jit_compile)
         self._compiled_step = tf.function(self._step, jit_compile=False)
 
     # Hooks ---------------------------------------------------------------------------------------
 
     def batches(self) -> Iterator[Batch]:
-        dataset = self.dataset
+        dataset = self.make_dataset(self.resume_samples)
         if self.config.cached_input_batches:
             cached = list(dataset.take(self.config.cached_input_batches))
             return itertools.cycle(cached)
         return self.distribution.distribute(dataset)
 
-    def _step(self, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    def _forward_backward(self, images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, list]:
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
-            logits = self.model(normalise(images), training=True)
+            logits = tf.cast(self.model(normalise(images), training=True), tf.float32)
             loss = self.loss_fn(labels, logits)
-        gradients = self.distribution.tape(tape).gradient(loss, self.distribution.sources(variables))
-        self.optimizer.apply_gradients(zip(gradients, variables, strict=True))
+            scaled = self.optimizer.scale_loss(loss) if self.precision == "fp16" else loss
+        return loss, tape.gradient(scaled, variables)
+
+    def _step(self, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        loss, gradients = self._gradients(images, labels)
+        gradients = self.distribution.allreduce(gradients)
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables, strict=True))
         return loss
 
     def train_step(self, batch: Batch) -> float:
         images, labels = batch
+        self.optimizer.learning_rate.assign(self.schedule.at(self._next_step()))
         loss = self.distribution.run(self._compiled_step, images, labels)
         if self._first_step:
             self.distribution.after_first_step(self.model, self.optimizer)
             self._first_step = False
         return float(loss)  # waits for the device
 
-    def save_checkpoint(self, path: Path, step: int) -> None:
-        state = {f"model/{i}": np.asarray(v) for i, v in enumerate(self.model.variables)}
-        state |= {f"optimizer/{i}": np.asarray(v) for i, v in enumerate(self.optimizer.variables)}
+    def _next_step(self) -> int:
+        """The optimizer step about to be taken, counted across restarts (1-based)."""
+        return int(self.optimizer.iterations.numpy()) + 1
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        arrays = {f"model/{i}": np.asarray(v) for i, v in enumerate(self.model.variables)}
+        arrays |= {f"optimizer/{i}": np.asarray(v) for i, v in enumerate(self.optimizer.variables)}
         buffer = io.BytesIO()
-        np.savez(buffer, step=np.int64(step), **state)
+        np.savez(buffer, loop=np.array(json.dumps(state)), **arrays)
         path.write_bytes(buffer.getvalue())
 
-    def load_checkpoint(self, path: Path) -> int:
-        with np.load(path) as state:
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        with np.load(path) as saved:
             for i, variable in enumerate(self.model.variables):
-                variable.assign(state[f"model/{i}"])
+                variable.assign(saved[f"model/{i}"])
             for i, variable in enumerate(self.optimizer.variables):
-                variable.assign(state[f"optimizer/{i}"])
-            return int(state["step"])
+                variable.assign(saved[f"optimizer/{i}"])
+            return json.loads(str(saved["loop"]))
 
     def save_model(self, model_dir: Path) -> None:
         self.model.save(model_dir / "model.keras")
@@ -252,17 +286,20 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
         return self.distribution.gather(value)
 
     def summary_extra(self) -> dict[str, Any]:
-        return {"framework": "tensorflow", "input_source": self.source, "distribution": self.distribution.name, "model": self.config.model}
+        return {"framework": "tensorflow", "input_source": self.source, "distribution": self.distribution.name, "model": self.config.model,
+                "precision": self.precision, "jit_compile": self.jit_compile}
 
 
-def service_dataset(dispatcher: str, config: KerasVisionConfig) -> tf.data.Dataset:
-    return tf.data.experimental.service.from_dataset_id(
-        processing_mode="parallel_epochs",
-        service=f"grpc://{dispatcher}",
-        dataset_id=DATASET_ID,
-        element_spec=element_spec(config.batch_size, config.image_size),
-        job_name=JOB_NAME,
-    ).prefetch(2)
+def local_dataset(folder: ImageFolder, config: KerasVisionConfig, rank: int, ranks: int) -> DatasetFactory:
+    """A homogeneous job's input: this rank's shard of the files, its own augmentation seed (TensorFlow
+    fixes an op's seed from the global seed when the op is built), read on from a resumed position."""
+
+    def make(skip: int) -> tf.data.Dataset:
+        tf.random.set_seed((config.seed * 1_000_003 + rank) * 1_000_003 + skip)
+        return augmentation_pipeline([path for path, _ in folder.samples], [label for _, label in folder.samples],
+                                     config.batch_size, config.augment_config, seed=config.seed + rank, shard=(rank, ranks), skip=skip)
+
+    return make
 
 
 def build_trainer(environ: dict[str, str]) -> KerasVisionTrainer:
@@ -289,12 +326,11 @@ def build_trainer(environ: dict[str, str]) -> KerasVisionTrainer:
                 f"this trainer expects {config.batch_size} × {expected}"
             )
         log.info("rank %d reading %r from tf.data.service at %s (%d data hosts)", distribution.rank, DATASET_ID, dispatcher, len(control))
-        return KerasVisionTrainer(config, paths, classes=list(info.classes), dataset=service_dataset(dispatcher, config), source="tf.data.service", **common)
+        # The service's stream has no position to resume from: a resumed job reads a fresh one.
+        service = lambda _skip: read_from_service(dispatcher, config.batch_size, config.image_size)  # noqa: E731
+        return KerasVisionTrainer(config, paths, classes=list(info.classes), dataset=service, source="tf.data.service", **common)
     folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
-    dataset = augmentation_pipeline(
-        [path for path, _ in folder.samples], [label for _, label in folder.samples],
-        config.batch_size, config.augment_config, seed=config.seed + distribution.rank,
-    )
+    dataset = local_dataset(folder, config, distribution.rank, distribution.size)
     return KerasVisionTrainer(config, paths, classes=list(folder.classes), dataset=dataset, source="local", **common)
 
 

@@ -1,0 +1,91 @@
+"""The TensorFlow trainer in-process on the CPU, and the tf.data.service contract between data hosts and
+trainers with a real dispatcher and two real workers: each file once per epoch across data hosts, each
+homogeneous rank its own shard, resumed runs reading on, the per-worker learning rate."""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from training.data_service.dataset import scan_image_folder
+from training.data_service.tf_pipeline import augmentation_pipeline, read_from_service, register, relative_samples
+from training.trainers.config import AugmentConfig, KerasVisionConfig
+from training.trainers.loop import OutputPaths
+from training.trainers.tf_vision import Distribution, KerasVisionTrainer, local_dataset
+
+SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=8, learning_rate=0.05)
+
+
+def labels_of(dataset: tf.data.Dataset, batches: int) -> list[int]:
+    return [int(label) for _, labels in dataset.take(batches) for label in labels.numpy()]
+
+
+def test_two_tf_data_service_workers_send_each_file_once_per_epoch(images: Path) -> None:
+    """Labels stand for file indices here, so the batches say which files they were made from."""
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
+    address = dispatcher.target.split("://")[1]
+    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address)) for _ in range(2)]
+    folder = scan_image_folder(images, "train", "data")
+    paths = [path for path, _ in folder.samples][:48]
+    batch = 4
+    register(address, augmentation_pipeline(paths, list(range(48)), batch, AugmentConfig(16), seed=0))
+    seen = labels_of(read_from_service(address, batch, 16), 3 * 48 // batch)
+    assert all(count >= 1 for count in collections.Counter(seen).values()) and len(set(seen)) == 48
+    # Each worker batches the files it was handed, so an epoch's edge is blurred by at most a batch per
+    # worker; with parallel_epochs (each worker the whole set) an epoch would hold every file twice.
+    first_epoch = seen[:48]
+    assert len(set(first_epoch)) >= 48 - 2 * batch, collections.Counter(first_epoch).most_common(3)
+    assert max(collections.Counter(seen).values()) <= 4  # three epochs: no file three times too often
+    del workers
+
+
+def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(images: Path) -> None:
+    folder = scan_image_folder(images, "train", "data")
+    paths, _ = relative_samples(folder)
+    cwd = os.getcwd()
+    os.chdir(images)
+    try:
+        def pipeline(rank: int, skip: int = 0) -> tf.data.Dataset:
+            return augmentation_pipeline(paths, list(range(len(paths))), 8, AugmentConfig(16), seed=5, shard=(rank, 2), skip=skip)
+
+        rank_0, rank_1 = labels_of(pipeline(0), 6), labels_of(pipeline(1), 6)  # one epoch each: 48 files
+        resumed = labels_of(pipeline(0, skip=16), 4)
+    finally:
+        os.chdir(cwd)
+    assert not set(rank_0) & set(rank_1) and sorted(rank_0 + rank_1) == list(range(len(paths)))
+    assert resumed == rank_0[16:]  # the same seeded order, from the 17th file on
+
+
+def trainer(images: Path, base: Path, **overrides) -> KerasVisionTrainer:
+    folder = scan_image_folder(images, "train", "data")
+    config = KerasVisionConfig(**(SMALL | overrides))
+    return KerasVisionTrainer(config, OutputPaths.under(base), distribution=Distribution(), classes=list(folder.classes),
+                              dataset=local_dataset(folder, config, 0, 1), source="local")
+
+
+def test_a_resumed_tensorflow_run_reads_on_from_its_checkpoint(images: Path, tmp_path: Path) -> None:
+    first = trainer(images, tmp_path, steps=4, warmup_steps=1, checkpoint_every=2)
+    first.run()
+    resumed = trainer(images, tmp_path, steps=6, warmup_steps=1)
+    requested: list[int] = []
+    make = resumed.make_dataset
+    resumed.make_dataset = lambda skip: requested.append(skip) or make(skip)
+    summary = resumed.run()
+    assert summary["start_step"] == 4 and summary["timed_steps"] == 1
+    assert requested == [4 * 8]  # the files the first run consumed are skipped before any is decoded
+    assert summary["precision"] == "fp32" and summary["jit_compile"] is False  # the CPU defaults
+
+
+def test_the_tensorflow_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_path: Path) -> None:
+    run = trainer(images, tmp_path, steps=20, warmup_steps=1, lr_warmup_fraction=0.2, learning_rate=0.1)
+    batches = iter(run.batches())
+    rates = []
+    for _ in range(5):
+        run.train_step(next(batches))
+        rates.append(float(run.optimizer.learning_rate.numpy()))
+    assert rates == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
