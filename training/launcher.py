@@ -110,12 +110,29 @@ def trainer_command(
     ]
 
 
-def trainer_environment(settings: PlatformSettings, environ: dict[str, str]) -> dict[str, str]:
+# What the SageMaker training toolkit's own torchrun runner sets on Trainium when a job spans several
+# nodes: libfabric over EFA, with device RDMA, safe across the fork of torchrun's workers.
+EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+# The Neuron SDK's tool that runs a trainer with graph extraction only, then compiles every graph it saw,
+# in parallel, into the compile cache (the real run then finds them there).
+NEURON_PARALLEL_COMPILE = "neuron_parallel_compile"
+
+
+def trainer_environment(settings: PlatformSettings, environ: dict[str, str], *, trainium: bool = False, nnodes: int = 1) -> dict[str, str]:
     """The trainer's environment: ours, plus the Neuron compile cache when the job has one, so that a
-    graph compiled by an earlier job is not compiled again."""
+    graph compiled by an earlier job is not compiled again, plus EFA's settings on a multi-node Trainium
+    job (a value already in the environment wins: the image or the user may know better). Pure."""
+    environment = dict(environ)
     if settings.neuron_compile_cache_uri:
-        return environ | {"NEURON_COMPILE_CACHE_URL": settings.neuron_compile_cache_uri}
-    return environ
+        environment["NEURON_COMPILE_CACHE_URL"] = settings.neuron_compile_cache_uri
+    if trainium and nnodes > 1:
+        environment = EFA_ENVIRONMENT | environment
+    return environment
+
+
+def precompile_command(command: list[str]) -> list[str]:
+    """The trainer's command under Neuron's parallel pre-compilation. Pure."""
+    return [NEURON_PARALLEL_COMPILE, *command]
 
 
 def gpu_count() -> int:
@@ -252,7 +269,7 @@ def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, e
 CHANNEL_CHECKS = {"image_folder": scan_image_folder, "csv": scan_csv_channel}
 
 
-def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event) -> int:
+def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0) -> int:
     addresses = host_addresses()
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)
@@ -275,10 +292,14 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="launcher-")))
         progress_dir, rank_failure_file = workspace / "progress", workspace / "rank-failure.json"
         progress_dir.mkdir()
-        environment = trainer_environment(settings, dict(os.environ)) | {
+        environment = trainer_environment(settings, dict(os.environ), trainium=variant.accelerator == "trainium", nnodes=len(dnn_hosts)) | {
             PROGRESS_DIR_ENV: str(progress_dir),
             RANK_FAILURE_ENV: str(rank_failure_file),
         }
+        if precompile_steps:
+            status = _precompile(command, environment, stop, cluster.current_host)
+            if status != 0:
+                return status
         watchdog, reports = None, None
         if data_targets:
             watchdog, reports = _start_data_host_watch(stack, cluster, settings, variant, addresses, data_targets, progress_dir)
@@ -305,6 +326,18 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         serving = [target for host, target in zip(settings.data_hosts(cluster), data_targets, strict=True) if host not in failed]
         shutdown_data_hosts(serving, settings.shutdown_token, requester=cluster.current_host)
     return status
+
+
+def _precompile(command: list[str], environment: dict[str, str], stop: threading.Event, host: str) -> int:
+    """Run the trainer once under neuron_parallel_compile (a few steps, graph extraction only, outputs
+    thrown away by the trainer), so that the real run finds every graph compiled in the cache."""
+    if shutil.which(NEURON_PARALLEL_COMPILE, path=environment.get("PATH")) is None:
+        raise HyperparameterError(f"precompile_steps needs {NEURON_PARALLEL_COMPILE} (the Neuron SDK's), which this image does not have")
+    log.info("host %s pre-compiling the trainer's graphs: %s", host, " ".join(precompile_command(command)[:2]))
+    outcome = wait_for_trainers([subprocess.Popen(precompile_command(command), env=environment)], stop, abort=None, peer_grace_s=TORCHRUN_PEER_GRACE_S)
+    if outcome.status != 0 and not stop.is_set():
+        write_failure(f"NeuronPrecompileError: {NEURON_PARALLEL_COMPILE} exited with status {outcome.status}")
+    return outcome.status
 
 
 def _failure_text() -> str:
@@ -563,7 +596,7 @@ def main() -> int:
                 code = CONFIG_ERROR_EXIT if isinstance(error, ChannelError) else StopReason.FAILED.exit_code
                 message = str(error) if isinstance(error, DataHostError) else f"{type(error).__name__}: {error}"
                 return fail_data_host(cluster, settings, message, code, stop)
-        return run_dnn_host(cluster, settings, variant, stop)
+        return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0))
     except (HyperparameterError, ChannelError, PortInUseError) as error:
         return refuse(error)
 

@@ -18,19 +18,42 @@ from tests.conftest import hetero_resource_config, platform_hyperparameters, wri
 from training.hyperparameters import HyperparameterError
 from training.launcher import (
     CONFIG_ERROR_EXIT,
+    EFA_ENVIRONMENT,
     TrainersOutcome,
     data_failure_verdict,
     describe_rank_failure,
     dispatcher_lost,
     exit_status,
     failure_to_write,
+    precompile_command,
     progress_age,
     trainer_command,
+    trainer_environment,
     trainer_failure,
     wait_for_trainers,
 )
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def test_multi_node_trainium_trainers_get_efa_and_every_neuron_trainer_the_cache() -> None:
+    from training.hyperparameters import PlatformSettings
+
+    settings = PlatformSettings(role_map={"trn": "dnn"}, shutdown_token="t" * 16, neuron_compile_cache_uri="s3://bucket/cache/")
+    two_nodes = trainer_environment(settings, {"PATH": "/bin"}, trainium=True, nnodes=2)
+    assert two_nodes == {"PATH": "/bin", "NEURON_COMPILE_CACHE_URL": "s3://bucket/cache/"} | EFA_ENVIRONMENT
+    assert EFA_ENVIRONMENT == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+    assert "FI_PROVIDER" not in trainer_environment(settings, {}, trainium=True, nnodes=1)  # one node: no fabric
+    assert "FI_PROVIDER" not in trainer_environment(settings, {}, trainium=False, nnodes=2)  # GPUs: NCCL's own
+    assert trainer_environment(settings, {"FI_PROVIDER": "sockets"}, trainium=True, nnodes=2)["FI_PROVIDER"] == "sockets"
+    assert precompile_command(["python", "-m", "training.torchrun", "-m", "x"])[:2] == ["neuron_parallel_compile", "python"]
+
+
+def test_pre_compilation_without_the_neuron_sdk_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    from training.launcher import _precompile
+
+    with pytest.raises(HyperparameterError, match="precompile_steps needs neuron_parallel_compile"):
+        _precompile(["python", "-c", "raise SystemExit(3)"], {"PATH": str(tmp_path)}, threading.Event(), "algo-1")
 
 
 def test_torchrun_spans_the_dnn_group() -> None:

@@ -352,9 +352,18 @@ def test_ranks_train_one_model_whatever_their_random_streams_did_before(tiny_mod
     assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)
 
 
+STAND_IN_PARALLEL_COMPILE = """#!/bin/sh
+# Stands in for the Neuron SDK's neuron_parallel_compile (not installable here): it runs the trainer's
+# command with graph extraction on, as the real tool does before it compiles what it collected.
+echo "$@" > "$(dirname "$0")/ran"
+NEURON_EXTRACT_GRAPHS_ONLY=1 "$@"
+"""
+
+
 @pytest.mark.cluster
-def test_a_trainium_spec_runs_on_the_emulated_cluster(tiny_model, polarity, tmp_path) -> None:
-    """The neuron example spec, shrunk, through the real entrypoint: launcher → torchrun → XLA trainer."""
+def test_a_trainium_spec_runs_on_the_emulated_cluster(tiny_model, polarity, tmp_path, monkeypatch) -> None:
+    """The neuron example spec, shrunk, through the real entrypoint: launcher → (graph pre-compilation →)
+    torchrun → XLA trainer."""
     import json
 
     from lambdas.core.job_spec import validate_job_spec
@@ -362,7 +371,12 @@ def test_a_trainium_spec_runs_on_the_emulated_cluster(tiny_model, polarity, tmp_
 
     raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / "neuron-trn1-2xlarge.json").read_text())
     raw["hyperparameters"] |= {"steps": 20, "warmup_steps": 3, "batch_size": 16, "max_seq_len": 16, "eval_every": 10,
-                               "checkpoint_every": 0, "learning_rate": 0.003}
+                               "checkpoint_every": 0, "learning_rate": 0.003, "precompile_steps": 3}
+    tools = tmp_path / "neuron-sdk"
+    tools.mkdir()
+    (tools / "neuron_parallel_compile").write_text(STAND_IN_PARALLEL_COMPILE)
+    (tools / "neuron_parallel_compile").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
     lines: list[str] = []
     channels = {"train": polarity / "train", "test": polarity / "test", "model": tiny_model}
     cluster = EmulatedCluster(validate_job_spec(raw), EmulationOptions(workdir=tmp_path, channels=channels),
@@ -372,3 +386,9 @@ def test_a_trainium_spec_runs_on_the_emulated_cluster(tiny_model, polarity, tmp_
     summary = cluster.summary()
     assert summary["variant"] == "neuron" and summary["steps"] == 20 and summary["eval_accuracy"] is not None
     assert sum("step_time_ms=" in line for line in lines) == 17 and any("eval_accuracy=" in line for line in lines)
+    # The pre-compilation ran the trainer first, 3 steps into a scratch folder: no metric line of its own
+    # (17 above are the real run's), no checkpoint or model where the job's own would be resumed from.
+    assert "training.torchrun" in (tools / "ran").read_text()
+    host = next(path for path in tmp_path.glob("algo-*/opt/ml") if (path / "precompile").exists())
+    assert json.loads((host / "precompile" / "output" / "data" / "summary.json").read_text())["steps"] == 3
+    assert json.loads((host / "output" / "data" / "summary.json").read_text())["start_step"] == 0

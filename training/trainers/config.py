@@ -143,11 +143,16 @@ class TextConfig(LoopConfig):
     weight_decay: float = 0.01
     lr_warmup_fraction: float = 0.1  # of the steps, linear from zero (the Neuron BERT recipe's schedule)
     tokenize_chunk: int = 4096  # texts per tokenizer call: bounds the tokenising host's memory
+    # N > 0: before training, run N steps under the Neuron SDK's neuron_parallel_compile (graph extraction
+    # only, outputs discarded), which compiles every graph in parallel into the compile cache.
+    precompile_steps: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive(self, "max_seq_len", "learning_rate", "tokenize_chunk")
         _fraction(self, "lr_warmup_fraction")
+        if not 0 <= self.precompile_steps <= self.steps:
+            raise ValueError(f"precompile_steps must be in 0..steps ({self.steps}), got {self.precompile_steps}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be ≥ 0, got {self.eval_every}")
         if self.eval_every and not self.eval_channel:

@@ -137,6 +137,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         self.paths = paths
         self.rank = rank
         self.world_size = world_size
+        # False for a run whose figures mean nothing (Neuron's graph extraction): no metric lines then.
+        self.report_metrics = True
         # Samples this rank consumed in earlier runs of the job (from the checkpoint): where ``batches``
         # starts, so that a resumed run does not replay what was already trained on.
         self.resume_samples = 0
@@ -253,7 +255,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             # waiting in the next gradient all-reduce), and as soon as any of them was told to.
             longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
             stopped = stop_votes > 0 and step < config.steps  # a finished run is finished, not stopped
-            if self.is_chief and (step % config.log_every == 0 or step == config.steps):
+            if self.is_chief and self.report_metrics and (step % config.log_every == 0 or step == config.steps):
                 values = {"loss": self.loss_value(loss)}
                 if timed:
                     values |= {

@@ -42,7 +42,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -426,11 +426,28 @@ def build_model(source: str, num_labels: int, seed: int) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
 
 
+# Set by neuron_parallel_compile while it runs the trainer to collect its graphs (tensors hold no values).
+GRAPH_EXTRACTION_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
+
+
+def graph_extraction_run(config: TextConfig, scratch: Path) -> tuple[TextConfig, OutputPaths]:
+    """Under neuron_parallel_compile: ``precompile_steps`` steps (every graph of a step is seen after a
+    few), a checkpoint and an evaluation (their graphs too), into a scratch folder, never the job's own
+    outputs (its tensors are zeros: a checkpoint of them would be resumed from). Pure."""
+    steps = max(2, config.precompile_steps)
+    extraction = replace(config, steps=steps, warmup_steps=min(config.warmup_steps, steps - 1), checkpoint_every=0, eval_every=0)
+    return extraction, OutputPaths.under(scratch)
+
+
 def build_trainer(environ: dict[str, str]) -> TextTrainer:
     import torch_xla.runtime as xr
 
     cluster = load_cluster(environ)
     settings, config = parse_settings(load_hyperparameters(environ), TextConfig)
+    paths = OutputPaths.from_environment(environ)
+    extracting = bool(environ.get(GRAPH_EXTRACTION_ENV))
+    if extracting:
+        config, paths = graph_extraction_run(config, base_dir(environ) / "precompile")
     world_size = int(environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         import torch.distributed as dist
@@ -455,8 +472,10 @@ def build_trainer(environ: dict[str, str]) -> TextTrainer:
     evaluation = tokenized(config.eval_channel, train.classes) if config.eval_channel else None
     model = build_model(source, len(train.classes), config.seed)
     log.info("host %s rank %d/%d: %d training examples, classes %s", cluster.current_host, rank, world_size, len(train), list(train.classes))
-    return TextTrainer(config, OutputPaths.from_environment(environ), model=model, tokenizer=tokenizer, train=train,
-                       evaluation=evaluation, rank=rank, world_size=world_size)
+    trainer = TextTrainer(config, paths, model=model, tokenizer=tokenizer, train=train, evaluation=evaluation, rank=rank,
+                          world_size=world_size)
+    trainer.report_metrics = not extracting  # its step times are not the job's
+    return trainer
 
 
 def main() -> int:
