@@ -20,11 +20,14 @@ class PlatformConfig:
     prefix: str = "hetero"
     # Region the stacks deploy to; the DLC base images are pulled from this region's ECR.
     region: str = "us-east-1"
-    # variant → AWS Deep Learning Container image the training image extends; {region} is filled in.
+    # variant → AWS Deep Learning Container image the training image extends; {region} is filled in. The
+    # framework releases match what the tests run (tests/infra/test_image_pins.py holds them together):
+    # PyTorch 2.9 (pytorch), PyTorch/XLA 2.9 on Neuron SDK 2.28 (neuron). No TensorFlow DLC carries 2.21:
+    # the tensorflow image installs the tests' TensorFlow release over the newest one (framework.txt).
     base_images: Mapping[str, str] = field(
         default_factory=lambda: {
-            "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker",
-            "neuron": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training-neuronx:2.8.0-neuronx-py311-sdk2.26.0-ubuntu22.04",
+            "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.9.0-gpu-py312-cu130-ubuntu22.04-sagemaker",
+            "neuron": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04",
             "tensorflow": "763104351884.dkr.ecr.{region}.amazonaws.com/tensorflow-training:2.19.0-gpu-py312-cu125-ubuntu22.04-sagemaker",
         }
     )
