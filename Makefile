@@ -20,7 +20,7 @@ NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json
 # jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv node test demo bench lint proto synth deploy clean
+.PHONY: venv node test demo bench bench-gpu lint proto synth deploy clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,10 @@ bench: venv
 	$(PY) bench/offload.py
 	$(PY) -m training.local.sizing
 	$(PY) bench/faults.py
+
+# On a CUDA machine: the PyTorch trainer's defaults against fp32, then homogeneous against heterogeneous.
+bench-gpu: venv
+	$(PY) bench/gpu.py
 
 lint: venv
 	$(PY) -m ruff check .
