@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -227,7 +228,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         idle_timeout_s=settings.data_idle_timeout_s,
         start_deadline_s=settings.data_start_deadline_s,
         workers=default_workers(),
-        seed=config.seed,
+        seed=data_seed(config.seed, settings.shutdown_token),
     )
     source = None
     if variant.data_service == "tf.data.service":
@@ -243,11 +244,19 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
                 batch_size=config.batch_size,
                 image_size=config.image_size,
                 augment=config.augment,
-                seed=config.seed + host_index,
+                seed=data_seed(config.seed, settings.shutdown_token) + host_index,
             )
         )
     reason = serve(server_settings, folder, host_index, stop, source=source)
     return reason.exit_code
+
+
+def data_seed(seed: int, token: str) -> int:
+    """The data hosts' sampling seed: the configured seed mixed with the job's random token. A data host
+    cannot know whether its job resumes a checkpoint; with the configured seed alone, the data hosts of a
+    resumed job would serve again the very batches the first job began with. Mixed with the token, every
+    job (a resumed one too) draws an order of its own. Pure."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{token}".encode()).digest()[:4], "big")
 
 
 def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, exit_code: int, stop: threading.Event) -> int:
