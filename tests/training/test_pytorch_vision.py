@@ -109,9 +109,19 @@ def test_precision_follows_the_device() -> None:
     assert resolve_precision("auto", gpu=True, capability=(8, 0)) == "bf16"  # A100 (ml.p4d)
     assert resolve_precision("auto", gpu=True, capability=(7, 0)) == "fp16"  # V100 (ml.p3): no bf16, loss scaling instead
     assert resolve_precision("fp32", gpu=True, capability=(9, 0)) == "fp32"
-    assert resolve_precision("bf16", gpu=False) == "fp32"
+    assert resolve_precision("auto", gpu=False) == "fp32"
+    assert resolve_precision("bf16", gpu=False) == "bf16"  # forced: kept (slow on a CPU, but how tests run it)
     run = VisionTrainer(VisionConfig(**SMALL), OutputPaths.under(Path("/nonexistent")), classes=["a", "b"], source="local")
     assert run.precision == "fp32" and not run.scaler.is_enabled()  # this machine has no GPU
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_steps_train(images: Path, tmp_path: Path, precision: str) -> None:
+    run = trainer(images, tmp_path, steps=6, warmup_steps=1, precision=precision)
+    summary = run.run()
+    assert summary["precision"] == precision and summary["final_loss"] is not None
+    assert run.scaler.is_enabled() == (precision == "fp16")  # fp16 scales its loss; bf16 has fp32's range
+    assert all(parameter.dtype == torch.float32 for parameter in run.module.parameters())  # fp32 master weights
 
 
 def test_the_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_path: Path) -> None:

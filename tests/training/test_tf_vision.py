@@ -81,6 +81,18 @@ def test_a_resumed_tensorflow_run_reads_on_from_its_checkpoint(images: Path, tmp
     assert summary["precision"] == "fp32" and summary["jit_compile"] is False  # the CPU defaults
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_and_xla_compiled_steps_train(images: Path, tmp_path: Path, precision: str) -> None:
+    import keras
+
+    try:
+        summary = trainer(images, tmp_path, steps=4, warmup_steps=1, precision=precision, jit_compile="true").run()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")  # a global: leave it as the other tests expect
+    assert summary["precision"] == precision and summary["jit_compile"] is True
+    assert summary["final_loss"] is not None and summary["final_loss"] == summary["final_loss"]  # a number, not NaN
+
+
 def test_the_tensorflow_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_path: Path) -> None:
     run = trainer(images, tmp_path, steps=20, warmup_steps=1, lr_warmup_fraction=0.2, learning_rate=0.1)
     batches = iter(run.batches())

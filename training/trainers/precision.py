@@ -11,9 +11,9 @@ from __future__ import annotations
 
 def resolve_precision(requested: str, *, gpu: bool, capability: tuple[int, int] | None = None) -> str:
     """"fp32", "bf16" or "fp16" for ``requested`` (training/trainers/config.PRECISIONS) on this device.
-    A forced choice is kept on a GPU; on a CPU the answer is always fp32. Pure."""
-    if not gpu:
-        return "fp32"
+    A forced choice is kept (on a CPU it runs, slowly: that is how the tests run those paths). Pure."""
     if requested != "auto":
         return requested
+    if not gpu:
+        return "fp32"
     return "bf16" if capability is not None and capability >= (8, 0) else "fp16"

@@ -234,7 +234,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         # LambdaLR counts the steps taken (from 0); the schedule, the step about to be taken (from 1).
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda done: self.schedule.factor(done + 1))
         # fp16 needs its loss scaled (its range is too narrow for small gradients); bf16 and fp32 do not.
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.criterion = nn.CrossEntropyLoss()
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
