@@ -53,12 +53,15 @@ def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(image
         def pipeline(rank: int, skip: int = 0) -> tf.data.Dataset:
             return augmentation_pipeline(paths, list(range(len(paths))), 8, AugmentConfig(16), seed=5, shard=(rank, 2), skip=skip)
 
-        rank_0, rank_1 = labels_of(pipeline(0), 6), labels_of(pipeline(1), 6)  # one epoch each: 48 files
+        rank_0, rank_1 = labels_of(pipeline(0), 12), labels_of(pipeline(1), 12)  # two epochs each: 48 files
         resumed = labels_of(pipeline(0, skip=16), 4)
+        via_trainer = labels_of(local_dataset(scan_image_folder(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(16), 4)
+        uninterrupted = labels_of(local_dataset(scan_image_folder(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(0), 6)
     finally:
         os.chdir(cwd)
-    assert not set(rank_0) & set(rank_1) and sorted(rank_0 + rank_1) == list(range(len(paths)))
-    assert resumed == rank_0[16:]  # the same seeded order, from the 17th file on
+    assert set(rank_0) == set(range(0, len(paths), 2)) and set(rank_1) == set(range(1, len(paths), 2))  # disjoint halves
+    assert resumed == rank_0[16:48]  # the same seeded order, from the 17th file on
+    assert via_trainer == uninterrupted[16:48]  # and through the trainer's factory, whose seeds do not move
 
 
 def trainer(images: Path, base: Path, **overrides) -> KerasVisionTrainer:

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from training.metrics import parse_metric_line  # noqa: E402
+from training.trainers import host_collectives  # noqa: E402
 from training.trainers.config import TextConfig  # noqa: E402
 from training.trainers.loop import OutputPaths  # noqa: E402
 from training.trainers.sampling import EndlessSampler  # noqa: E402
@@ -134,6 +135,8 @@ def test_xla_training_resumes_where_its_checkpoint_left_off(tiny_model, polarity
     resumed.set_rng_state(loaded["rng"][0])
     assert torch.equal(torch.get_rng_state(), at_checkpoint[-1])
     assert resumed.lr_scheduler.last_epoch == 6  # the schedule goes on from step 7, not from its warm-up
+    # ... at this run's rate for step 7 (10 steps now: the first run's schedule ended at step 6, rate 0 next)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(resumed.schedule.at(7)) and resumed.schedule.at(7) > 0
 
     summary = resumed.run()
     assert summary["start_step"] == 6 and summary["timed_steps"] == 3
@@ -162,9 +165,8 @@ def test_a_steady_state_step_is_one_executed_graph(tiny_model, polarity, tmp_pat
         run.loss_value(run.train_step(next(batches)))
     executed, compiled = [], []
     for _ in range(4):
-        batch = next(batches)
         before = count("ExecuteTime"), count("CompileTime")
-        run.loss_value(run.train_step(batch))  # as the loop does on a step it logs
+        run.loss_value(run.train_step(next(batches)))  # as the loop does on a step it logs, the batch's fetch included
         executed.append(count("ExecuteTime") - before[0])
         compiled.append(count("CompileTime") - before[1])
     assert executed == [1, 1, 1, 1] and compiled == [0, 0, 0, 0]
@@ -316,40 +318,59 @@ def test_tokenisation_happens_once_per_node_and_ranks_get_disjoint_shards(tiny_m
     assert shard_0[:20] != shard_0[20:]  # and reshuffled between epochs
 
 
-def _one_model(rank: int, world: int, port: int, tiny_model: str, results: dict) -> None:
-    """What TextTrainer does, with gloo standing in for XLA's collectives (which need a real device)."""
+def _one_model(rank: int, world: int, port: int, tiny_model: str, data: str, root: str, results: dict) -> None:
+    """Two real TextTrainers (each on its own torch-xla CPU device) whose host group is gloo."""
+    from transformers import AutoTokenizer
+
+    os.environ["PJRT_DEVICE"] = "CPU"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.rand(rank * 7 + 1)  # the ranks' random streams are wherever their different histories left them
-    model = build_model(tiny_model, 2, seed=0)
-    heads_before_broadcast = model.classifier.weight.detach().clone()
-    for tensor in list(model.parameters()) + list(model.buffers()):  # xm.broadcast_master_param
-        dist.broadcast(tensor.data, 0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
-    for _ in range(3):
-        ids = torch.randint(4, 20, (4, 8), generator=generator)
-        loss = model(input_ids=ids, labels=torch.randint(0, 2, (4,), generator=generator)).loss
-        loss.backward()
-        for parameter in model.parameters():  # xm.optimizer_step: average the gradients, then step
-            if parameter.grad is not None:
-                dist.all_reduce(parameter.grad)
-                parameter.grad /= world
-        optimizer.step()
-        optimizer.zero_grad()
-    results[rank] = (heads_before_broadcast, {name: value.detach().clone() for name, value in model.state_dict().items()})
+    group = host_collectives.host_group()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base = Path(root) / f"rank-{rank}"
+    train = load_tokenized(tokenize_channel(Path(data) / "train", "train", tokenizer, 16, base / "cache"))
+    model = build_model(tiny_model, 2, seed=100 + rank)  # different heads: only the broadcast can make them one
+    config = TextConfig(model=tiny_model, max_seq_len=16, batch_size=4, steps=4, warmup_steps=1)
+    trainer = TextTrainer(config, OutputPaths.under(base), model=model, tokenizer=tokenizer, train=train, evaluation=None,
+                          rank=rank, world_size=world, host_group=group)
+    state = {name: value.cpu() for name, value in trainer.model.state_dict().items()}
+    results[rank] = (state, trainer.reduce_max([float(rank), -float(rank)]), trainer.gather(f"rank {rank}"))
+    trainer.barrier()
     dist.destroy_process_group()
 
 
-def test_ranks_train_one_model_whatever_their_random_streams_did_before(tiny_model) -> None:
+def headless(tiny_model: Path, folder: Path) -> Path:
+    """The tiny model as a pretrained encoder without a classification head (as bert-base-uncased is):
+    ``from_pretrained(num_labels=…)`` draws the head afresh in every process."""
+    from transformers import AutoTokenizer, BertModel
+
+    BertModel.from_pretrained(tiny_model).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(folder)
+    return folder
+
+
+def test_trainium_ranks_start_from_one_model_and_agree_on_the_host(tiny_model, polarity, tmp_path) -> None:
     from training.local.cluster import free_port
 
+    encoder = headless(tiny_model, tmp_path / "encoder")
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_one_model, args=(2, free_port(), str(tiny_model), results), nprocs=2, join=True)
-    (head_0, state_0), (head_1, state_1) = results[0], results[1]
-    assert torch.equal(head_0, head_1)  # seeded before building: the same fresh head on both
+    mp.spawn(_one_model, args=(2, free_port(), str(encoder), str(polarity), str(tmp_path), results), nprocs=2, join=True)
+    (state_0, max_0, gathered_0), (state_1, max_1, gathered_1) = results[0], results[1]
     assert state_0.keys() == state_1.keys()
-    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)
+    assert all(torch.equal(state_0[name], state_1[name]) for name in state_0)  # the master's weights on both
+    assert max_0 == max_1 == [1.0, 0.0]  # the loop's step vote and data wait, reduced on the host
+    assert gathered_0 == gathered_1 == ["rank 0", "rank 1"]
+
+
+def test_the_model_is_built_the_same_whatever_the_random_stream_did_before(tiny_model, tmp_path) -> None:
+    encoder = str(headless(tiny_model, tmp_path / "encoder"))
+    torch.rand(3)
+    first = build_model(encoder, 2, seed=0).classifier.weight.detach().clone()
+    torch.rand(11)
+    second = build_model(encoder, 2, seed=0)
+    assert not torch.equal(first, build_model(encoder, 2, seed=1).classifier.weight)  # the head is drawn here
+    assert torch.equal(first, second.classifier.weight)  # seeded before the fresh head is drawn
+    assert second.classifier.weight.dtype == torch.float32
 
 
 STAND_IN_PARALLEL_COMPILE = """#!/bin/sh

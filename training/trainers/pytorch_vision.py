@@ -54,6 +54,7 @@ from training.data_service.dataset import ChannelError, ImageFolder, channel_dir
 from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError, load_and_augment
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
+from training.trainers import host_collectives
 from training.trainers.config import AugmentConfig, VisionConfig
 from training.trainers.loop import (
     DataExhaustedError,
@@ -218,12 +219,11 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.module = build_model(config, len(classes)).to(self.device, memory_format=self.memory_format)
         self.model: nn.Module = self.module
         # The loop's own collectives (data wait, stop votes, summary counts) are host values: on a gloo
-        # group of their own when the gradients go over NCCL, so they never wait on the device.
+        # group of their own (training/trainers/host_collectives.py), so they never wait on the device.
         self.host_group = None
         if world_size > 1:
             self.model = DistributedDataParallel(self.module, device_ids=[local_rank] if self.device.type == "cuda" else None)
-            if dist.get_backend() != "gloo":
-                self.host_group = dist.new_group(backend="gloo")
+            self.host_group = host_collectives.host_group()
         if config.compile:
             self.model = torch.compile(self.model)
         self.optimizer = torch.optim.SGD(
@@ -304,6 +304,9 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.optimizer.load_state_dict(saved["optimizer"])
         self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
         self.scaler.load_state_dict(saved["scaler"])
+        # The next step's rate from this run's schedule (``steps`` or the workers may have changed).
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.at(int(saved["loop"]["step"]) + 1)
         return saved["loop"]
 
     def save_model(self, model_dir: Path) -> None:
@@ -311,22 +314,14 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         (model_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
 
     def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        if self.world_size > 1:
+            host_collectives.barrier(self.host_group)
 
     def reduce_max(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
-        return tensor.tolist()
+        return host_collectives.reduce_max(values, self.host_group) if self.world_size > 1 else values
 
     def gather(self, value: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [value]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.host_group)
-        return gathered
+        return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
 
     def summary_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {

@@ -292,10 +292,12 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
 
 def local_dataset(folder: ImageFolder, config: KerasVisionConfig, rank: int, ranks: int) -> DatasetFactory:
     """A homogeneous job's input: this rank's shard of the files, its own augmentation seed (TensorFlow
-    fixes an op's seed from the global seed when the op is built), read on from a resumed position."""
+    fixes an op's seed from the global seed when the op is built), read on from a resumed position. The
+    global seed must not depend on the position: the shuffle's order derives from it too, and a resumed
+    run skips positions of the first run's order."""
 
     def make(skip: int) -> tf.data.Dataset:
-        tf.random.set_seed((config.seed * 1_000_003 + rank) * 1_000_003 + skip)
+        tf.random.set_seed(config.seed * 1_000_003 + rank)
         return augmentation_pipeline([path for path, _ in folder.samples], [label for _, label in folder.samples],
                                      config.batch_size, config.augment_config, seed=config.seed + rank, shard=(rank, ranks), skip=skip)
 

@@ -4,8 +4,8 @@ One process per NeuronCore, started by torchrun; each one trains on the XLA devi
 and pytorch/xla's own multi-process examples do:
 
 * world size and ordinals from ``torch_xla.runtime`` (not the deprecated xrt calls);
-* one model: the seed is set before the model is built, and the master's parameters are broadcast to
-  every rank (``from_pretrained(num_labels=…)`` draws a fresh classifier head, and ``xm.optimizer_step``
+* one model: the seed is set before the model is built (in fp32, whatever the checkpoint holds), and the
+  master's parameters are broadcast to every rank on the host, before any device work (``from_pretrained(num_labels=…)`` draws a fresh classifier head, and ``xm.optimizer_step``
   only averages gradients: ranks that start apart stay apart);
 * the training CSV (AmazonPolarity layout: label, title, content) tokenised once per node, by local rank 0,
   in chunks of ``tokenize_chunk`` texts straight into memory-mapped int32 arrays (a 3.6M-row channel in
@@ -13,9 +13,12 @@ and pytorch/xla's own multi-process examples do:
   for the finished cache on the file system, not in a device collective (the Neuron runtime times those
   out after 30 s by default);
 * an endless, resumable shard per rank (training/trainers/sampling.py) fed through MpDeviceLoader, and
-  ``xm.optimizer_step`` (which all-reduces gradients across ranks); each step ends with ``torch_xla.sync()``
-  and ``wait_device_ops``, so a step is one executed graph and its time is the device's; the loss is read
-  only on the steps that print it, from the already executed graph;
+  ``xm.optimizer_step`` (which all-reduces gradients across ranks); each step ends with ``torch_xla.sync()``,
+  so a step is one executed graph, and one step is kept in flight (the previous one is waited for while
+  this one runs: tracing overlaps execution, and the step time is the device's); the loss is read only on
+  the steps that print it (use ``log_every`` > 1 on Trainium: a read waits for its step);
+* the loop's own collectives (stop votes, data wait, barriers) on a gloo group, on the host
+  (training/trainers/host_collectives.py): no device graph, and no device timeout while ranks wait;
 * AdamW with linear warm-up and linear decay (the Neuron BERT recipe's schedule);
 * the shared loop (training/trainers/loop.py): warm-up steps, where XLA compiles, are left out of step time
   and reported as ``warmup_s``; ``max_train_steps`` is ``steps``, honoured exactly;
@@ -55,6 +58,7 @@ from training.data_service.dataset import ChannelError, EmptyChannelError, chann
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
 from training.metrics import metric_line
+from training.trainers import host_collectives
 from training.trainers.config import TextConfig
 from training.trainers.loop import (
     DataExhaustedError,
@@ -246,12 +250,17 @@ class EvalShard(Dataset):
         return ids, mask, labels, weights
 
 
-def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [batch, 1, 1, tokens] additive mask the attention layers add (0 to attend, the dtype's minimum
-    to ignore). Given a 2-D mask, transformers first asks ``mask.all()`` to skip masking: a value read
+# What a masked token's attention score gets: BERT's own value. Finite in bf16 as well (fp32's minimum
+# rounds to -inf in bf16, and 0 × -inf, for every token attended to, is NaN under XLA_USE_BF16).
+MASKED_SCORE = -10_000.0
+
+
+def additive_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The [batch, 1, 1, tokens] additive mask the attention layers add (0 to attend, MASKED_SCORE to
+    ignore). Given a 2-D mask, transformers first asks ``mask.all()`` to skip masking: a value read
     from the device in the middle of the step, which on XLA executes a graph of its own every step and
     makes two step graphs (batches with and without padding). A prepared 4-D mask is used as it is."""
-    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+    return (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * MASKED_SCORE
 
 
 class TextTrainer(TrainingLoop[Batch]):
@@ -268,18 +277,19 @@ class TextTrainer(TrainingLoop[Batch]):
         evaluation: TokenizedText | None,
         rank: int = 0,
         world_size: int = 1,
+        host_group: Any = None,
     ) -> None:
         import torch_xla
 
         super().__init__(config, paths, rank=rank, world_size=world_size)
         self.text = config
+        self.host_group = host_group  # the loop's own collectives, on the host (training/trainers/host_collectives.py)
+        if world_size > 1:
+            # One model: every rank takes the master's weights, on the CPU, before any device work.
+            host_collectives.broadcast_parameters(model, host_group)
         self.device = torch_xla.device()
         self.model = model.to(self.device)
-        if world_size > 1:
-            import torch_xla.core.xla_model as xm
-
-            xm.broadcast_master_param(self.model)  # one model: every rank starts from the master's weights
-            torch_xla.sync()
+        self._in_flight: torch.Tensor | None = None  # the previous step's loss, while its graph runs
         self.tokenizer = tokenizer
         self.train_data, self.eval_data, self.classes = train, evaluation, list(train.classes)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -309,9 +319,14 @@ class TextTrainer(TrainingLoop[Batch]):
         xm.optimizer_step(self.optimizer)  # all-reduces gradients across ranks, then steps
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        torch_xla.sync()  # the step's one graph: forward, backward, all-reduce, update
-        xm.wait_device_ops()  # the step time is the device's, not the tracing's
-        return loss  # already computed: reading it later executes nothing
+        torch_xla.sync()  # the step's one graph: forward, backward, all-reduce, update, sent to run
+        # One step in flight: wait for the previous step's graph while this one runs, so that tracing the
+        # next step overlaps this one's execution, and the host never runs further ahead than that (the
+        # step time is then the device's, not the tracing's).
+        previous, self._in_flight = self._in_flight, loss
+        if previous is not None:
+            previous.item()  # a transfer once that graph has run; executes nothing
+        return loss  # reading it (on a step that logs) waits for this step's graph
 
     def loss_value(self, loss: Any) -> float:
         return loss.item() if isinstance(loss, torch.Tensor) else float(loss)
@@ -322,6 +337,7 @@ class TextTrainer(TrainingLoop[Batch]):
 
         torch_xla.sync()
         xm.wait_device_ops()
+        self._in_flight = None
 
     def after_step(self, step: int) -> None:
         if self.text.eval_every and step % self.text.eval_every == 0 and step < self.text.steps:
@@ -376,6 +392,9 @@ class TextTrainer(TrainingLoop[Batch]):
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        # The next step's rate from this run's schedule (``steps`` may have changed since the checkpoint).
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.at(int(saved["loop"]["step"]) + 1)
         return saved["loop"]
 
     def save_model(self, model_dir: Path) -> None:
@@ -385,24 +404,13 @@ class TextTrainer(TrainingLoop[Batch]):
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            import torch_xla.core.xla_model as xm
-
-            xm.rendezvous("training-loop")
+            host_collectives.barrier(self.host_group)
 
     def reduce_max(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return values
-        import torch_xla.core.xla_model as xm
-
-        # Host values: reduced between the processes' hosts, without a device graph.
-        return xm.mesh_reduce("step-metrics", values, lambda per_rank: [max(column) for column in zip(*per_rank, strict=True)])
+        return host_collectives.reduce_max(values, self.host_group) if self.world_size > 1 else values
 
     def gather(self, value: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [value]
-        import torch_xla.core.xla_model as xm
-
-        return xm.mesh_reduce("gather", value, list)
+        return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
 
     def summary_extra(self) -> dict[str, Any]:
         if self.eval_data is not None:
@@ -423,7 +431,9 @@ def build_model(source: str, num_labels: int, seed: int) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    # fp32 weights whatever the checkpoint was saved in: transformers' default (dtype "auto") would load a
+    # bf16 checkpoint as bf16, and AdamW would then update half-precision weights with no fp32 copy.
+    return AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels, dtype=torch.float32)
 
 
 # Set by neuron_parallel_compile while it runs the trainer to collect its graphs (tensors hold no values).
@@ -449,10 +459,12 @@ def build_trainer(environ: dict[str, str]) -> TextTrainer:
     if extracting:
         config, paths = graph_extraction_run(config, base_dir(environ) / "precompile")
     world_size = int(environ.get("WORLD_SIZE", 1))
+    group = None
     if world_size > 1:
         import torch.distributed as dist
 
         dist.init_process_group("xla", init_method="xla://")
+        group = host_collectives.host_group()
     rank, local_rank = (xr.global_ordinal(), xr.local_ordinal()) if world_size > 1 else (0, 0)
     from transformers import AutoTokenizer
 
@@ -470,10 +482,14 @@ def build_trainer(environ: dict[str, str]) -> TextTrainer:
 
     train = tokenized(settings.data_channel, None)
     evaluation = tokenized(config.eval_channel, train.classes) if config.eval_channel else None
+    if world_size > 1:
+        # Every node tokenises its own copy, some slower than others: wait on the host for all of them
+        # before the first device collective, which the Neuron runtime would time out.
+        host_collectives.barrier(group)
     model = build_model(source, len(train.classes), config.seed)
     log.info("host %s rank %d/%d: %d training examples, classes %s", cluster.current_host, rank, world_size, len(train), list(train.classes))
     trainer = TextTrainer(config, paths, model=model, tokenizer=tokenizer, train=train, evaluation=evaluation, rank=rank,
-                          world_size=world_size)
+                          world_size=world_size, host_group=group)
     trainer.report_metrics = not extracting  # its step times are not the job's
     return trainer
 

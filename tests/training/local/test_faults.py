@@ -168,7 +168,7 @@ def test_sigterm_saves_a_checkpoint_and_the_model_and_says_stopped(tmp_path: Pat
     assert outcome.exit_code != 0 and failure.startswith("TrainingStopped: stopped by SIGTERM after step"), failure
     step = int(re.search(r"after step (\d+)", failure).group(1))
     checkpoint = torch.load(tree / "checkpoints" / "checkpoint.pt", weights_only=True)
-    assert checkpoint["step"] == step >= 6
+    assert checkpoint["loop"]["step"] == step >= 6
     assert (tree / "model" / "model.pt").stat().st_size > 0
     summary = json.loads((tree / "output" / "data" / "summary.json").read_text())
     assert (summary["status"], summary["stopped_after_step"]) == ("stopped", step)
