@@ -22,8 +22,10 @@ class PlatformConfig:
     region: str = "us-east-1"
     # variant → AWS Deep Learning Container image the training image extends; {region} is filled in. The
     # framework releases match what the tests run (tests/infra/test_image_pins.py holds them together):
-    # PyTorch 2.9 (pytorch), PyTorch/XLA 2.9 on Neuron SDK 2.28 (neuron). No TensorFlow DLC carries 2.21:
-    # the tensorflow image installs the tests' TensorFlow release over the newest one (framework.txt).
+    # PyTorch 2.9 (pytorch; the image installs the tests' torch in its CUDA 12.6 build, which still has
+    # kernels for the V100 of ml.p3: the DLC is CUDA 13, which dropped Volta), PyTorch/XLA 2.9 on Neuron SDK
+    # 2.28 (neuron). No TensorFlow DLC carries 2.21: the tensorflow image installs the tests' TensorFlow
+    # release over the newest one. Each variant's training/images/<variant>/framework.txt says what.
     base_images: Mapping[str, str] = field(
         default_factory=lambda: {
             "pytorch": "763104351884.dkr.ecr.{region}.amazonaws.com/pytorch-training:2.9.0-gpu-py312-cu130-ubuntu22.04-sagemaker",

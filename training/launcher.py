@@ -112,21 +112,25 @@ def trainer_command(
 
 
 # What the SageMaker training toolkit's own torchrun runner sets on Trainium when a job spans several
-# nodes: libfabric over EFA, with device RDMA, safe across the fork of torchrun's workers.
+# nodes: libfabric over EFA, with device RDMA, safe across the fork of torchrun's workers. Only on the
+# instance types that have EFA (as the toolkit's own list does): ml.trn1.2xlarge has none, and libfabric
+# told to use EFA there would find no provider.
 EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+EFA_INSTANCE_TYPES = frozenset({"ml.trn1.32xlarge", "ml.trn1n.32xlarge", "ml.trn2.48xlarge", "ml.trn2u.48xlarge"})
 # The Neuron SDK's tool that runs a trainer with graph extraction only, then compiles every graph it saw,
 # in parallel, into the compile cache (the real run then finds them there).
 NEURON_PARALLEL_COMPILE = "neuron_parallel_compile"
 
 
-def trainer_environment(settings: PlatformSettings, environ: dict[str, str], *, trainium: bool = False, nnodes: int = 1) -> dict[str, str]:
+def trainer_environment(settings: PlatformSettings, environ: dict[str, str], *, instance_type: str = "", nnodes: int = 1) -> dict[str, str]:
     """The trainer's environment: ours, plus the Neuron compile cache when the job has one, so that a
-    graph compiled by an earlier job is not compiled again, plus EFA's settings on a multi-node Trainium
-    job (a value already in the environment wins: the image or the user may know better). Pure."""
+    graph compiled by an earlier job is not compiled again, plus EFA's settings on a multi-node job of an
+    EFA Trainium type (a value already in the environment wins: the image or the user may know better).
+    Pure."""
     environment = dict(environ)
     if settings.neuron_compile_cache_uri:
         environment["NEURON_COMPILE_CACHE_URL"] = settings.neuron_compile_cache_uri
-    if trainium and nnodes > 1:
+    if instance_type in EFA_INSTANCE_TYPES and nnodes > 1:
         environment = EFA_ENVIRONMENT | environment
     return environment
 
@@ -301,7 +305,7 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="launcher-")))
         progress_dir, rank_failure_file = workspace / "progress", workspace / "rank-failure.json"
         progress_dir.mkdir()
-        environment = trainer_environment(settings, dict(os.environ), trainium=variant.accelerator == "trainium", nnodes=len(dnn_hosts)) | {
+        environment = trainer_environment(settings, dict(os.environ), instance_type=cluster.current_instance_type, nnodes=len(dnn_hosts)) | {
             PROGRESS_DIR_ENV: str(progress_dir),
             RANK_FAILURE_ENV: str(rank_failure_file),
         }

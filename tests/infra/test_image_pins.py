@@ -29,9 +29,18 @@ def tag_version(variant: str) -> str:
     return tag.split("-", 1)[0]
 
 
-def test_the_pytorch_image_runs_the_tests_torch_release() -> None:
-    # The DLC tag names the release (2.9); torch-xla 2.9.0 needs the 2.9.1 patch locally.
+def local(version: str) -> str:
+    """A wheel's version without its local build label (2.9.1+cu126 → 2.9.1)."""
+    return version.split("+", 1)[0]
+
+
+def test_the_pytorch_image_runs_the_tests_torch_release_with_kernels_for_v100() -> None:
     assert minor(tag_version("pytorch")) == minor(pin("requirements/dlc-pytorch.txt", "torch"))
+    # The DLC is a CUDA 13 build (no Volta): the image installs the tests' exact torch in its CUDA 12.6 build.
+    framework = "training/images/pytorch/framework.txt"
+    for package in ("torch", "torchvision"):
+        assert local(pin(framework, package)) == pin("requirements/dlc-pytorch.txt", package)
+        assert pin(framework, package).endswith("+cu126")
 
 
 def test_the_neuron_image_runs_the_tests_torch_xla_release() -> None:

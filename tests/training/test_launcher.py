@@ -40,12 +40,14 @@ def test_multi_node_trainium_trainers_get_efa_and_every_neuron_trainer_the_cache
     from training.hyperparameters import PlatformSettings
 
     settings = PlatformSettings(role_map={"trn": "dnn"}, shutdown_token="t" * 16, neuron_compile_cache_uri="s3://bucket/cache/")
-    two_nodes = trainer_environment(settings, {"PATH": "/bin"}, trainium=True, nnodes=2)
+    two_nodes = trainer_environment(settings, {"PATH": "/bin"}, instance_type="ml.trn1.32xlarge", nnodes=2)
     assert two_nodes == {"PATH": "/bin", "NEURON_COMPILE_CACHE_URL": "s3://bucket/cache/"} | EFA_ENVIRONMENT
     assert EFA_ENVIRONMENT == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
-    assert "FI_PROVIDER" not in trainer_environment(settings, {}, trainium=True, nnodes=1)  # one node: no fabric
-    assert "FI_PROVIDER" not in trainer_environment(settings, {}, trainium=False, nnodes=2)  # GPUs: NCCL's own
-    assert trainer_environment(settings, {"FI_PROVIDER": "sockets"}, trainium=True, nnodes=2)["FI_PROVIDER"] == "sockets"
+    assert "FI_PROVIDER" in trainer_environment(settings, {}, instance_type="ml.trn2.48xlarge", nnodes=4)
+    assert "FI_PROVIDER" not in trainer_environment(settings, {}, instance_type="ml.trn1.32xlarge", nnodes=1)  # one node
+    assert "FI_PROVIDER" not in trainer_environment(settings, {}, instance_type="ml.trn1.2xlarge", nnodes=2)  # no EFA on it
+    assert "FI_PROVIDER" not in trainer_environment(settings, {}, instance_type="ml.p4d.24xlarge", nnodes=2)  # NCCL's own
+    assert trainer_environment(settings, {"FI_PROVIDER": "sockets"}, instance_type="ml.trn1.32xlarge", nnodes=2)["FI_PROVIDER"] == "sockets"
     assert precompile_command(["python", "-m", "training.torchrun", "-m", "x"])[:2] == ["neuron_parallel_compile", "python"]
 
 
