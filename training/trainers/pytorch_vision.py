@@ -239,6 +239,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
         self.skipped_samples = 0
+        self._in_flight: torch.Tensor | None = None  # the previous step's loss, while its kernels run
 
     def batches(self) -> Iterator[VisionBatch]:
         source = self._service_batches() if self.source == "data_service" else self._local_batches()
@@ -267,7 +268,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             self.skipped_samples += batch.skipped
             yield batch
 
-    def train_step(self, batch: VisionBatch) -> float:
+    def train_step(self, batch: VisionBatch) -> torch.Tensor:
         images = batch.images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
         images = images.contiguous(memory_format=self.memory_format)
         labels = batch.labels.to(self.device, non_blocking=True)
@@ -279,7 +280,21 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.lr_scheduler.step()
-        return loss.item()  # waits for the device: the step time is the GPU's
+        # One step in flight: wait for the previous step while this one runs on the GPU, so the next
+        # batch's copy and kernel launches overlap it, and the host never runs further ahead (the step
+        # time is then the GPU's). Reading a loss (on a step that logs) waits for its step.
+        previous, self._in_flight = self._in_flight, loss.detach()
+        if previous is not None:
+            previous.item()
+        return self._in_flight
+
+    def loss_value(self, loss: Any) -> float:
+        return loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+
+    def settle(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._in_flight = None
 
     def rng_state(self) -> dict[str, Any]:
         state = super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes())}
