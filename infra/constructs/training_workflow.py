@@ -25,6 +25,7 @@ from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resour
 
 SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
 EXECUTION_ARN = sfn.JsonPath.execution_id
+EXECUTION_START = sfn.JsonPath.execution_start_time
 
 
 class TrainingWorkflow(Construct):
@@ -52,7 +53,8 @@ class TrainingWorkflow(Construct):
         validate = tasks.LambdaInvoke(
             self, "Validate spec", lambda_function=functions.validate, payload_response_only=True, result_path="$.validation"
         )
-        launch = invoke("Launch job", functions.launch, {"spec": SPEC, "execution_arn": EXECUTION_ARN}, "$.launch")
+        launch = invoke("Launch job", functions.launch, {"spec": SPEC, "execution_arn": EXECUTION_ARN, "execution_start": EXECUTION_START},
+                        "$.launch")
         launch.add_retry(errors=["LaunchThrottled"], interval=Duration.seconds(10), backoff_rate=2, max_attempts=6,
                          jitter_strategy=sfn.JitterType.FULL)
         launch.add_retry(errors=["CapacityUnavailable"], interval=Duration.minutes(5), backoff_rate=2, max_attempts=4,

@@ -1,19 +1,34 @@
 """Names that tie a Step Functions execution to the training job it launched. Pure.
 
-The job name is derived from the run name and the execution's ARN, so that whoever knows the
-execution (the stop Lambda, woken by EventBridge after an abort or a timeout) finds the job without any
-stored state.
+The job name is derived from the run name, the execution's ARN and its start time, so that whoever knows
+the execution (the stop Lambda, woken by EventBridge after an abort or a timeout, whose event carries both)
+finds the job without any stored state. The start time matters: an execution name may be used again 90
+days after its execution closed, and the same ARN must not adopt the earlier execution's job.
 """
 
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime, timezone
 
 from lambdas.core.training_request import job_name
 
 
-def job_name_for_execution(prefix: str, run_name: str, execution_arn: str) -> str:
-    return job_name(prefix, run_name, hashlib.sha256(execution_arn.encode()).hexdigest()[:10])
+def epoch_ms(started: str | int | float | datetime) -> int:
+    """An execution's start as epoch milliseconds, from any of its spellings: Step Functions' context
+    object (ISO 8601, ``2026-11-30T23:59:35.123Z``), EventBridge's detail (``startDate``, epoch ms), or a
+    datetime (boto3's DescribeExecution)."""
+    if isinstance(started, (int, float)):
+        return int(started)
+    moment = started if isinstance(started, datetime) else datetime.fromisoformat(str(started).replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def job_name_for_execution(prefix: str, run_name: str, execution_arn: str, started: str | int | float | datetime) -> str:
+    digest = hashlib.sha256(f"{execution_arn}@{epoch_ms(started)}".encode()).hexdigest()[:10]
+    return job_name(prefix, run_name, digest)
 
 
 def run_id(execution_arn: str) -> str:

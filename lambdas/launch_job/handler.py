@@ -1,6 +1,7 @@
 """Launch the training job for a validated spec: CreateTrainingJob with instance groups (the CDK's
-SageMaker task cannot express them). The job name is derived from the execution, so a retried launch
-finds the job it already created instead of starting a second one.
+SageMaker task cannot express them). The job name is derived from the execution and its start time, so
+a retried launch finds the job it already created instead of starting a second one, and an execution name
+used again (allowed 90 days after its execution closed) gets a job of its own.
 
 It also returns how many polls the run may take: the spec's max_runtime_s plus a grace period for
 SageMaker to stop the job on its own (its StoppingCondition) and upload what it has, in poll intervals.
@@ -58,7 +59,7 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"])
-    name = job_name_for_execution(os.environ["JOB_NAME_PREFIX"], spec.run_name, event["execution_arn"])
+    name = job_name_for_execution(os.environ["JOB_NAME_PREFIX"], spec.run_name, event["execution_arn"], event["execution_start"])
     request = create_training_job_request(
         spec, settings_from_environment(dict(os.environ)), name=name, shutdown_token=secrets.token_urlsafe(32)
     )

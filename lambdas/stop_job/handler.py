@@ -2,8 +2,8 @@
 
 Called by the state machine's Catch (event {"job_name"}), and by an EventBridge rule when an execution
 is aborted or times out, where Step Functions itself runs no cleanup (event: the "Step Functions
-Execution Status Change" notification, whose detail holds the execution ARN and input; the job name is
-derived from them as the launch derived it).
+Execution Status Change" notification, whose detail holds the execution ARN, its start date and input;
+the job name is derived from them as the launch derived it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def job_name_from_event(event: dict[str, Any]) -> str | None:
         run_name = json.loads(detail.get("input") or "{}")["run_name"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return None  # an input that never validated launched nothing
-    return job_name_for_execution(os.environ["JOB_NAME_PREFIX"], run_name, detail["executionArn"])
+    return job_name_for_execution(os.environ["JOB_NAME_PREFIX"], run_name, detail["executionArn"], detail["startDate"])
 
 
 @logger.inject_lambda_context

@@ -14,7 +14,8 @@ import boto3
 import pytest
 from moto import mock_aws
 from moto.core.responses import EmptyResult
-from moto.sagemaker.models import sagemaker_backends
+from moto.core.exceptions import JsonRESTError
+from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
 
 from lambdas.clients import client
@@ -33,6 +34,17 @@ ENVIRONMENT = {
     "CHECKPOINT_S3_URI": f"s3://{RESULTS_BUCKET}/checkpoints/",
     "PRICING_REGION_CODE": REGION,
 }
+
+
+_moto_create_training_job = SageMakerModelBackend.create_training_job
+
+
+def refuse_a_name_in_use(self: SageMakerModelBackend, training_job_name: str, *args, **kwargs):
+    """SageMaker refuses CreateTrainingJob for a name that exists (ResourceInUse); moto 5 overwrites the
+    job silently. This stands in for the service at its boundary."""
+    if training_job_name in self.training_jobs:
+        raise JsonRESTError("ResourceInUse", f"Training job names must be unique within an AWS account and region, and a training job with this name already exists ({training_job_name})")
+    return _moto_create_training_job(self, training_job_name, *args, **kwargs)
 
 
 def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
@@ -79,6 +91,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[Aws]:
     for key, value in ENVIRONMENT.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(SageMakerResponse, "stop_training_job", _stop_training_job, raising=False)
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", refuse_a_name_in_use)
     client.cache_clear()
     with mock_aws():
         fake = Aws()

@@ -23,6 +23,7 @@ from tests.lambdas.conftest import RESULTS_BUCKET, output_archive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXECUTION = "arn:aws:states:us-east-1:123456789012:execution:training-run:run-0001"
+STARTED = "2026-11-30T12:00:00.000Z"  # $$.Execution.StartTime
 
 
 def spec(name: str = "pytorch-heterogeneous.json") -> dict:
@@ -36,14 +37,17 @@ def test_validate_summarises_a_valid_spec_and_refuses_an_invalid_one(context) ->
 
 
 def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
-    first = launch({"spec": spec(), "execution_arn": EXECUTION}, context)
-    assert first["job_name"] == job_name_for_execution("hetero", "vision-hetero", EXECUTION)
+    first = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert first["job_name"] == job_name_for_execution("hetero", "vision-hetero", EXECUTION, STARTED)
     assert first["job_name"].startswith("hetero-vision-hetero-")
     described = aws.sagemaker.describe_training_job(TrainingJobName=first["job_name"])
     assert [g["InstanceGroupName"] for g in described["ResourceConfig"]["InstanceGroups"]] == ["data_group", "dnn_group"]
     assert len(described["HyperParameters"]["shutdown_token"]) >= 32
-    again = launch({"spec": spec(), "execution_arn": EXECUTION}, context)  # a retried launch
+    again = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)  # a retried launch
     assert again == first and aws.training_jobs() == [first["job_name"]]
+    # The same execution name used again (90 days on) is another execution: it gets a job of its own.
+    reused = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}, context)
+    assert reused["job_name"] != first["job_name"] and len(aws.training_jobs()) == 2
 
 
 def test_the_run_may_poll_for_the_specs_runtime_plus_grace() -> None:
@@ -55,7 +59,7 @@ def test_the_run_may_poll_for_the_specs_runtime_plus_grace() -> None:
 
 def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:
     with pytest.raises(JobSpecError):
-        launch({"spec": spec() | {"variant": "jax"}, "execution_arn": EXECUTION}, context)
+        launch({"spec": spec() | {"variant": "jax"}, "execution_arn": EXECUTION, "execution_start": STARTED}, context)
     assert aws.training_jobs() == []
 
 
@@ -64,11 +68,11 @@ def test_launch_names_the_errors_the_state_machine_retries(aws, context, code: s
     with Stubber(client("sagemaker")) as stubber:
         stubber.add_client_error("create_training_job", service_error_code=code, service_message="slow down")
         with pytest.raises(error, match="slow down"):
-            launch({"spec": spec(), "execution_arn": EXECUTION}, context)
+            launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
 
 
 def test_collect_writes_the_result_once(aws, context) -> None:
-    name = launch({"spec": spec(), "execution_arn": EXECUTION}, context)["job_name"]
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
     job = aws.training_job(name)
     job.billable_time_in_seconds = 1800
     summary = {"step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 347.8}
@@ -94,7 +98,7 @@ def test_collect_records_a_failure_without_a_job(aws, context) -> None:
 
 
 def test_stop_stops_a_running_job_and_leaves_others(aws, context) -> None:
-    name = launch({"spec": spec(), "execution_arn": EXECUTION}, context)["job_name"]
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
     assert stop({"job_name": name}, context)["stopped"] is False  # moto's jobs complete at once
     aws.training_job(name).training_job_status = "InProgress"
     assert stop({"job_name": name}, context) == {"job_name": name, "stopped": True, "status": "Stopping"}
@@ -103,11 +107,12 @@ def test_stop_stops_a_running_job_and_leaves_others(aws, context) -> None:
 
 
 def test_stop_finds_the_job_of_an_aborted_execution(aws, context) -> None:
-    name = launch({"spec": spec(), "execution_arn": EXECUTION}, context)["job_name"]
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
     aws.training_job(name).training_job_status = "InProgress"
     event = {
         "detail-type": "Step Functions Execution Status Change",
-        "detail": {"executionArn": EXECUTION, "status": "ABORTED", "input": json.dumps(spec())},
+        "detail": {"executionArn": EXECUTION, "status": "ABORTED", "input": json.dumps(spec()),
+                   "startDate": 1796040000000},  # EventBridge's epoch ms for STARTED
     }
     assert stop(event, context)["stopped"] is True
     garbage = {"detail": {"executionArn": EXECUTION, "status": "TIMED_OUT", "input": "not json"}}
@@ -127,7 +132,7 @@ MUTATIONS = st.sampled_from([
 def test_fuzzed_invalid_specs_never_reach_create_training_job(aws, context, mutations) -> None:
     broken = spec() | dict(mutations)
     with pytest.raises(JobSpecError):
-        launch({"spec": broken, "execution_arn": EXECUTION}, context)
+        launch({"spec": broken, "execution_arn": EXECUTION, "execution_start": STARTED}, context)
     assert aws.training_jobs() == []
 
 
@@ -154,7 +159,7 @@ def test_valid_specs_make_requests_botocore_accepts(aws, context, data_groups, d
         "hyperparameters": {"steps": steps, "batch_size": batch, "warmup_steps": 1},
     }
     execution = f"{EXECUTION}-{len(aws.training_jobs())}"
-    name = launch({"spec": candidate, "execution_arn": execution}, context)["job_name"]
+    name = launch({"spec": candidate, "execution_arn": execution, "execution_start": STARTED}, context)["job_name"]
     described = aws.sagemaker.describe_training_job(TrainingJobName=name)
     counts = [g["InstanceCount"] for g in described["ResourceConfig"].get("InstanceGroups", [])] or [described["ResourceConfig"]["InstanceCount"]]
     assert sum(counts) == sum(g["count"] for g in groups)

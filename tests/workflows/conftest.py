@@ -13,7 +13,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from lambdas.plan_sweep.handler import handler as plan_sweep
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
 from tests.infra.conftest import ACCOUNT, REGION, deployed_references, render, state_machine_definition, state_machine_logical_id
-from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET, LambdaContext, _stop_training_job, output_archive
+from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET, LambdaContext, _stop_training_job, output_archive, refuse_a_name_in_use
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HANDLERS: dict[str, Callable[[dict, Any], dict]] = {
@@ -57,6 +57,8 @@ class Scenario:
     summary: dict | None = None
     # Jobs of these run names end Failed whatever final_status says (one bad configuration in a sweep).
     failing_runs: frozenset[str] = frozenset()
+    # Run name → the summary.json its job leaves (a sweep's configurations); others leave ``summary``.
+    summaries: dict[str, dict] = field(default_factory=dict)
 
 
 @pytest.fixture(scope="package")
@@ -101,24 +103,18 @@ class Harness:
         )["stateMachineArn"]
 
     def start(self, spec: dict, name: str) -> str:
-        execution_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:hetero-training-run:{name}"
-        if self.scenario.summary:
-            job = job_name_for_execution("hetero", spec["run_name"], execution_arn)
-            self.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{job}/output/output.tar.gz", Body=output_archive(self.scenario.summary))
         return self.sfn.start_execution(stateMachineArn=self.state_machine_arn, name=name, input=json.dumps(spec))["executionArn"]
 
     def start_sweep(self, sweep_input: dict, name: str, summaries: dict[str, dict] | None = None) -> str:
-        """Start a sweep; ``summaries`` (run name → summary.json) are put where each configuration's job
-        will leave its output, the nested execution being named <sweep execution>-<index>."""
-        from lambdas.core.sweep import plan_sweep as plan
-
-        for index, spec in enumerate(plan(sweep_input).configurations if summaries else ()):
-            if summaries and spec["run_name"] in summaries:
-                child = f"arn:aws:states:{REGION}:{ACCOUNT}:execution:hetero-training-run:{name}-{index}"
-                job = job_name_for_execution("hetero", spec["run_name"], child)
-                self.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{job}/output/output.tar.gz",
-                                   Body=output_archive(summaries[spec["run_name"]]))
+        """Start a sweep; ``summaries`` (run name → summary.json) are what each configuration's job leaves
+        in its output when it ends (the scenario's summary for the others)."""
+        self.scenario.summaries = summaries or {}
         return self.sfn.start_execution(stateMachineArn=self.sweep_arn, name=name, input=json.dumps(sweep_input))["executionArn"]
+
+    def job_of(self, execution_arn: str, run_name: str) -> str:
+        """The job an execution launched, derived as the platform derives it (ARN and start time)."""
+        started = self.sfn.describe_execution(executionArn=execution_arn)["startDate"]
+        return job_name_for_execution("hetero", run_name, execution_arn, started)
 
     def wait(self, execution_arn: str, timeout_s: float = 60) -> dict[str, Any]:
         give_up = time.monotonic() + timeout_s
@@ -219,8 +215,13 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         job.training_job_status = "InProgress"
 
         fails = any(f"-{run}-" in job_name for run in scenario.failing_runs)
+        summary = next((value for run, value in scenario.summaries.items() if f"-{run}-" in job_name), scenario.summary)
 
         def finish() -> None:
+            if summary is not None:  # what the job's hosts leave in its output, as SageMaker uploads it
+                boto3.client("s3", region_name=REGION).put_object(
+                    Bucket=RESULTS_BUCKET, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=output_archive(summary)
+                )
             if job.training_job_status == "InProgress":
                 job.training_job_status = "Failed" if fails else scenario.final_status
                 job.failure_reason = "AlgorithmError: the trainer exited with 137" if fails else scenario.failure_reason
@@ -230,13 +231,11 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         timers.append(timer)
         timer.start()
 
-    original_create = SageMakerModelBackend.create_training_job
-
     def create_training_job(self, *args, **kwargs):
         if state["throttles_left"] > 0:
             state["throttles_left"] -= 1
             raise JsonRESTError("ThrottlingException", "Rate exceeded")
-        return original_create(self, *args, **kwargs)
+        return refuse_a_name_in_use(self, *args, **kwargs)
 
     monkeypatch.setattr(LambdaSimpleBackend, "invoke", invoke)
     monkeypatch.setattr(SageMakerModelBackend, "create_training_job", create_training_job)

@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from lambdas.core.execution import job_name_for_execution
 from lambdas.stop_job.handler import handler as stop
 from tests.lambdas.conftest import LambdaContext
 from tests.workflows.conftest import SPEC, Scenario
@@ -61,7 +60,7 @@ def test_a_job_running_past_the_specs_runtime_is_stopped_and_the_run_fails(run, 
     execution_arn = harness.start(spec, "run-overtime")
     execution = harness.wait(execution_arn, timeout_s=120)
     assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
-    job_name = job_name_for_execution("hetero", SPEC["run_name"], execution_arn)
+    job_name = harness.job_of(execution_arn, SPEC["run_name"])
     assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopping"
     assert harness.result("run-overtime")["failure_reason"] == "RunTimedOut: the job ran past the spec's max_runtime_s"
 
@@ -70,7 +69,7 @@ def test_a_job_running_past_the_specs_runtime_is_stopped_and_the_run_fails(run, 
 def test_an_execution_ended_from_outside_has_its_job_stopped(run, platform, ending: str) -> None:
     harness = run(Scenario(runs_for_s=600))
     execution_arn = harness.start(SPEC, f"run-{ending.lower()}")
-    job_name = job_name_for_execution("hetero", SPEC["run_name"], execution_arn)
+    job_name = harness.job_of(execution_arn, SPEC["run_name"])
     give_up = time.monotonic() + 30
     while job_name not in harness.training_jobs() or harness.job(job_name).training_job_status != "InProgress":
         assert time.monotonic() < give_up, "the job was never launched"
@@ -79,7 +78,8 @@ def test_an_execution_ended_from_outside_has_its_job_stopped(run, platform, endi
     described = harness.wait(execution_arn, timeout_s=30)
     assert described["status"] == "ABORTED"
     detail = {"executionArn": execution_arn, "stateMachineArn": harness.state_machine_arn, "status": ending,
-              "input": described["input"], "name": described["name"]}
+              "input": described["input"], "name": described["name"],
+              "startDate": int(described["startDate"].timestamp() * 1000)}  # as EventBridge sends it: epoch ms
     delivered = harness.route_status_change(platform, detail)
     assert harness.route_status_change(platform, detail | {"status": "SUCCEEDED"}) is None
     assert harness.route_status_change(platform, detail | {"stateMachineArn": harness.state_machine_arn + "-other"}) is None
