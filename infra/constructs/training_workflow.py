@@ -4,10 +4,13 @@ transient, cleanup on what fails, and a failure recorded in results/ either way.
     Validate spec ──JobSpecError──▶ Fail "InvalidJobSpec"        (nothing launched)
     Launch job (retries LaunchThrottled, CapacityUnavailable with backoff)
         └─any error──▶ Record launch failure ▶ Fail "LaunchFailed"
-    Wait ▶ Describe job ▶ Completed? ─yes─▶ Collect results ▶ Succeed
-                           Failed/Stopped? ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
-                           otherwise ▶ Wait
-        any error while polling or collecting ▶ Stop job ▶ Record failure ▶ Fail "RunFailed"
+    Wait (the launch's interval) ▶ Describe job (retried; still failing: "Poll failed", status Unknown)
+        ▶ Completed? ─yes─▶ Collect results ▶ Succeed
+          Failed/Stopped? ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
+          no polls left ─▶ Run timed out ▶ Stop job ▶ Record failure ▶ Fail "RunFailed"
+          otherwise ▶ Count down ▶ Wait
+        any error while collecting ▶ Stop job (retried; still failing: recorded) ▶ Record failure ▶ Fail
+    A failing poll never stops a job: only the run's deadline does.
 
 An aborted or timed-out execution runs none of this; the AbortCleanup construct stops its job.
 """
@@ -59,7 +62,9 @@ class TrainingWorkflow(Construct):
                          jitter_strategy=sfn.JitterType.FULL)
         launch.add_retry(errors=["CapacityUnavailable"], interval=Duration.minutes(5), backoff_rate=2, max_attempts=4,
                          jitter_strategy=sfn.JitterType.FULL)
-        wait = sfn.Wait(self, "Wait", time=sfn.WaitTime.duration(Duration.seconds(poll_interval_s)))
+        # The launch chose the interval (at least poll_interval_s; longer for long runtimes, so that the
+        # number of polls, and so the execution's history, stays bounded).
+        wait = sfn.Wait(self, "Wait", time=sfn.WaitTime.seconds_path("$.launch.poll_interval_s"))
         describe = tasks.CallAwsService(
             self, "Describe job", service="sagemaker", action="describeTrainingJob",
             parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
@@ -67,12 +72,18 @@ class TrainingWorkflow(Construct):
             result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
             result_path="$.job",
         )
-        describe.add_retry(errors=["SageMaker.ThrottlingException", "SageMaker.SageMakerException"], interval=Duration.seconds(5),
-                           backoff_rate=2, max_attempts=5)
+        # A poll that fails is retried, then simply counted as a poll: it never stops a healthy job (the
+        # run's deadline still bounds it). Few retries: each costs history events (see MAX_POLLS).
+        describe.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=3,
+                           max_delay=Duration.seconds(60), jitter_strategy=sfn.JitterType.FULL)
         job = {"spec": SPEC, "execution_arn": EXECUTION_ARN, "job_name": sfn.JsonPath.string_at("$.launch.job_name")}
         collect = invoke("Collect results", functions.collect, job, "$.result")
         collect_failed = invoke("Collect failed run", functions.collect, job, "$.result")
         stop = invoke("Stop job", functions.stop, {"job_name": sfn.JsonPath.string_at("$.launch.job_name")}, None)
+        # Briefly: a run that fails anyway ends FAILED, and the abort rule's stop (8 retries over 6 h) and
+        # the reconciler follow up.
+        stop.add_retry(errors=["States.ALL"], interval=Duration.seconds(2), backoff_rate=2, max_attempts=4,
+                       max_delay=Duration.seconds(30), jitter_strategy=sfn.JitterType.FULL)
         record_failure = invoke("Record failure", functions.collect, job | {"failure": sfn.JsonPath.object_at("$.error")}, None)
         record_launch_failure = invoke(
             "Record launch failure", functions.collect,
@@ -83,15 +94,21 @@ class TrainingWorkflow(Construct):
         launch.add_catch(record_launch_failure.next(sfn.Fail(self, "LaunchFailed", error="LaunchFailed", cause_path="$.error.Cause")),
                          result_path="$.error")
         cleanup = stop.next(record_failure).next(sfn.Fail(self, "RunFailed", error="RunFailed", cause_path="$.error.Cause"))
-        for state in (describe, collect, collect_failed):
+        # A stop that keeps failing is recorded with the run's failure; the abort rule and the reconciler
+        # stop the job later. The original error stays in $.error.
+        stop.add_catch(record_failure, result_path="$.stop_error")
+        for state in (collect, collect_failed):
             state.add_catch(cleanup, result_path="$.error")
 
         count_down = sfn.Pass(
             self, "Count down",
             parameters={"job_name": sfn.JsonPath.string_at("$.launch.job_name"),
+                        "poll_interval_s": sfn.JsonPath.number_at("$.launch.poll_interval_s"),
                         "polls_left": sfn.JsonPath.math_add(sfn.JsonPath.number_at("$.launch.polls_left"), -1)},
             result_path="$.launch",
         ).next(wait)
+        poll_failed = sfn.Pass(self, "Poll failed", parameters={"status": "Unknown"}, result_path="$.job")
+        describe.add_catch(poll_failed, result_path="$.poll_error")
         # The spec's runtime (plus grace) has passed and SageMaker has not stopped the job: stop it here.
         timed_out = sfn.Pass(self, "Run timed out", parameters={"Error": "RunTimedOut", "Cause": "the job ran past the spec's max_runtime_s"},
                              result_path="$.error").next(cleanup)
@@ -105,6 +122,7 @@ class TrainingWorkflow(Construct):
             .when(sfn.Condition.number_less_than_equals("$.launch.polls_left", 0), timed_out)
             .otherwise(count_down)
         )
+        poll_failed.next(finished)
         definition = validate.next(launch).next(wait).next(describe).next(finished)
         self.log_group = logs.LogGroup(self, "Logs", retention=retention(log_retention_days), removal_policy=RemovalPolicy.DESTROY)
         self.state_machine = sfn.StateMachine(

@@ -9,7 +9,7 @@ days after its execution closed, and the same ARN must not adopt the earlier exe
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from lambdas.core.training_request import job_name
 
@@ -22,7 +22,7 @@ def epoch_ms(started: str | int | float | datetime) -> int:
         return int(started)
     moment = started if isinstance(started, datetime) else datetime.fromisoformat(str(started).replace("Z", "+00:00"))
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
 
 

@@ -3,10 +3,13 @@ SageMaker task cannot express them). The job name is derived from the execution 
 a retried launch finds the job it already created instead of starting a second one, and an execution name
 used again (allowed 90 days after its execution closed) gets a job of its own.
 
-It also returns how many polls the run may take: the spec's max_runtime_s plus a grace period for
-SageMaker to stop the job on its own (its StoppingCondition) and upload what it has, in poll intervals.
-The state machine counts them down; a job still running after the last one is stopped, and the run
-fails with RunTimedOut. (Counting polls needs no clock in the state data, and only ever errs late.)
+It also returns how the run polls: the interval between two DescribeTrainingJob calls and how many it
+may make, covering the spec's max_runtime_s plus a grace period for SageMaker to stop the job on its own
+(its StoppingCondition) and upload what it has. The state machine counts the polls down; a job still
+running after the last one is stopped, and the run fails with RunTimedOut. (Counting polls needs no
+clock in the state data, and only ever errs late.) The number of polls is bounded (MAX_POLLS): Step
+Functions fails an execution at 25,000 history events, and each poll costs some, so a long runtime gets a
+longer interval instead of more polls (60 s up to ~11.5 h; ~10 min for SageMaker's 5-day default).
 
 Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable.
 """
@@ -71,22 +74,32 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         message = error.response["Error"].get("Message", "")
         if code == "ResourceInUse" and _exists(sagemaker, name):
             logger.info("job already launched by an earlier attempt", extra={"job_name": name})
-            return {"job_name": name, "polls_left": _polls(spec.max_runtime_s)}
+            return {"job_name": name} | _polls(spec.max_runtime_s)
         if code in THROTTLING:
             raise LaunchThrottled(message) from None
         if code in CAPACITY:
             raise CapacityUnavailable(message) from None
         raise LaunchRefused(f"{code}: {message}") from None
     logger.info("launched", extra={"job_name": name, "instance_groups": [g.name for g in spec.instance_groups]})
-    return {"job_name": name, "polls_left": _polls(spec.max_runtime_s)}
+    return {"job_name": name} | _polls(spec.max_runtime_s)
 
 
-def polls_allowed(max_runtime_s: int, grace_s: int, poll_interval_s: int) -> int:
-    return math.ceil((max_runtime_s + grace_s) / poll_interval_s)
+# Polls one run may make, whatever its runtime: with the worst case of every poll retried and caught (the
+# state machine's own figures, tests/workflows/test_history.py), far below Step Functions' 25,000 events.
+MAX_POLLS = 700
 
 
-def _polls(max_runtime_s: int) -> int:
-    return polls_allowed(max_runtime_s, int(os.environ.get("DEADLINE_GRACE_S", "900")), int(os.environ.get("POLL_INTERVAL_S", "60")))
+def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int) -> tuple[int, int]:
+    """(seconds between polls, polls allowed): the configured interval, or a longer one when the runtime
+    would otherwise take more than MAX_POLLS. Pure."""
+    window = max_runtime_s + grace_s
+    interval = max(poll_interval_s, math.ceil(window / MAX_POLLS))
+    return interval, math.ceil(window / interval)
+
+
+def _polls(max_runtime_s: int) -> dict[str, int]:
+    interval, polls = poll_plan(max_runtime_s, int(os.environ.get("DEADLINE_GRACE_S", "900")), int(os.environ.get("POLL_INTERVAL_S", "60")))
+    return {"poll_interval_s": interval, "polls_left": polls}
 
 
 def _exists(sagemaker: Any, name: str) -> bool:

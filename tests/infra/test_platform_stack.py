@@ -115,17 +115,24 @@ def test_the_state_machine_graph(template_json) -> None:
     assert {"LaunchThrottled", "CapacityUnavailable"} <= retried
     assert states["Launch job"]["Catch"][0]["Next"] == "Record launch failure"
     assert states["Launch job"]["Next"] == "Wait" and states["Wait"]["Next"] == "Describe job"
+    assert states["Wait"]["SecondsPath"] == "$.launch.poll_interval_s"  # the launch's, bounded in number
     assert states["Describe job"]["Resource"].endswith(":states:::aws-sdk:sagemaker:describeTrainingJob")
     choice = states["Job finished?"]
     assert choice["Default"] == "Count down" and states["Count down"]["Next"] == "Wait"
     assert states["Count down"]["Parameters"]["polls_left.$"] == "States.MathAdd($.launch.polls_left, -1)"
+    assert states["Count down"]["Parameters"]["poll_interval_s.$"] == "$.launch.poll_interval_s"
     assert {rule["Next"] for rule in choice["Choices"]} == {"Collect results", "Collect failed run", "Run timed out"}
     (deadline,) = [rule for rule in choice["Choices"] if rule["Next"] == "Run timed out"]
     assert deadline == {"Variable": "$.launch.polls_left", "NumericLessThanEquals": 0, "Next": "Run timed out"}
     assert states["Run timed out"]["Next"] == "Stop job"
-    for name in ("Describe job", "Collect results", "Collect failed run"):
+    for name in ("Collect results", "Collect failed run"):
         assert states[name]["Catch"][0]["Next"] == "Stop job"
+    # A failing poll is retried with jitter, then counted as a poll: it never leads to "Stop job".
+    assert states["Describe job"]["Retry"][0]["ErrorEquals"] == ["States.ALL"] and states["Describe job"]["Retry"][0]["JitterStrategy"] == "FULL"
+    assert states["Describe job"]["Catch"][0]["Next"] == "Poll failed" and states["Poll failed"]["Next"] == "Job finished?"
     assert states["Stop job"]["Next"] == "Record failure" and states["Record failure"]["Next"] == "RunFailed"
+    assert states["Stop job"]["Retry"][-1]["ErrorEquals"] == ["States.ALL"]  # after the Lambda service's own
+    assert states["Stop job"]["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.stop_error", "Next": "Record failure"}]
     assert definition["TimeoutSeconds"] == 122 * 3600
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
-from moto.core.responses import EmptyResult
 from moto.core.exceptions import JsonRESTError
+from moto.core.responses import EmptyResult
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
 

@@ -51,10 +51,14 @@ def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
 
 
 def test_the_run_may_poll_for_the_specs_runtime_plus_grace() -> None:
-    from lambdas.launch_job.handler import polls_allowed
+    from lambdas.launch_job.handler import MAX_POLLS, poll_plan
 
-    assert polls_allowed(3600, 900, 60) == 75
-    assert polls_allowed(60, 0, 7) == 9  # rounded up: the deadline only ever errs late
+    assert poll_plan(3600, 900, 60) == (60, 75)
+    assert poll_plan(60, 0, 7) == (7, 9)  # rounded up: the deadline only ever errs late
+    # Long runtimes poll less often instead of more: the execution's history stays bounded.
+    interval, polls = poll_plan(5 * 24 * 3600, 900, 60)
+    assert polls <= MAX_POLLS and interval * polls >= 5 * 24 * 3600 + 900 and interval == 619
+    assert poll_plan(28 * 24 * 3600, 900, 60)[1] <= MAX_POLLS  # SageMaker's longest MaxRuntime too
 
 
 def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:

@@ -36,7 +36,14 @@ from lambdas.plan_sweep.handler import handler as plan_sweep
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
 from tests.infra.conftest import ACCOUNT, REGION, deployed_references, render, state_machine_definition, state_machine_logical_id
-from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET, LambdaContext, _stop_training_job, output_archive, refuse_a_name_in_use
+from tests.lambdas.conftest import (
+    ENVIRONMENT,
+    RESULTS_BUCKET,
+    LambdaContext,
+    _stop_training_job,
+    output_archive,
+    refuse_a_name_in_use,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HANDLERS: dict[str, Callable[[dict, Any], dict]] = {
@@ -59,6 +66,10 @@ class Scenario:
     failing_runs: frozenset[str] = frozenset()
     # Run name → the summary.json its job leaves (a sweep's configurations); others leave ``summary``.
     summaries: dict[str, dict] = field(default_factory=dict)
+    # DescribeTrainingJob answers ThrottlingException this many times before it answers again.
+    throttle_describes: int = 0
+    # The stop function fails (as a Lambda whose code raises) every time it is invoked.
+    stop_fails: bool = False
 
 
 @pytest.fixture(scope="package")
@@ -201,6 +212,9 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     def invoke(self, function_name, qualifier, body, headers, response_headers):  # the Lambda runtime's contract
         name = function_name.rsplit(":", 1)[-1]
         try:
+            if name == "StopJob" and state["scenario"].stop_fails:
+                state["stop_attempts"] = state.get("stop_attempts", 0) + 1
+                raise ConnectionError("SageMaker unreachable from the stop function")
             result = HANDLERS[name](json.loads(body), LambdaContext(function_name=name))
         except Exception as error:  # noqa: BLE001 - the runtime reports any error by its type
             response_headers["x-amz-function-error"] = "Unhandled"
@@ -237,6 +251,16 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
             raise JsonRESTError("ThrottlingException", "Rate exceeded")
         return refuse_a_name_in_use(self, *args, **kwargs)
 
+    original_describe = SageMakerModelBackend.describe_training_job
+
+    def describe_training_job(self, *args, **kwargs):
+        if state["describe_throttles_left"] > 0:
+            state["describe_throttles_left"] -= 1
+            state["describes_throttled"] = state.get("describes_throttled", 0) + 1
+            raise JsonRESTError("ThrottlingException", "Rate exceeded")
+        return original_describe(self, *args, **kwargs)
+
+    monkeypatch.setattr(SageMakerModelBackend, "describe_training_job", describe_training_job)
     monkeypatch.setattr(LambdaSimpleBackend, "invoke", invoke)
     monkeypatch.setattr(SageMakerModelBackend, "create_training_job", create_training_job)
     client.cache_clear()
@@ -244,7 +268,10 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
 
         def make(scenario: Scenario) -> Harness:
             state["scenario"], state["throttles_left"] = scenario, scenario.throttle_first_launches
-            return Harness(platform, scenario)
+            state["describe_throttles_left"] = scenario.throttle_describes
+            harness = Harness(platform, scenario)
+            harness.faults = state
+            return harness
 
         yield make
     for timer in timers:

@@ -87,3 +87,27 @@ def test_an_execution_ended_from_outside_has_its_job_stopped(run, platform, endi
     reply = stop(delivered, LambdaContext(function_name="StopJob"))  # the event as the rule delivers it
     assert reply == {"job_name": job_name, "stopped": True, "status": "Stopping"}
     assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopping"
+
+
+def test_a_throttled_poll_never_stops_a_healthy_job(run) -> None:
+    """Describe refused 10 times in a row (botocore's own retries, the state's retries with jitter, then
+    "Poll failed" counted as a poll): the job runs on and the run completes."""
+    harness = run(Scenario(throttle_describes=10, runs_for_s=3, summary={"step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
+    execution_arn = harness.start(SPEC, "run-poll-throttled")
+    execution = harness.wait(execution_arn, timeout_s=240)
+    assert execution["status"] == "SUCCEEDED", execution
+    assert harness.faults["describes_throttled"] == 10
+    job_name = harness.job_of(execution_arn, SPEC["run_name"])
+    assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Completed"  # never stopped
+    assert harness.result("run-poll-throttled")["status"] == "Completed"
+
+
+def test_a_stop_that_keeps_failing_is_retried_then_recorded(run, monkeypatch) -> None:
+    monkeypatch.setenv("DEADLINE_GRACE_S", "0")
+    harness = run(Scenario(runs_for_s=600, stop_fails=True))
+    execution_arn = harness.start(SPEC | {"max_runtime_s": 60}, "run-stop-fails")
+    execution = harness.wait(execution_arn, timeout_s=240)
+    assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
+    assert harness.faults["stop_attempts"] == 5  # one attempt and four retries; then the abort rule takes over
+    result = harness.result("run-stop-fails")
+    assert result["failure_reason"] == "RunTimedOut: the job ran past the spec's max_runtime_s"

@@ -1,0 +1,48 @@
+"""Step Functions fails an execution at 25,000 history events. The training run's worst case, computed
+from the synthesized definition for the longest runtime SageMaker allows, with every poll retried to
+the last attempt, stays far below it; and the model of events per state is checked against a real run
+in moto's interpreter."""
+
+from __future__ import annotations
+
+from lambdas.launch_job.handler import MAX_POLLS, poll_plan
+from tests.infra.conftest import state_machine_definition
+from tests.workflows.conftest import SPEC, Scenario
+
+HISTORY_LIMIT = 25_000
+# Events a state adds to the history: entered and exited, and for a task its scheduled, started and
+# succeeded (each retried attempt: scheduled, started, failed).
+EVENTS = {"Task": 5, "Wait": 2, "Choice": 2, "Pass": 2, "Succeed": 2, "Fail": 1}
+ATTEMPT_EVENTS = 3
+POLL_LOOP = ("Wait", "Describe job", "Poll failed", "Job finished?", "Count down")
+LONGEST_RUNTIME_S = 28 * 24 * 3600  # SageMaker's longest MaxRuntimeInSeconds (the validator allows 5 days)
+
+
+def worst_events(state: dict) -> int:
+    retries = sum(retrier.get("MaxAttempts", 3) for retrier in state.get("Retry", []))
+    return EVENTS[state["Type"]] + ATTEMPT_EVENTS * retries
+
+
+def test_the_worst_case_history_of_the_longest_run_stays_far_below_the_limit(platform) -> None:
+    states = state_machine_definition(platform)["States"]
+    per_poll = sum(worst_events(states[name]) for name in POLL_LOOP)
+    outside = sum(worst_events(state) for name, state in states.items() if name not in POLL_LOOP)  # each at most once
+    _, polls = poll_plan(LONGEST_RUNTIME_S, 900, 1)
+    assert polls <= MAX_POLLS
+    worst = 2 + outside + per_poll * polls  # + ExecutionStarted and its end
+    print(f"\n[history] worst case {worst} events ({per_poll} per poll × {polls} polls + {outside}); limit {HISTORY_LIMIT}")
+    assert worst < 0.8 * HISTORY_LIMIT
+
+
+def test_the_event_model_matches_a_real_run(run, platform) -> None:
+    harness = run(Scenario(runs_for_s=12, summary={"step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
+    execution_arn = harness.start(SPEC | {"max_runtime_s": 60}, "run-history")  # polls every 2 s: (60 + 900) / 700
+    assert harness.wait(execution_arn, timeout_s=120)["status"] == "SUCCEEDED"
+    events = harness.sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
+    polls = sum(1 for event in events if event["type"] == "WaitStateEntered")
+    states = state_machine_definition(platform)["States"]
+    normal_poll = sum(EVENTS[states[name]["Type"]] for name in ("Wait", "Describe job", "Job finished?", "Count down"))
+    path = ("Validate spec", "Launch job", "Collect results", "Succeeded")
+    modelled = 2 + sum(EVENTS[states[name]["Type"]] for name in path) + normal_poll * polls - EVENTS["Pass"]  # the last poll counts down no more
+    assert polls >= 3 and len(events) <= modelled, (len(events), modelled, polls, [e["type"] for e in events])
+    assert len(events) == modelled  # the model is exact on the path it takes
