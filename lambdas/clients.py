@@ -50,3 +50,13 @@ def read_object_or_none(bucket: str, key: str) -> bytes | None:
         if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
             return None
         raise
+
+
+def object_size_or_none(bucket: str, key: str) -> int | None:
+    """An object's size in bytes, or None when there is none at that key."""
+    try:
+        return int(client("s3").head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise

@@ -4,6 +4,7 @@ reports; versioned), and the access-log bucket both log to. All encrypted, SSL-o
 from __future__ import annotations
 
 from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
@@ -36,7 +37,23 @@ class Buckets(Construct):
             server_access_logs_bucket=self.access_logs,
             server_access_logs_prefix="results/",
             lifecycle_rules=[
-                s3.LifecycleRule(prefix="checkpoints/", expiration=Duration.days(checkpoint_retention_days)),
-                s3.LifecycleRule(noncurrent_version_expiration=Duration.days(90)),
+                s3.LifecycleRule(prefix="checkpoints/", expiration=Duration.days(checkpoint_retention_days),
+                                 noncurrent_version_expiration=Duration.days(7)),
+                # Results and reports keep every version: they are never overwritten, nor expire.
+                s3.LifecycleRule(prefix="artifacts/", noncurrent_version_expiration=Duration.days(90)),
+                s3.LifecycleRule(prefix="prices/", noncurrent_version_expiration=Duration.days(90)),
             ],
         )
+        # "Never overwritten" held by S3 itself, not only by our code: a write to results/ or benchmarks/
+        # must be conditional on no object being there (If-None-Match: *), whoever makes it.
+        for prefix in ("results/", "benchmarks/"):
+            self.results.add_to_resource_policy(
+                iam.PolicyStatement(
+                    sid=f"WriteOnce{prefix.strip('/').capitalize()}",
+                    effect=iam.Effect.DENY,
+                    principals=[iam.AnyPrincipal()],
+                    actions=["s3:PutObject"],
+                    resources=[self.results.arn_for_objects(f"{prefix}*")],
+                    conditions={"Null": {"s3:if-none-match": "true"}},
+                )
+            )

@@ -137,6 +137,8 @@ class TrainingRunFunctions(Construct):
         self.launch.add_to_role_policy(
             iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob"], resources=[jobs_arn])
         )
+        # ListTrainingJobs takes no resource ARN: to refuse a run name whose job is running already.
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTrainingJobs"], resources=["*"]))
         self.launch.add_to_role_policy(
             iam.PolicyStatement(
                 actions=["iam:PassRole"],
@@ -152,6 +154,8 @@ class TrainingRunFunctions(Construct):
         jobs = training_jobs_arn(stack, prefix)
         for fn in (self.launch, self.collect, self.stop):
             acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))
+        acknowledge(self.launch.role, "sagemaker:ListTrainingJobs has no resource-level permissions (it lists, reading no job's data).",
+                    *wildcard_resources("*"))
         acknowledge(
             self.collect.role,
             "Reads job outputs under artifacts/ and writes results under results/ of the results bucket only.",

@@ -5,7 +5,7 @@ transient, cleanup on what fails, and a failure recorded in results/ either way.
     Launch job (retries LaunchThrottled, CapacityUnavailable with backoff)
         └─any error──▶ Record launch failure ▶ Fail "LaunchFailed"
     Wait (the launch's interval) ▶ Describe job (retried; still failing: "Poll failed", status Unknown)
-        ▶ Completed? ─yes─▶ Collect results ▶ Succeed
+        ▶ Completed? ─yes─▶ Collect results ▶ figures usable? ▶ Succeed (else Fail "RunFailed": no step timed...)
           Failed/Stopped? ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
           no polls left ─▶ Run timed out ▶ Stop job ▶ Record failure ▶ Fail "RunFailed"
           otherwise ▶ Count down ▶ Wait
@@ -112,9 +112,17 @@ class TrainingWorkflow(Construct):
         # The spec's runtime (plus grace) has passed and SageMaker has not stopped the job: stop it here.
         timed_out = sfn.Pass(self, "Run timed out", parameters={"Error": "RunTimedOut", "Cause": "the job ran past the spec's max_runtime_s"},
                              result_path="$.error").next(cleanup)
+        # A job that completed but left no usable figures (no step timed, an unreadable summary) is a
+        # failed run: result.json says why.
+        usable = (
+            sfn.Choice(self, "Figures usable?")
+            .when(sfn.Condition.string_equals("$.result.status", "Completed"), sfn.Succeed(self, "Succeeded"))
+            .otherwise(sfn.Fail(self, "NoUsableFigures", error="RunFailed",
+                                cause="The job completed without usable figures; see results/<run id>/result.json"))
+        )
         finished = (
             sfn.Choice(self, "Job finished?")
-            .when(sfn.Condition.string_equals("$.job.status", "Completed"), collect.next(sfn.Succeed(self, "Succeeded")))
+            .when(sfn.Condition.string_equals("$.job.status", "Completed"), collect.next(usable))
             .when(
                 sfn.Condition.or_(sfn.Condition.string_equals("$.job.status", "Failed"), sfn.Condition.string_equals("$.job.status", "Stopped")),
                 collect_failed.next(sfn.Fail(self, "TrainingJobFailed", error="TrainingJobFailed", cause="The training job failed or was stopped; see results/<run id>/result.json")),

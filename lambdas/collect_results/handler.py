@@ -1,7 +1,9 @@
 """Write results/<run id>/result.json for a finished (or failed) run, never over an existing one.
 
 Event: {"spec", "execution_arn", "job_name"?, "failure"?: {"Error", "Cause"}}. The step times come from
-the trainer's summary.json inside the job's output.tar.gz; cost from the fallback price table.
+the trainer's summary.json inside the job's output.tar.gz (an archive that cannot be read, or is larger
+than MAX_ARCHIVE_BYTES, is recorded as such: the run failed with SummaryUnreadable); cost from the
+fallback price table. A retried collect of the same execution finds its own result and returns it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from lambdas.clients import client, put_new_object, read_object_or_none
+from lambdas.clients import client, object_size_or_none, put_new_object, read_object_or_none
 from lambdas.core.execution import run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
-from lambdas.core.results import result_document, summary_from_output_archive
+from lambdas.core.results import (
+    MAX_ARCHIVE_BYTES,
+    ResultExistsError,
+    SummaryUnreadable,
+    result_document,
+    summary_from_output_archive,
+)
 
 logger = Logger(service="collect-results")
 
@@ -27,27 +35,47 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     job_name = event.get("job_name")
     describe = client("sagemaker").describe_training_job(TrainingJobName=job_name) if job_name else None
     failure = event.get("failure")
+    summary, problem = _summary(describe) if describe else (None, None)
     document = result_document(
         run_id=run_id(event["execution_arn"]),
         spec=spec,
         raw_spec=event["spec"],
         job_name=job_name,
         describe=describe,
-        summary=_summary(describe) if describe else None,
+        summary=summary,
+        summary_problem=problem,
         prices=FALLBACK_PRICES,
         failure=f"{failure.get('Error')}: {failure.get('Cause')}" if failure else None,
     )
     bucket, key = os.environ["RESULTS_BUCKET"], f"results/{document['run_id']}/result.json"
-    put_new_object(bucket, key, json.dumps(document, indent=2, default=str).encode(), "application/json")
+    try:
+        put_new_object(bucket, key, json.dumps(document, indent=2, default=str).encode(), "application/json")
+    except ResultExistsError:
+        existing = json.loads(read_object_or_none(bucket, key) or b"{}")
+        if existing.get("job_name") != job_name:
+            raise  # another run's result: never ours to replace
+        logger.info("result written by an earlier attempt of this collect", extra={"key": key})
+        document = existing
     logger.info("result written", extra={"key": key, "status": document["status"]})
     return {"result_uri": f"s3://{bucket}/{key}", "status": document["status"], "step_time_ms": document["step_time_ms"]}
 
 
-def _summary(describe: dict[str, Any]) -> dict[str, Any] | None:
+def _summary(describe: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(the trainer's summary or None, why it could not be read or None)."""
     output = describe.get("OutputDataConfig", {}).get("S3OutputPath", "").rstrip("/")
     if not output.startswith("s3://"):
-        return None
+        return None, None
     bucket, _, prefix = output[len("s3://"):].partition("/")
     key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
+    size = object_size_or_none(bucket, key)
+    if size is None:
+        return None, None
+    if size > MAX_ARCHIVE_BYTES:
+        return None, f"output.tar.gz is {size} bytes, more than the {MAX_ARCHIVE_BYTES} the platform reads"
     archive = read_object_or_none(bucket, key)
-    return summary_from_output_archive(archive) if archive is not None else None
+    if archive is None:
+        return None, None
+    try:
+        return summary_from_output_archive(archive), None
+    except SummaryUnreadable as error:
+        return None, str(error)

@@ -44,8 +44,11 @@ RUN_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}$")
 GROUP_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CHANNEL_NAME = re.compile(r"^[A-Za-z0-9\.\-_]{1,64}$")
 HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+# A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/).
+RUN_ID = re.compile(r"\A[A-Za-z0-9_-]{1,80}\Z")
 KNOWN_FIELDS = frozenset(
-    {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s"}
+    {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
+     "resume_from"}
 )
 
 
@@ -84,6 +87,8 @@ class JobSpec:
     inputs: tuple[ChannelSpec, ...]
     max_runtime_s: int
     spec_version: int = SPEC_VERSION
+    # The run id (execution name) whose checkpoints this run resumes and carries on; "" starts afresh.
+    resume_from: str = ""
 
     @property
     def dnn_group(self) -> GroupSpec:
@@ -133,6 +138,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         inputs=_inputs(raw.get("inputs", {}), groups),
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
         spec_version=SPEC_VERSION,
+        resume_from=_resume_from(raw.get("resume_from", "")),
     )
 
 
@@ -218,6 +224,12 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...]) -> tuple[ChannelSpec, ...]:
             "SageMaker needs every channel assigned to groups, or none: give this channel its groups too",
         )
     return tuple(channels)
+
+
+def _resume_from(value: Any) -> str:
+    if value != "" and (not isinstance(value, str) or not RUN_ID.match(value)):
+        raise JobSpecError("resume_from", f"{value!r} must be the run id (execution name) of an earlier run: 1–80 letters, digits, - or _")
+    return value
 
 
 def _max_runtime(value: Any) -> int:

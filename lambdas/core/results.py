@@ -19,21 +19,52 @@ from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cos
 
 SUMMARY_NAME = "summary.json"
 MAX_SUMMARY_BYTES = 1 << 20
+# The collect function reads the job's output.tar.gz into its memory: a larger one is not read at all.
+MAX_ARCHIVE_BYTES = 64 << 20
 
 
 class ResultExistsError(RuntimeError):
     """results/<run id>/result.json exists already; results are never overwritten."""
 
 
+class SummaryUnreadable(ValueError):
+    """The job's output holds no summary the platform can read (corrupt, oversized, not JSON)."""
+
+
 def summary_from_output_archive(archive: bytes) -> dict[str, Any] | None:
     """The trainer's summary.json from SageMaker's output.tar.gz (every host's /opt/ml/output/data,
-    merged), or None when the job wrote none."""
-    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-        for member in tar.getmembers():
-            if member.isfile() and member.name.rsplit("/", 1)[-1] == SUMMARY_NAME and member.size <= MAX_SUMMARY_BYTES:
-                handle = tar.extractfile(member)
-                return json.loads(handle.read()) if handle else None
+    merged), or None when the job wrote none. Raises SummaryUnreadable for an archive or a summary that
+    cannot be read."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.rsplit("/", 1)[-1] == SUMMARY_NAME:
+                    if member.size > MAX_SUMMARY_BYTES:
+                        raise SummaryUnreadable(f"{member.name} is {member.size} bytes, more than {MAX_SUMMARY_BYTES}")
+                    handle = tar.extractfile(member)
+                    summary = json.loads(handle.read()) if handle else None
+                    if not isinstance(summary, dict):
+                        raise SummaryUnreadable(f"{member.name} holds no JSON object")
+                    return summary
+    except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SummaryUnreadable(f"output.tar.gz cannot be read: {type(error).__name__}: {error}") from None
     return None
+
+
+def run_verdict(job_status: str, summary: Mapping[str, Any] | None, summary_problem: str | None) -> tuple[str, str | None]:
+    """(the run's status, why it failed) for a job SageMaker reports ``job_status``. A job that completed
+    but timed no step (it resumed a finished checkpoint, or its steps were all warm-up) is no success with
+    empty figures: it failed, with that reason. Pure."""
+    if job_status != "Completed":
+        return job_status, None
+    if summary_problem:
+        return "Failed", f"SummaryUnreadable: {summary_problem}"
+    if summary is None:
+        return "Failed", "NoSummary: the job completed without writing summary.json"
+    if not summary.get("timed_steps") or not summary.get("step_time_ms"):
+        return "Failed", (f"NoStepsTimed: the job trained no step past its warm-up (start_step {summary.get('start_step')}, "
+                          f"steps {summary.get('steps')}): a resumed run that had finished, or warmup_steps too close to steps")
+    return "Completed", None
 
 
 def result_document(
@@ -46,8 +77,11 @@ def result_document(
     summary: Mapping[str, Any] | None,
     prices: Prices,
     failure: str | None = None,
+    summary_problem: str | None = None,
 ) -> dict[str, Any]:
     describe = describe or {}
+    job_status = describe.get("TrainingJobStatus", "NotStarted")
+    status, verdict = run_verdict(job_status, summary, summary_problem)
     groups = [(group.instance_type, group.count) for group in spec.instance_groups]
     try:
         usd_per_hour: float | None = hourly_cost(groups, prices)
@@ -61,8 +95,9 @@ def result_document(
         "run_id": run_id,
         "job_name": job_name,
         "spec": dict(raw_spec),
-        "status": describe.get("TrainingJobStatus", "NotStarted"),
-        "failure_reason": failure or describe.get("FailureReason"),
+        "status": status,
+        "job_status": job_status,
+        "failure_reason": failure or describe.get("FailureReason") or verdict,
         "billable_seconds": billable,
         "training_seconds": describe.get("TrainingTimeInSeconds"),
         "step_time_ms": step,

@@ -76,7 +76,7 @@ def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict
     return user | platform.to_hyperparameters()
 
 
-def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, shutdown_token: str) -> dict[str, Any]:
+def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, shutdown_token: str, run_id: str) -> dict[str, Any]:
     try:
         image = settings.image_uris[spec.variant]
     except KeyError:
@@ -105,10 +105,17 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri},
         "ResourceConfig": _resources(spec, settings.volume_size_gb),
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
-        "CheckpointConfig": {"S3Uri": f"{settings.checkpoint_s3_uri.rstrip('/')}/{spec.run_name}/", "LocalPath": CHECKPOINT_LOCAL_PATH},
+        "CheckpointConfig": {"S3Uri": checkpoint_uri(settings, spec, run_id), "LocalPath": CHECKPOINT_LOCAL_PATH},
         "EnableInterContainerTrafficEncryption": settings.inter_container_encryption,
         "Tags": [{"Key": key, "Value": value} for key, value in ({"run_name": spec.run_name} | dict(settings.tags)).items()],
     }
+
+
+def checkpoint_uri(settings: LaunchSettings, spec: JobSpec, run_id: str) -> str:
+    """Checkpoints are the run's own (checkpoints/<run id>/): two runs of one spec never share them, so a
+    weekly sweep does not resume last week's final step and train nothing. A spec with ``resume_from``
+    resumes that run's checkpoints, and carries on writing them there."""
+    return f"{settings.checkpoint_s3_uri.rstrip('/')}/{spec.resume_from or run_id}/"
 
 
 def _neuron_settings(spec: JobSpec, settings: LaunchSettings) -> dict[str, Any]:

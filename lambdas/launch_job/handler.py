@@ -11,7 +11,8 @@ clock in the state data, and only ever errs late.) The number of polls is bounde
 Functions fails an execution at 25,000 history events, and each poll costs some, so a long runtime gets a
 longer interval instead of more polls (60 s up to ~11.5 h; ~10 min for SageMaker's 5-day default).
 
-Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable.
+Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable. A run name
+whose job is running already is refused (RunNameInUse) before anything is created.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
 from lambdas.clients import client
-from lambdas.core.execution import job_name_for_execution
+from lambdas.core.execution import job_name_for_execution, run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.training_request import LaunchSettings, create_training_job_request
 
@@ -48,6 +49,11 @@ class LaunchRefused(RuntimeError):
     pass
 
 
+class RunNameInUse(RuntimeError):
+    """Another execution's job of the same run name is running: two runs of one name at once would
+    compete for the same results and, resuming, the same checkpoints."""
+
+
 def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
     return LaunchSettings(
         image_uris=json.loads(environ["IMAGE_URIS"]),
@@ -62,12 +68,17 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"])
-    name = job_name_for_execution(os.environ["JOB_NAME_PREFIX"], spec.run_name, event["execution_arn"], event["execution_start"])
+    prefix = os.environ["JOB_NAME_PREFIX"]
+    name = job_name_for_execution(prefix, spec.run_name, event["execution_arn"], event["execution_start"])
     request = create_training_job_request(
-        spec, settings_from_environment(dict(os.environ)), name=name, shutdown_token=secrets.token_urlsafe(32)
+        spec, settings_from_environment(dict(os.environ)), name=name, shutdown_token=secrets.token_urlsafe(32),
+        run_id=run_id(event["execution_arn"]),
     )
     sagemaker = client("sagemaker")
     try:
+        others = running_jobs_of(sagemaker, prefix, spec.run_name) - {name}
+        if others:
+            raise RunNameInUse(f"run {spec.run_name!r} is running already (training job {sorted(others)[0]}); wait for it, stop it, or pick another run_name")
         sagemaker.create_training_job(**request)
     except ClientError as error:
         code = error.response["Error"]["Code"]
@@ -75,11 +86,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         if code == "ResourceInUse" and _exists(sagemaker, name):
             logger.info("job already launched by an earlier attempt", extra={"job_name": name})
             return {"job_name": name} | _polls(spec.max_runtime_s)
-        if code in THROTTLING:
-            raise LaunchThrottled(message) from None
-        if code in CAPACITY:
-            raise CapacityUnavailable(message) from None
-        raise LaunchRefused(f"{code}: {message}") from None
+        raise _named(code, message) from None
     logger.info("launched", extra={"job_name": name, "instance_groups": [g.name for g in spec.instance_groups]})
     return {"job_name": name} | _polls(spec.max_runtime_s)
 
@@ -100,6 +107,23 @@ def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int) -> tuple[i
 def _polls(max_runtime_s: int) -> dict[str, int]:
     interval, polls = poll_plan(max_runtime_s, int(os.environ.get("DEADLINE_GRACE_S", "900")), int(os.environ.get("POLL_INTERVAL_S", "60")))
     return {"poll_interval_s": interval, "polls_left": polls}
+
+
+def _named(code: str, message: str) -> Exception:
+    """A SageMaker error as the state machine knows it: retried (LaunchThrottled, CapacityUnavailable) or not."""
+    if code in THROTTLING:
+        return LaunchThrottled(message)
+    if code in CAPACITY:
+        return CapacityUnavailable(message)
+    return LaunchRefused(f"{code}: {message}")
+
+
+def running_jobs_of(sagemaker: Any, prefix: str, run_name: str) -> set[str]:
+    """The platform's running jobs of ``run_name`` (their names are <prefix>-<run name>-<10 hex>)."""
+    stem = f"{prefix}-{run_name}-"
+    pages = sagemaker.get_paginator("list_training_jobs").paginate(NameContains=stem, StatusEquals="InProgress")
+    names = {job["TrainingJobName"] for page in pages for job in page["TrainingJobSummaries"]}
+    return {name for name in names if name.startswith(stem) and len(name) == len(stem) + 10}
 
 
 def _exists(sagemaker: Any, name: str) -> bool:

@@ -43,6 +43,21 @@ def test_synthesis_passes_cdk_nag(synthesized) -> None:
     assert assembly.get_stack_by_name(stack.stack_name).template["Resources"]
 
 
+def test_results_and_reports_are_write_once_in_s3_itself(template_json) -> None:
+    policies = resources(template_json, "AWS::S3::BucketPolicy").values()
+    statements = [s for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"] if s.get("Sid", "").startswith("WriteOnce")]
+    assert len(statements) == 2
+    for statement in statements:
+        assert statement["Effect"] == "Deny" and statement["Action"] == "s3:PutObject" and statement["Principal"] == {"AWS": "*"}
+        assert statement["Condition"] == {"Null": {"s3:if-none-match": "true"}}
+    rendered = json.dumps(statements)
+    assert "/results/*" in rendered and "/benchmarks/*" in rendered
+    (results,) = [b for b in resources(template_json, "AWS::S3::Bucket").values() if "VersioningConfiguration" in b["Properties"]]
+    rules = results["Properties"]["LifecycleConfiguration"]["Rules"]
+    # No rule expires anything (current or earlier versions) under results/ or benchmarks/.
+    assert all(rule.get("Prefix") in ("checkpoints/", "artifacts/", "prices/") for rule in rules), rules
+
+
 def test_every_bucket_is_encrypted_private_and_ssl_only(template: Template, template_json) -> None:
     buckets = resources(template_json, "AWS::S3::Bucket")
     assert len(buckets) == 3
@@ -85,9 +100,16 @@ def test_pass_role_only_hands_our_sagemaker_role_to_sagemaker(template_json) -> 
     assert role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"Service": "sagemaker.amazonaws.com"}
 
 
+# SageMaker actions without resource-level permissions: listing reads no job's data.
+UNSCOPED_SAGEMAKER = {"sagemaker:ListTrainingJobs"}
+
+
 def test_sagemaker_permissions_are_held_to_the_platforms_jobs(template_json) -> None:
     for statement in statements(template_json):
-        if any(action.startswith("sagemaker:") for action in as_list(statement["Action"])):
+        actions = set(as_list(statement["Action"]))
+        if actions <= UNSCOPED_SAGEMAKER:
+            continue
+        if any(action.startswith("sagemaker:") for action in actions):
             rendered = json.dumps(statement["Resource"])
             assert "training-job/hetero-*" in rendered, statement
 

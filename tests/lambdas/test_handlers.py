@@ -9,17 +9,18 @@ import pytest
 from botocore.stub import Stubber
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from moto.sagemaker.models import sagemaker_backends
 
 from lambdas.clients import client
 from lambdas.collect_results.handler import handler as collect
 from lambdas.core.execution import job_name_for_execution
 from lambdas.core.job_spec import JobSpecError
 from lambdas.core.results import ResultExistsError
-from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled
+from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled, RunNameInUse
 from lambdas.launch_job.handler import handler as launch
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
-from tests.lambdas.conftest import RESULTS_BUCKET, output_archive
+from tests.lambdas.conftest import ACCOUNT, REGION, RESULTS_BUCKET, output_archive
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXECUTION = "arn:aws:states:us-east-1:123456789012:execution:training-run:run-0001"
@@ -45,8 +46,16 @@ def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
     assert len(described["HyperParameters"]["shutdown_token"]) >= 32
     again = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)  # a retried launch
     assert again == first and aws.training_jobs() == [first["job_name"]]
-    # The same execution name used again (90 days on) is another execution: it gets a job of its own.
-    reused = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}, context)
+    # The same execution name used again (90 days on) is another execution: it gets a job of its own,
+    # once the first one is no longer running (one run name runs once at a time).
+    later = {"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}
+    jobs = sagemaker_backends[ACCOUNT][REGION].training_jobs
+    jobs[first["job_name"]].training_job_status = "InProgress"  # moto's jobs complete at once; a real one runs
+    with pytest.raises(RunNameInUse, match=f"run 'vision-hetero' is running already \\(training job {first['job_name']}\\)"):
+        launch(later, context)
+    assert aws.training_jobs() == [first["job_name"]]
+    jobs[first["job_name"]].training_job_status = "Completed"
+    reused = launch(later, context)
     assert reused["job_name"] != first["job_name"] and len(aws.training_jobs()) == 2
 
 
@@ -70,6 +79,7 @@ def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:
 @pytest.mark.parametrize(("code", "error"), [("ThrottlingException", LaunchThrottled), ("ResourceLimitExceeded", CapacityUnavailable)])
 def test_launch_names_the_errors_the_state_machine_retries(aws, context, code: str, error: type) -> None:
     with Stubber(client("sagemaker")) as stubber:
+        stubber.add_response("list_training_jobs", {"TrainingJobSummaries": []})
         stubber.add_client_error("create_training_job", service_error_code=code, service_message="slow down")
         with pytest.raises(error, match="slow down"):
             launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
@@ -79,7 +89,7 @@ def test_collect_writes_the_result_once(aws, context) -> None:
     name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
     job = aws.training_job(name)
     job.billable_time_in_seconds = 1800
-    summary = {"step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 347.8}
+    summary = {"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 347.8}
     aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{name}/output/output.tar.gz", Body=output_archive(summary))
     reply = collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
     assert reply["result_uri"] == f"s3://{RESULTS_BUCKET}/results/run-0001/result.json"
@@ -89,8 +99,31 @@ def test_collect_writes_the_result_once(aws, context) -> None:
     assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.184 / 3.6, rel=1e-4)
     assert result["run_cost_usd"] == pytest.approx(5.661 / 2, rel=1e-3)
     assert result["prices"]["source"].startswith("fallback table") and result["prices"]["date"]
+    # A retried collect of the same execution (its reply lost) finds its own result and returns it...
+    assert collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context) == reply
+    # ... but a result is never replaced by another job's (the execution name used again, 90 days on).
+    again = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}, context)["job_name"]
     with pytest.raises(ResultExistsError, match="never overwritten"):
-        collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
+        collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": again}, context)
+
+
+@pytest.mark.parametrize(
+    ("archive", "reason"),
+    [
+        (b"not a gzip archive", "SummaryUnreadable: output.tar.gz cannot be read: ReadError"),
+        (output_archive({"timed_steps": 0, "start_step": 60, "steps": 60, "step_time_ms": None}), "NoStepsTimed: the job trained no step"),
+        (None, "NoSummary: the job completed without writing summary.json"),
+    ],
+    ids=["unreadable archive", "no step timed", "no summary"],
+)
+def test_a_completed_job_without_usable_figures_is_a_failed_run(aws, context, archive, reason) -> None:
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
+    if archive is not None:
+        aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{name}/output/output.tar.gz", Body=archive)
+    reply = collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
+    result = json.loads(aws.s3.get_object(Bucket=RESULTS_BUCKET, Key="results/run-0001/result.json")["Body"].read())
+    assert reply["status"] == result["status"] == "Failed" and result["job_status"] == "Completed"
+    assert result["failure_reason"].startswith(reason)
 
 
 def test_collect_records_a_failure_without_a_job(aws, context) -> None:

@@ -10,7 +10,7 @@ import pytest
 from moto import mock_aws
 
 from lambdas.core.job_spec import validate_job_spec
-from lambdas.core.training_request import LaunchSettings, RequestError, create_training_job_request, job_name
+from lambdas.core.training_request import LaunchSettings, RequestError, checkpoint_uri, create_training_job_request, job_name
 from training.hyperparameters import PlatformSettings, build
 from training.metrics import parse_metric_line
 from training.trainers.config import VisionConfig
@@ -28,7 +28,7 @@ TOKEN = "a-random-token-for-this-job-0123"
 
 def request_for(example: str) -> dict:
     spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
-    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN)
+    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN, run_id="run-0001")
 
 
 def test_heterogeneous_spec_uses_instance_groups_and_routes_the_channel() -> None:
@@ -65,7 +65,10 @@ def test_metric_definitions_capture_the_trainers_lines() -> None:
 
 def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
     request = request_for("pytorch-heterogeneous.json")
-    assert request["CheckpointConfig"] == {"S3Uri": "s3://results-bucket/checkpoints/vision-hetero/", "LocalPath": "/opt/ml/checkpoints"}
+    # The run's own checkpoints (two runs of one spec share none); resuming names the earlier run.
+    assert request["CheckpointConfig"] == {"S3Uri": "s3://results-bucket/checkpoints/run-0001/", "LocalPath": "/opt/ml/checkpoints"}
+    resumed = validate_job_spec(json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text()) | {"resume_from": "run-0000"})
+    assert checkpoint_uri(SETTINGS, resumed, "run-0001") == "s3://results-bucket/checkpoints/run-0000/"
     assert request["TrainingJobName"] == "hetero-vision-hetero-ab12cd34ef"
     assert len(job_name("platform10", "a" * 40, "x" * 10)) == 62
     with pytest.raises(RequestError):
@@ -76,7 +79,7 @@ def test_a_variant_without_an_image_is_refused() -> None:
     spec = validate_job_spec(json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text()))
     settings = LaunchSettings(image_uris={}, role_arn=SETTINGS.role_arn, output_s3_uri="s3://b/", checkpoint_s3_uri="s3://b/c/")
     with pytest.raises(RequestError, match="no training image is deployed for variant 'pytorch'"):
-        create_training_job_request(spec, settings, name="x", shutdown_token=TOKEN)
+        create_training_job_request(spec, settings, name="x", shutdown_token=TOKEN, run_id="run-0001")
 
 
 @pytest.mark.parametrize("example", ["pytorch-heterogeneous.json", "pytorch-homogeneous.json"])
@@ -107,7 +110,7 @@ def test_trainium_requests_run_one_process_per_neuroncore_with_a_shared_compile_
         neuron_cache_s3_uri="s3://results-bucket/neuron-cache/",
     )
     spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
-    request = create_training_job_request(spec, settings, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN)
+    request = create_training_job_request(spec, settings, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN, run_id="run-0001")
     hyperparameters = request["HyperParameters"]
     assert hyperparameters["processes_per_host"] == cores and hyperparameters["variant"] == "neuron"
     assert hyperparameters["neuron_compile_cache_uri"] == "s3://results-bucket/neuron-cache/"

@@ -66,6 +66,8 @@ class Scenario:
     failing_runs: frozenset[str] = frozenset()
     # Run name → the summary.json its job leaves (a sweep's configurations); others leave ``summary``.
     summaries: dict[str, dict] = field(default_factory=dict)
+    # The raw output.tar.gz the job leaves (instead of one made from ``summary``): a corrupt one, say.
+    archive: bytes | None = None
     # DescribeTrainingJob answers ThrottlingException this many times before it answers again.
     throttle_describes: int = 0
     # The stop function fails (as a Lambda whose code raises) every time it is invoked.
@@ -232,9 +234,10 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         summary = next((value for run, value in scenario.summaries.items() if f"-{run}-" in job_name), scenario.summary)
 
         def finish() -> None:
-            if summary is not None:  # what the job's hosts leave in its output, as SageMaker uploads it
+            body = scenario.archive if scenario.archive is not None else output_archive(summary) if summary is not None else None
+            if body is not None:  # what the job's hosts leave in its output, as SageMaker uploads it
                 boto3.client("s3", region_name=REGION).put_object(
-                    Bucket=RESULTS_BUCKET, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=output_archive(summary)
+                    Bucket=RESULTS_BUCKET, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=body
                 )
             if job.training_job_status == "InProgress":
                 job.training_job_status = "Failed" if fails else scenario.final_status

@@ -14,7 +14,7 @@ from tests.workflows.conftest import SPEC, Scenario
 
 
 def test_a_run_that_completes_writes_its_result(run) -> None:
-    harness = run(Scenario(summary={"step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "samples_per_s": 347.8}))
+    harness = run(Scenario(summary={"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "samples_per_s": 347.8}))
     execution = harness.wait(harness.start(SPEC, "run-ok"))
     assert execution["status"] == "SUCCEEDED", execution
     output = json.loads(execution["output"])
@@ -35,7 +35,7 @@ def test_a_failed_job_fails_the_execution_and_records_why(run) -> None:
 def test_a_throttled_launch_is_retried(run) -> None:
     # botocore retries a throttled call 4 times itself (lambdas/clients.py: 5 attempts); when all five are
     # refused, the state machine sees LaunchThrottled, and its Retry launches again.
-    harness = run(Scenario(throttle_first_launches=5, summary={"step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
+    harness = run(Scenario(throttle_first_launches=5, summary={"timed_steps": 100, "step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
     execution_arn = harness.start(SPEC, "run-throttled")
     execution = harness.wait(execution_arn, timeout_s=90)
     assert execution["status"] == "SUCCEEDED", execution
@@ -92,7 +92,7 @@ def test_an_execution_ended_from_outside_has_its_job_stopped(run, platform, endi
 def test_a_throttled_poll_never_stops_a_healthy_job(run) -> None:
     """Describe refused 10 times in a row (botocore's own retries, the state's retries with jitter, then
     "Poll failed" counted as a poll): the job runs on and the run completes."""
-    harness = run(Scenario(throttle_describes=10, runs_for_s=3, summary={"step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
+    harness = run(Scenario(throttle_describes=10, runs_for_s=3, summary={"timed_steps": 100, "step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
     execution_arn = harness.start(SPEC, "run-poll-throttled")
     execution = harness.wait(execution_arn, timeout_s=240)
     assert execution["status"] == "SUCCEEDED", execution
@@ -111,3 +111,24 @@ def test_a_stop_that_keeps_failing_is_retried_then_recorded(run, monkeypatch) ->
     assert harness.faults["stop_attempts"] == 5  # one attempt and four retries; then the abort rule takes over
     result = harness.result("run-stop-fails")
     assert result["failure_reason"] == "RunTimedOut: the job ran past the spec's max_runtime_s"
+
+
+def test_an_unreadable_output_archive_is_a_failed_run_whose_result_says_so(run) -> None:
+    harness = run(Scenario(archive=b"\x1f\x8b truncated"))
+    execution = harness.wait(harness.start(SPEC, "run-unreadable"))
+    assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
+    result = harness.result("run-unreadable")
+    assert result["job_status"] == "Completed" and result["status"] == "Failed"
+    assert result["failure_reason"].startswith("SummaryUnreadable: output.tar.gz cannot be read")
+
+
+def test_runs_of_one_spec_keep_their_own_checkpoints_unless_one_resumes_another(run) -> None:
+    harness = run(Scenario(runs_for_s=0.5, summary={"timed_steps": 100, "step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
+    checkpoints = {}
+    for name, spec in (("week-1", SPEC), ("week-2", SPEC), ("week-2-more", SPEC | {"resume_from": "week-2"})):
+        execution_arn = harness.start(spec, name)
+        assert harness.wait(execution_arn)["status"] == "SUCCEEDED"
+        job = harness.sagemaker.describe_training_job(TrainingJobName=harness.job_of(execution_arn, SPEC["run_name"]))
+        checkpoints[name] = job["CheckpointConfig"]["S3Uri"]
+    assert checkpoints["week-1"].endswith("/checkpoints/week-1/") and checkpoints["week-2"].endswith("/checkpoints/week-2/")
+    assert checkpoints["week-2-more"] == checkpoints["week-2"]  # resumed explicitly, by run id
