@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
@@ -133,6 +133,7 @@ class TrainingRunFunctions(Construct):
         )
         self.collect = function(FunctionSpec("CollectResults", "collect_results", "Write results/<run id>/result.json", 60))
         self.stop = function(FunctionSpec("StopJob", "stop_job", "Stop a run's training job after a failure or an abort"))
+        self.reconcile = function(FunctionSpec("ReconcileJobs", "reconcile_jobs", "Stop running jobs whose execution no longer runs", 120))
 
         self.launch.add_to_role_policy(
             iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob"], resources=[jobs_arn])
@@ -148,21 +149,33 @@ class TrainingRunFunctions(Construct):
         )
         for fn in (self.collect, self.stop):
             fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:DescribeTrainingJob"], resources=[jobs_arn]))
+        self.reconcile.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTrainingJobs"], resources=["*"]))
+        self.reconcile.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTags", "sagemaker:StopTrainingJob"], resources=[jobs_arn]))
+        self.reconcile.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=["states:DescribeExecution"],
+                resources=[stack.format_arn(service="states", resource="execution", resource_name=f"{prefix}-training-run:*",
+                                            arn_format=ArnFormat.COLON_RESOURCE_NAME)],
+            )
+        )
         self.stop.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob"], resources=[jobs_arn]))
         results.grant_read(self.collect, "artifacts/*")
         results.grant_put(self.collect, "results/*")
         jobs = training_jobs_arn(stack, prefix)
-        for fn in (self.launch, self.collect, self.stop):
+        for fn in (self.launch, self.collect, self.stop, self.reconcile):
             acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))
-        acknowledge(self.launch.role, "sagemaker:ListTrainingJobs has no resource-level permissions (it lists, reading no job's data).",
-                    *wildcard_resources("*"))
+        for fn in (self.launch, self.reconcile):
+            acknowledge(fn.role, "sagemaker:ListTrainingJobs has no resource-level permissions (it lists, reading no job's data).",
+                        *wildcard_resources("*"))
+        acknowledge(self.reconcile.role, "DescribeExecution is held to the executions of the platform's training-run state machine.",
+                    *wildcard_resources(f"arn:<AWS::Partition>:states:{stack.region}:<AWS::AccountId>:execution:{prefix}-training-run:*"))
         acknowledge(
             self.collect.role,
             "Reads job outputs under artifacts/ and writes results under results/ of the results bucket only.",
             *wildcard_actions(*S3_READ_ACTIONS, "s3:Abort*"),
             *wildcard_resources(f"{arn_token(results)}/artifacts/*", f"{arn_token(results)}/results/*"),
         )
-        self.training_run = (self.validate, self.launch, self.collect, self.stop)
+        self.training_run = (self.validate, self.launch, self.collect, self.stop)  # what the state machine invokes
 
         # The benchmark sweep's two steps (infra/constructs/benchmark_sweep.py).
         self.plan_sweep = function(FunctionSpec("PlanSweep", "plan_sweep", "Validate a benchmark sweep and expand it into job specs"))

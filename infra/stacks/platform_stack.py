@@ -34,7 +34,7 @@ class PlatformStack(Stack):
             self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,
             timeout_h=config.run_timeout_h, log_retention_days=config.log_retention_days,
         )
-        AbortCleanup(self, "AbortCleanup", state_machine=workflow.state_machine, stop=functions.stop)
+        AbortCleanup(self, "AbortCleanup", state_machine=workflow.state_machine, stop=functions.stop, reconcile=functions.reconcile)
         sweep = BenchmarkSweep(
             self, "BenchmarkSweep", prefix=config.prefix, functions=functions, training_run=workflow.state_machine,
             max_concurrency=config.sweep_max_concurrency, timeout_h=config.sweep_timeout_h,

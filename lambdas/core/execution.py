@@ -13,6 +13,9 @@ from datetime import UTC, datetime
 
 from lambdas.core.training_request import job_name
 
+# The tag every launched job carries with its execution's ARN: how the reconciler finds the execution.
+EXECUTION_TAG = "execution_arn"
+
 
 def epoch_ms(started: str | int | float | datetime) -> int:
     """An execution's start as epoch milliseconds, from any of its spellings: Step Functions' context

@@ -10,7 +10,8 @@ What the request carries, and why:
   (role map, ports, timeouts, a fresh shutdown token), built by training/hyperparameters.py, the module
   the container parses them with;
 * MetricDefinitions from training/metrics.py, the module the trainer prints them with;
-* CheckpointConfig per run name (rerunning a run name resumes it), a stopping condition, tags.
+* CheckpointConfig per run (checkpoints/<run id>/; ``resume_from`` names an earlier run to carry on), a
+  stopping condition, tags.
 """
 
 from __future__ import annotations

@@ -21,13 +21,14 @@ import json
 import math
 import os
 import secrets
+from dataclasses import replace
 from typing import Any
 
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
 from lambdas.clients import client
-from lambdas.core.execution import job_name_for_execution, run_id
+from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.training_request import LaunchSettings, create_training_job_request
 
@@ -70,9 +71,11 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"])
     prefix = os.environ["JOB_NAME_PREFIX"]
     name = job_name_for_execution(prefix, spec.run_name, event["execution_arn"], event["execution_start"])
+    settings = settings_from_environment(dict(os.environ))
+    # The reconciler (lambdas/reconcile_jobs) finds the execution of a running job by this tag.
+    settings = replace(settings, tags=dict(settings.tags) | {EXECUTION_TAG: event["execution_arn"]})
     request = create_training_job_request(
-        spec, settings_from_environment(dict(os.environ)), name=name, shutdown_token=secrets.token_urlsafe(32),
-        run_id=run_id(event["execution_arn"]),
+        spec, settings, name=name, shutdown_token=secrets.token_urlsafe(32), run_id=run_id(event["execution_arn"]),
     )
     sagemaker = client("sagemaker")
     try:

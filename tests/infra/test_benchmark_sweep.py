@@ -55,11 +55,13 @@ def test_the_sweep_graph_runs_each_configuration_as_a_training_run(template_json
 
 def test_without_a_configured_schedule_there_is_none(template_json) -> None:
     rules = resources(template_json, "AWS::Events::Rule")
-    assert all("ScheduleExpression" not in rule["Properties"] for rule in rules.values())
+    sweep_rules = [rule for logical_id, rule in rules.items() if not logical_id.startswith("AbortCleanupReconcile")]
+    assert all("ScheduleExpression" not in rule["Properties"] for rule in sweep_rules)  # the reconciler's is its own
 
 
 def test_the_schedule_starts_the_sweep_with_its_input_retries_and_dead_letters(scheduled) -> None:
-    (rule,) = [rule for rule in resources(scheduled, "AWS::Events::Rule").values() if "ScheduleExpression" in rule["Properties"]]
+    (rule,) = [rule for logical_id, rule in resources(scheduled, "AWS::Events::Rule").items()
+               if "ScheduleExpression" in rule["Properties"] and not logical_id.startswith("AbortCleanupReconcile")]
     assert rule["Properties"]["ScheduleExpression"] == "cron(0 6 ? * MON *)" and rule["Properties"]["State"] == "ENABLED"
     (target,) = rule["Properties"]["Targets"]
     assert target["Arn"] == {"Ref": state_machine_logical_id(scheduled, "BenchmarkSweep")}
@@ -73,8 +75,8 @@ def test_the_schedule_starts_the_sweep_with_its_input_retries_and_dead_letters(s
 
 def test_a_schedule_is_off_unless_enabled_and_a_bad_input_fails_synthesis() -> None:
     app, stack = build_app(context={"platform": {"sweep_schedule": SCHEDULE | {"enabled": False}}})
-    (rule,) = [r for r in resources(Template.from_stack(stack).to_json(), "AWS::Events::Rule").values()
-               if "ScheduleExpression" in r["Properties"]]
+    (rule,) = [r for logical_id, r in resources(Template.from_stack(stack).to_json(), "AWS::Events::Rule").items()
+               if "ScheduleExpression" in r["Properties"] and not logical_id.startswith("AbortCleanupReconcile")]
     assert rule["Properties"]["State"] == "DISABLED"
     with pytest.raises(SweepSpecError, match="data_hosts"):
         build_app(context={"platform": {"sweep_schedule": SCHEDULE | {"input": SWEEP_INPUT | {"data_hosts": []}}}})
@@ -86,7 +88,7 @@ def test_the_dashboard_and_the_alarm(scheduled) -> None:
     for metric in ("StepTimeMs", "CostPer1kStepsUsd", "FailedConfigurations"):
         assert metric in body
     assert METRIC_NAMESPACE in body
-    (alarm,) = resources(scheduled, "AWS::CloudWatch::Alarm").values()
+    (alarm,) = [alarm for logical_id, alarm in resources(scheduled, "AWS::CloudWatch::Alarm").items() if logical_id.startswith("BenchmarkSweep")]
     properties = alarm["Properties"]
     assert properties["MetricName"] == "ExecutionsFailed" and properties["Namespace"] == "AWS/States"
     assert properties["Dimensions"] == [{"Name": "StateMachineArn", "Value": {"Ref": state_machine_logical_id(scheduled, "BenchmarkSweep")}}]

@@ -116,7 +116,7 @@ def test_sagemaker_permissions_are_held_to_the_platforms_jobs(template_json) -> 
 
 def test_functions_run_traced_on_the_latest_python(template: Template, template_json) -> None:
     functions = resources(template_json, "AWS::Lambda::Function").values()
-    assert len(functions) == 6  # training run: validate, launch, collect, stop; sweep: plan, compare
+    assert len(functions) == 7  # training run: validate, launch, collect, stop; reconciler; sweep: plan, compare
     for function in functions:
         properties = function["Properties"]
         assert properties["Runtime"] == "python3.14" and properties["TracingConfig"] == {"Mode": "Active"}
@@ -165,8 +165,24 @@ def test_state_machine_logs_everything_and_traces(template: Template) -> None:
     })
 
 
+def test_orphaned_jobs_are_reconciled_and_every_lost_stop_raises_an_alarm(template_json) -> None:
+    rules = resources(template_json, "AWS::Events::Rule")
+    (reconcile,) = [rule for logical_id, rule in rules.items() if logical_id.startswith("AbortCleanupReconcile")]
+    assert reconcile["Properties"]["ScheduleExpression"] == "rate(15 minutes)"
+    (target,) = reconcile["Properties"]["Targets"]
+    function = template_json["Resources"][target["Arn"]["Fn::GetAtt"][0]]
+    assert function["Properties"]["Handler"] == "lambdas.reconcile_jobs.handler.handler" and "DeadLetterConfig" in target
+    (invoke_config,) = resources(template_json, "AWS::Lambda::EventInvokeConfig").values()
+    assert "OnFailure" in invoke_config["Properties"]["DestinationConfig"]  # the stop function's failed async stops
+    alarms = {logical_id: alarm["Properties"] for logical_id, alarm in resources(template_json, "AWS::CloudWatch::Alarm").items()
+              if logical_id.startswith("AbortCleanup")}
+    assert sorted(alarm.get("MetricName") for alarm in alarms.values()) == [
+        "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesVisible", "Errors"]
+    assert all(alarm["Threshold"] == 1 for alarm in alarms.values())
+
+
 def test_an_ended_execution_triggers_the_stop_function(template: Template, template_json) -> None:
-    (rule,) = resources(template_json, "AWS::Events::Rule").values()
+    (rule,) = [rule for rule in resources(template_json, "AWS::Events::Rule").values() if "EventPattern" in rule["Properties"]]
     pattern = rule["Properties"]["EventPattern"]
     assert pattern["source"] == ["aws.states"] and set(pattern["detail"]["status"]) == {"ABORTED", "TIMED_OUT", "FAILED"}
     assert pattern["detail"]["stateMachineArn"] == [{"Ref": state_machine_logical_id(template_json)}]

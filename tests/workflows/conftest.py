@@ -33,6 +33,7 @@ from lambdas.compare_sweep.handler import handler as compare_sweep
 from lambdas.core.execution import job_name_for_execution
 from lambdas.launch_job.handler import handler as launch
 from lambdas.plan_sweep.handler import handler as plan_sweep
+from lambdas.reconcile_jobs.handler import handler as reconcile
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
 from tests.infra.conftest import ACCOUNT, REGION, deployed_references, render, state_machine_definition, state_machine_logical_id
@@ -47,7 +48,7 @@ from tests.lambdas.conftest import (
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HANDLERS: dict[str, Callable[[dict, Any], dict]] = {
-    "ValidateSpec": validate, "LaunchJob": launch, "CollectResults": collect, "StopJob": stop,
+    "ValidateSpec": validate, "LaunchJob": launch, "CollectResults": collect, "StopJob": stop, "ReconcileJobs": reconcile,
     "PlanSweep": plan_sweep, "CompareSweep": compare_sweep,
 }
 SPEC = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
@@ -142,7 +143,7 @@ class Harness:
         """Send a Step Functions status-change event through EventBridge with the synthesized rule's
         pattern; return the event its target receives, or None when the rule does not match. (moto's
         EventBridge delivers to SQS but not to Lambda targets, so a queue stands in for the stop function.)"""
-        (rule,) = [r for k, r in template_json["Resources"].items() if r["Type"] == "AWS::Events::Rule" and k.startswith("AbortCleanup")]
+        (rule,) = [r for k, r in template_json["Resources"].items() if r["Type"] == "AWS::Events::Rule" and k.startswith("AbortCleanupRule")]
         machine = state_machine_logical_id(template_json)
         pattern = render(rule["Properties"]["EventPattern"], {machine: self.state_machine_arn})
         sqs = boto3.client("sqs", region_name=REGION)

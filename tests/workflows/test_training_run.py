@@ -132,3 +132,36 @@ def test_runs_of_one_spec_keep_their_own_checkpoints_unless_one_resumes_another(
         checkpoints[name] = job["CheckpointConfig"]["S3Uri"]
     assert checkpoints["week-1"].endswith("/checkpoints/week-1/") and checkpoints["week-2"].endswith("/checkpoints/week-2/")
     assert checkpoints["week-2-more"] == checkpoints["week-2"]  # resumed explicitly, by run id
+
+
+def test_the_reconciler_stops_a_job_whose_execution_ended_and_spares_the_others(run) -> None:
+    """An execution aborted with its cleanup event lost: the scheduled reconciler finds the job by its
+    execution tag and stops it; a running execution's job and a job launched outside the platform's
+    runs are left alone."""
+    from lambdas.reconcile_jobs.handler import handler as reconcile
+
+    harness = run(Scenario(runs_for_s=600))
+    orphaned, healthy = harness.start(SPEC, "run-orphaned"), harness.start(SPEC | {"run_name": "other-run"}, "run-healthy")
+    jobs = {arn: harness.job_of(arn, name) for arn, name in ((orphaned, SPEC["run_name"]), (healthy, "other-run"))}
+    give_up = time.monotonic() + 30
+    while not set(jobs.values()) <= set(harness.training_jobs()):
+        assert time.monotonic() < give_up, "the jobs were never launched"
+        time.sleep(0.2)
+    harness.sagemaker.create_training_job(**_outside_job(harness.job(jobs[healthy])))
+    harness.job("hetero-by-hand-0000000000").training_job_status = "InProgress"  # moto's would complete at once
+    harness.sfn.stop_execution(executionArn=orphaned)  # and no EventBridge delivery follows
+    harness.wait(orphaned, timeout_s=30)
+    reply = reconcile({}, LambdaContext(function_name="ReconcileJobs"))
+    assert reply["stopped"] == [jobs[orphaned]] and reply["checked"] == 3
+    assert harness.job(jobs[orphaned]).training_job_status == "Stopping"
+    assert harness.job(jobs[healthy]).training_job_status == "InProgress"
+    assert harness.job("hetero-by-hand-0000000000").training_job_status == "InProgress"
+    harness.sfn.stop_execution(executionArn=healthy)
+
+
+def _outside_job(template) -> dict:
+    """A running job of the platform's prefix that no training run launched (no execution tag)."""
+    return {"TrainingJobName": "hetero-by-hand-0000000000", "AlgorithmSpecification": {"TrainingImage": template.algorithm_specification["TrainingImage"], "TrainingInputMode": "File"},
+            "RoleArn": template.role_arn, "OutputDataConfig": template.output_data_config,
+            "ResourceConfig": {"InstanceType": "ml.c5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 10},
+            "StoppingCondition": {"MaxRuntimeInSeconds": 3600}}
