@@ -42,7 +42,7 @@ def test_the_event_model_matches_a_real_run(run, platform) -> None:
     polls = sum(1 for event in events if event["type"] == "WaitStateEntered")
     states = state_machine_definition(platform)["States"]
     normal_poll = sum(EVENTS[states[name]["Type"]] for name in ("Wait", "Describe job", "Job finished?", "Count down"))
-    path = ("Validate spec", "Launch job", "Collect results", "Succeeded")
+    path = ("Validate spec", "Launch job", "Collect results", "Figures usable?", "Succeeded")
     modelled = 2 + sum(EVENTS[states[name]["Type"]] for name in path) + normal_poll * polls - EVENTS["Pass"]  # the last poll counts down no more
     assert polls >= 3 and len(events) <= modelled, (len(events), modelled, polls, [e["type"] for e in events])
     assert len(events) == modelled  # the model is exact on the path it takes
