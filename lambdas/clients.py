@@ -5,6 +5,7 @@ S3 reads and writes the handlers share (write-once objects, objects that may be 
 from __future__ import annotations
 
 import functools
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import boto3
@@ -13,6 +14,8 @@ from botocore.exceptions import ClientError
 
 from lambdas.core.results import ResultExistsError
 
+# SageMaker's longest MaxRuntimeInSeconds (28 days): no running job was created before that.
+LONGEST_RUNTIME_S = 28 * 24 * 3600
 # Standard retry mode backs off on throttling: up to 4 retries (5 attempts) per call; the state machine
 # retries what still fails.
 CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
@@ -60,3 +63,16 @@ def object_size_or_none(bucket: str, key: str) -> int | None:
         if error.response["Error"]["Code"] in ("NoSuchKey", "404", "NotFound"):
             return None
         raise
+
+
+def recent_running_jobs(sagemaker: Any, stem: str) -> dict[str, str]:
+    """Running jobs whose name starts with ``stem`` (name → ARN). SageMaker filters by name and status only after
+    fetching each page, and jobs are never deleted: bounded by creation time (no job runs longer than
+    SageMaker's longest MaxRuntime, plus a day of waiting for capacity), newest first, 100 a page."""
+    since = datetime.now(UTC) - timedelta(seconds=LONGEST_RUNTIME_S) - timedelta(days=1)
+    pages = sagemaker.get_paginator("list_training_jobs").paginate(
+        NameContains=stem, StatusEquals="InProgress", CreationTimeAfter=since, SortBy="CreationTime", SortOrder="Descending",
+        PaginationConfig={"PageSize": 100},
+    )
+    return {job["TrainingJobName"]: job["TrainingJobArn"] for page in pages for job in page["TrainingJobSummaries"]
+            if job["TrainingJobName"].startswith(stem)}

@@ -38,10 +38,11 @@ class Buckets(Construct):
             server_access_logs_prefix="results/",
             lifecycle_rules=[
                 s3.LifecycleRule(prefix="checkpoints/", expiration=Duration.days(checkpoint_retention_days),
-                                 noncurrent_version_expiration=Duration.days(7)),
+                                 noncurrent_version_expiration=Duration.days(7), abort_incomplete_multipart_upload_after=Duration.days(7)),
                 # Results and reports keep every version: they are never overwritten, nor expire.
-                s3.LifecycleRule(prefix="artifacts/", noncurrent_version_expiration=Duration.days(90)),
-                s3.LifecycleRule(prefix="prices/", noncurrent_version_expiration=Duration.days(90)),
+                *(s3.LifecycleRule(prefix=prefix, noncurrent_version_expiration=Duration.days(90),
+                                   abort_incomplete_multipart_upload_after=Duration.days(7))
+                  for prefix in ("artifacts/", "prices/", "neuron-cache/")),
             ],
         )
         # "Never overwritten" held by S3 itself, not only by our code: a write to results/ or benchmarks/

@@ -161,6 +161,7 @@ class TrainingRunFunctions(Construct):
         self.stop.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob"], resources=[jobs_arn]))
         results.grant_read(self.collect, "artifacts/*")
         results.grant_put(self.collect, "results/*")
+        results.grant_read(self.collect, "results/*")  # a retried collect reads the result it wrote
         jobs = training_jobs_arn(stack, prefix)
         for fn in (self.launch, self.collect, self.stop, self.reconcile):
             acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))

@@ -7,7 +7,8 @@ transient, cleanup on what fails, and a failure recorded in results/ either way.
     Wait (the launch's interval) ▶ Describe job (retried; still failing: "Poll failed", status Unknown)
         ▶ Completed? ─yes─▶ Collect results ▶ figures usable? ▶ Succeed (else Fail "RunFailed": no step timed...)
           Failed/Stopped? ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
-          no polls left ─▶ Run timed out ▶ Stop job ▶ Record failure ▶ Fail "RunFailed"
+          no polls left ─▶ Run timed out ▶ Stop job ▶ await a terminal status (≤ 12 polls) ▶ Record failure
+                           ▶ Fail "RunFailed"
           otherwise ▶ Count down ▶ Wait
         any error while collecting ▶ Stop job (retried; still failing: recorded) ▶ Record failure ▶ Fail
     A failing poll never stops a job: only the run's deadline does.
@@ -27,6 +28,9 @@ from infra.constructs.functions import TrainingRunFunctions, retention, training
 from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
 
 SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
+# After stopping a job: up to STOP_POLLS checks, a poll interval apart, for a terminal status (SageMaker
+# gives the container 120 s after SIGTERM, then uploads its outputs: 12 minutes at the default 60 s).
+STOP_POLLS = 12
 EXECUTION_ARN = sfn.JsonPath.execution_id
 EXECUTION_START = sfn.JsonPath.execution_start_time
 
@@ -80,8 +84,8 @@ class TrainingWorkflow(Construct):
         collect = invoke("Collect results", functions.collect, job, "$.result")
         collect_failed = invoke("Collect failed run", functions.collect, job, "$.result")
         stop = invoke("Stop job", functions.stop, {"job_name": sfn.JsonPath.string_at("$.launch.job_name")}, None)
-        # Briefly: a run that fails anyway ends FAILED, and the abort rule's stop (8 retries over 6 h) and
-        # the reconciler follow up.
+        # Briefly: a run that fails anyway ends FAILED; the abort rule's stop (two asynchronous retries, then
+        # the on-failure queue and its alarm) and the reconciler, every 15 minutes, follow up.
         stop.add_retry(errors=["States.ALL"], interval=Duration.seconds(2), backoff_rate=2, max_attempts=4,
                        max_delay=Duration.seconds(30), jitter_strategy=sfn.JitterType.FULL)
         record_failure = invoke("Record failure", functions.collect, job | {"failure": sfn.JsonPath.object_at("$.error")}, None)
@@ -93,9 +97,38 @@ class TrainingWorkflow(Construct):
         validate.add_catch(invalid, errors=["JobSpecError"], result_path="$.error")
         launch.add_catch(record_launch_failure.next(sfn.Fail(self, "LaunchFailed", error="LaunchFailed", cause_path="$.error.Cause")),
                          result_path="$.error")
-        cleanup = stop.next(record_failure).next(sfn.Fail(self, "RunFailed", error="RunFailed", cause_path="$.error.Cause"))
-        # A stop that keeps failing is recorded with the run's failure; the abort rule and the reconciler
-        # stop the job later. The original error stays in $.error.
+        record_failure.next(sfn.Fail(self, "RunFailed", error="RunFailed", cause_path="$.error.Cause"))
+        # After a stop, wait (bounded: STOP_POLLS × STOP_POLL_S) for SageMaker to end the job, so that the
+        # result records a terminal status and its billable seconds, not "Stopping" and null.
+        begin_stop_wait = sfn.Pass(self, "Await stop", parameters={"polls_left": STOP_POLLS}, result_path="$.stopping")
+        stop_wait = sfn.Wait(self, "Wait for stop", time=sfn.WaitTime.duration(Duration.seconds(poll_interval_s)))
+        describe_stopping = tasks.CallAwsService(
+            self, "Describe stopping job", service="sagemaker", action="describeTrainingJob",
+            parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
+            iam_resources=[jobs_arn],
+            result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
+            result_path="$.job",
+        )
+        describe_stopping.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=2,
+                                    jitter_strategy=sfn.JitterType.FULL)
+        describe_stopping.add_catch(record_failure, result_path="$.stop_error")
+        stop_countdown = sfn.Pass(
+            self, "Count down the stop",
+            parameters={"polls_left": sfn.JsonPath.math_add(sfn.JsonPath.number_at("$.stopping.polls_left"), -1)},
+            result_path="$.stopping",
+        ).next(stop_wait)
+        stopped_yet = (
+            sfn.Choice(self, "Stopped yet?")
+            .when(sfn.Condition.or_(*(sfn.Condition.string_equals("$.job.status", status) for status in ("Stopped", "Failed", "Completed"))),
+                  record_failure)
+            .when(sfn.Condition.number_less_than_equals("$.stopping.polls_left", 0), record_failure)
+            .otherwise(stop_countdown)
+        )
+        # Look first (a job that had ended already needs no wait), then wait between looks.
+        stop_wait.next(describe_stopping)
+        cleanup = stop.next(begin_stop_wait).next(describe_stopping).next(stopped_yet)
+        # A stop that keeps failing is recorded with the run's failure; the reconciler stops the job later.
+        # The original error stays in $.error.
         stop.add_catch(record_failure, result_path="$.stop_error")
         for state in (collect, collect_failed):
             state.add_catch(cleanup, result_path="$.error")

@@ -35,7 +35,8 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     job_name = event.get("job_name")
     describe = client("sagemaker").describe_training_job(TrainingJobName=job_name) if job_name else None
     failure = event.get("failure")
-    summary, problem = _summary(describe) if describe else (None, None)
+    # A failure recorded by the state machine needs no figures: the archive is not read then.
+    summary, problem = _summary(describe) if describe and not failure else (None, None)
     document = result_document(
         run_id=run_id(event["execution_arn"]),
         spec=spec,
@@ -51,7 +52,10 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     try:
         put_new_object(bucket, key, json.dumps(document, indent=2, default=str).encode(), "application/json")
     except ResultExistsError:
-        existing = json.loads(read_object_or_none(bucket, key) or b"{}")
+        written = read_object_or_none(bucket, key)
+        if written is None:  # a concurrent write that did not complete: the state machine retries the collect
+            raise
+        existing = json.loads(written)
         if existing.get("job_name") != job_name:
             raise  # another run's result: never ours to replace
         logger.info("result written by an earlier attempt of this collect", extra={"key": key})

@@ -36,8 +36,9 @@ def summary_from_output_archive(archive: bytes) -> dict[str, Any] | None:
     merged), or None when the job wrote none. Raises SummaryUnreadable for an archive or a summary that
     cannot be read."""
     try:
+        # Member by member (getmembers would decompress the whole archive first), to the first summary.
         with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-            for member in tar.getmembers():
+            for member in tar:
                 if member.isfile() and member.name.rsplit("/", 1)[-1] == SUMMARY_NAME:
                     if member.size > MAX_SUMMARY_BYTES:
                         raise SummaryUnreadable(f"{member.name} is {member.size} bytes, more than {MAX_SUMMARY_BYTES}")

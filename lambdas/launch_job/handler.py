@@ -27,7 +27,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client
+from lambdas.clients import client, recent_running_jobs
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.training_request import LaunchSettings, create_training_job_request
@@ -124,9 +124,7 @@ def _named(code: str, message: str) -> Exception:
 def running_jobs_of(sagemaker: Any, prefix: str, run_name: str) -> set[str]:
     """The platform's running jobs of ``run_name`` (their names are <prefix>-<run name>-<10 hex>)."""
     stem = f"{prefix}-{run_name}-"
-    pages = sagemaker.get_paginator("list_training_jobs").paginate(NameContains=stem, StatusEquals="InProgress")
-    names = {job["TrainingJobName"] for page in pages for job in page["TrainingJobSummaries"]}
-    return {name for name in names if name.startswith(stem) and len(name) == len(stem) + 10}
+    return {name for name in recent_running_jobs(sagemaker, stem) if len(name) == len(stem) + 10}
 
 
 def _exists(sagemaker: Any, name: str) -> bool:

@@ -17,10 +17,14 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client
+from lambdas.clients import client, recent_running_jobs
 from lambdas.core.execution import EXECUTION_TAG
 
 logger = Logger(service="reconcile-jobs")
+
+
+class ReconcileError(RuntimeError):
+    """Some orphaned jobs could not be stopped (the others were): the function fails, and its alarm fires."""
 
 
 def orphans(jobs: dict[str, str | None], execution_status: Callable[[str], str | None]) -> list[str]:
@@ -31,12 +35,9 @@ def orphans(jobs: dict[str, str | None], execution_status: Callable[[str], str |
 
 def _running_jobs(sagemaker: Any, prefix: str) -> dict[str, str | None]:
     jobs: dict[str, str | None] = {}
-    for page in sagemaker.get_paginator("list_training_jobs").paginate(NameContains=f"{prefix}-", StatusEquals="InProgress"):
-        for job in page["TrainingJobSummaries"]:
-            if not job["TrainingJobName"].startswith(f"{prefix}-"):
-                continue
-            tags = sagemaker.list_tags(ResourceArn=job["TrainingJobArn"])["Tags"]
-            jobs[job["TrainingJobName"]] = next((tag["Value"] for tag in tags if tag["Key"] == EXECUTION_TAG), None)
+    for name, arn in recent_running_jobs(sagemaker, f"{prefix}-").items():
+        tags = sagemaker.list_tags(ResourceArn=arn)["Tags"]
+        jobs[name] = next((tag["Value"] for tag in tags if tag["Key"] == EXECUTION_TAG), None)
     return jobs
 
 
@@ -59,8 +60,15 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     untagged = sorted(name for name, execution in jobs.items() if execution is None)
     if untagged:
         logger.info("running jobs launched outside a training run, left alone", extra={"jobs": untagged})
-    stopped = orphans(jobs, _execution_status(client("stepfunctions")))
-    for name in stopped:
+    stopped, errors = [], []
+    for name in orphans(jobs, _execution_status(client("stepfunctions"))):
         logger.warning("stopping a job whose execution is no longer running", extra={"job_name": name, "execution_arn": jobs[name]})
-        sagemaker.stop_training_job(TrainingJobName=name)
+        try:
+            sagemaker.stop_training_job(TrainingJobName=name)
+            stopped.append(name)
+        except ClientError as error:  # one job (ended meanwhile, say) never keeps the others running
+            if error.response["Error"]["Code"] != "ValidationException":
+                errors.append(f"{name}: {error}")
+    if errors:
+        raise ReconcileError("; ".join(errors))
     return {"checked": len(jobs), "stopped": stopped}

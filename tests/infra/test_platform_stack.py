@@ -43,6 +43,14 @@ def test_synthesis_passes_cdk_nag(synthesized) -> None:
     assert assembly.get_stack_by_name(stack.stack_name).template["Resources"]
 
 
+def test_collect_may_read_the_result_it_wrote(template_json) -> None:
+    """A retried collect reads results/<run id>/result.json back (moto enforces no IAM: this does)."""
+    policies = [p for logical_id, p in resources(template_json, "AWS::IAM::Policy").items() if logical_id.startswith("TrainingRunFunctionsCollectResults")]
+    reads = [s for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"]
+             if "s3:GetObject*" in as_list(s["Action"]) and "/results/*" in json.dumps(s["Resource"])]
+    assert reads
+
+
 def test_results_and_reports_are_write_once_in_s3_itself(template_json) -> None:
     policies = resources(template_json, "AWS::S3::BucketPolicy").values()
     statements = [s for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"] if s.get("Sid", "").startswith("WriteOnce")]
@@ -55,7 +63,7 @@ def test_results_and_reports_are_write_once_in_s3_itself(template_json) -> None:
     (results,) = [b for b in resources(template_json, "AWS::S3::Bucket").values() if "VersioningConfiguration" in b["Properties"]]
     rules = results["Properties"]["LifecycleConfiguration"]["Rules"]
     # No rule expires anything (current or earlier versions) under results/ or benchmarks/.
-    assert all(rule.get("Prefix") in ("checkpoints/", "artifacts/", "prices/") for rule in rules), rules
+    assert all(rule.get("Prefix") in ("checkpoints/", "artifacts/", "prices/", "neuron-cache/") for rule in rules), rules
 
 
 def test_every_bucket_is_encrypted_private_and_ssl_only(template: Template, template_json) -> None:
@@ -152,7 +160,11 @@ def test_the_state_machine_graph(template_json) -> None:
     # A failing poll is retried with jitter, then counted as a poll: it never leads to "Stop job".
     assert states["Describe job"]["Retry"][0]["ErrorEquals"] == ["States.ALL"] and states["Describe job"]["Retry"][0]["JitterStrategy"] == "FULL"
     assert states["Describe job"]["Catch"][0]["Next"] == "Poll failed" and states["Poll failed"]["Next"] == "Job finished?"
-    assert states["Stop job"]["Next"] == "Record failure" and states["Record failure"]["Next"] == "RunFailed"
+    assert states["Stop job"]["Next"] == "Await stop" and states["Record failure"]["Next"] == "RunFailed"
+    # After the stop, a bounded wait for a terminal status, so the result records it and its billable time.
+    assert states["Await stop"]["Parameters"] == {"polls_left": 12} and states["Describe stopping job"]["Next"] == "Stopped yet?"
+    assert {rule["Next"] for rule in states["Stopped yet?"]["Choices"]} == {"Record failure"}
+    assert states["Stopped yet?"]["Default"] == "Count down the stop" and states["Count down the stop"]["Next"] == "Wait for stop"
     assert states["Stop job"]["Retry"][-1]["ErrorEquals"] == ["States.ALL"]  # after the Lambda service's own
     assert states["Stop job"]["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.stop_error", "Next": "Record failure"}]
     assert definition["TimeoutSeconds"] == 122 * 3600

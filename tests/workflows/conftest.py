@@ -206,7 +206,19 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
                           if r["Type"] == "AWS::Lambda::Function" and r["Properties"]["Handler"].startswith("lambdas.launch_job.")]
     for key in ("POLL_INTERVAL_S", "DEADLINE_GRACE_S"):
         monkeypatch.setenv(key, launch_function["Properties"]["Environment"]["Variables"][key])
-    monkeypatch.setattr(SageMakerResponse, "stop_training_job", _stop_training_job, raising=False)
+    def stop_training_job(self: SageMakerResponse):  # Stopping, then Stopped a moment later, as SageMaker does
+        reply = _stop_training_job(self)
+        job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
+
+        def stopped() -> None:
+            job.training_job_status, job.billable_time_in_seconds = "Stopped", 120
+
+        timer = threading.Timer(1.0, stopped)
+        timers.append(timer)
+        timer.start()
+        return reply
+
+    monkeypatch.setattr(SageMakerResponse, "stop_training_job", stop_training_job, raising=False)
     monkeypatch.setattr(StateTaskServiceSfn, "_normalise_parameters", _start_execution_parameters_as_boto_names)
     monkeypatch.setattr(StateTaskServiceSfn, "_normalise_response", _sfn_response_as_step_functions_names)
     timers: list[threading.Timer] = []

@@ -15,6 +15,7 @@ HISTORY_LIMIT = 25_000
 EVENTS = {"Task": 5, "Wait": 2, "Choice": 2, "Pass": 2, "Succeed": 2, "Fail": 1}
 ATTEMPT_EVENTS = 3
 POLL_LOOP = ("Wait", "Describe job", "Poll failed", "Job finished?", "Count down")
+STOP_LOOP = ("Wait for stop", "Describe stopping job", "Stopped yet?", "Count down the stop")
 LONGEST_RUNTIME_S = 28 * 24 * 3600  # SageMaker's longest MaxRuntimeInSeconds (the validator allows 5 days)
 
 
@@ -26,7 +27,9 @@ def worst_events(state: dict) -> int:
 def test_the_worst_case_history_of_the_longest_run_stays_far_below_the_limit(platform) -> None:
     states = state_machine_definition(platform)["States"]
     per_poll = sum(worst_events(states[name]) for name in POLL_LOOP)
-    outside = sum(worst_events(state) for name, state in states.items() if name not in POLL_LOOP)  # each at most once
+    stop_polls = states["Await stop"]["Parameters"]["polls_left"]
+    stopping = sum(worst_events(states[name]) for name in STOP_LOOP) * stop_polls
+    outside = stopping + sum(worst_events(state) for name, state in states.items() if name not in POLL_LOOP + STOP_LOOP)
     _, polls = poll_plan(LONGEST_RUNTIME_S, 900, 1)
     assert polls <= MAX_POLLS
     worst = 2 + outside + per_poll * polls  # + ExecutionStarted and its end

@@ -61,8 +61,11 @@ def test_a_job_running_past_the_specs_runtime_is_stopped_and_the_run_fails(run, 
     execution = harness.wait(execution_arn, timeout_s=120)
     assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
     job_name = harness.job_of(execution_arn, SPEC["run_name"])
-    assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopping"
-    assert harness.result("run-overtime")["failure_reason"] == "RunTimedOut: the job ran past the spec's max_runtime_s"
+    assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopped"
+    result = harness.result("run-overtime")
+    assert result["failure_reason"] == "RunTimedOut: the job ran past the spec's max_runtime_s"
+    # Recorded once SageMaker had stopped the job: its terminal status and billable time, not "Stopping".
+    assert result["status"] == "Stopped" and result["billable_seconds"] == 120
 
 
 @pytest.mark.parametrize("ending", ["ABORTED", "TIMED_OUT"])
@@ -86,7 +89,7 @@ def test_an_execution_ended_from_outside_has_its_job_stopped(run, platform, endi
     assert delivered is not None and delivered["detail"]["status"] == ending
     reply = stop(delivered, LambdaContext(function_name="StopJob"))  # the event as the rule delivers it
     assert reply == {"job_name": job_name, "stopped": True, "status": "Stopping"}
-    assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopping"
+    assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] in ("Stopping", "Stopped")
 
 
 def test_a_throttled_poll_never_stops_a_healthy_job(run) -> None:
@@ -153,7 +156,7 @@ def test_the_reconciler_stops_a_job_whose_execution_ended_and_spares_the_others(
     harness.wait(orphaned, timeout_s=30)
     reply = reconcile({}, LambdaContext(function_name="ReconcileJobs"))
     assert reply["stopped"] == [jobs[orphaned]] and reply["checked"] == 3
-    assert harness.job(jobs[orphaned]).training_job_status == "Stopping"
+    assert harness.job(jobs[orphaned]).training_job_status in ("Stopping", "Stopped")
     assert harness.job(jobs[healthy]).training_job_status == "InProgress"
     assert harness.job("hetero-by-hand-0000000000").training_job_status == "InProgress"
     harness.sfn.stop_execution(executionArn=healthy)
