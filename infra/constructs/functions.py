@@ -162,6 +162,13 @@ class TrainingRunFunctions(Construct):
         results.grant_read(self.collect, "artifacts/*")
         results.grant_put(self.collect, "results/*")
         results.grant_read(self.collect, "results/*")  # a retried collect reads the result it wrote
+        # A run id whose result exists is refused before launch: HeadObject on results/ (ListBucket on that
+        # prefix, so that a missing result answers 404, not 403).
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects("results/*")]))
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
+                                                           conditions={"StringLike": {"s3:prefix": "results/*"}}))
+        acknowledge(self.launch.role, "Reads whether a run's result exists, under results/ only.",
+                    *wildcard_resources(f"{arn_token(results)}/results/*"))
         jobs = training_jobs_arn(stack, prefix)
         for fn in (self.launch, self.collect, self.stop, self.reconcile):
             acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))

@@ -27,7 +27,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client, recent_running_jobs
+from lambdas.clients import client, object_size_or_none, recent_running_jobs
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.training_request import LaunchSettings, create_training_job_request
@@ -48,6 +48,11 @@ class CapacityUnavailable(RuntimeError):
 
 class LaunchRefused(RuntimeError):
     pass
+
+
+class RunIdTaken(RuntimeError):
+    """results/<run id>/result.json exists: an execution name used again (90 days on) would train, then
+    find no place for its result. Refused before anything is billed."""
 
 
 class RunNameInUse(RuntimeError):
@@ -77,6 +82,9 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     request = create_training_job_request(
         spec, settings, name=name, shutdown_token=secrets.token_urlsafe(32), run_id=run_id(event["execution_arn"]),
     )
+    result_key = f"results/{run_id(event['execution_arn'])}/result.json"
+    if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
+        raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")
     sagemaker = client("sagemaker")
     try:
         others = running_jobs_of(sagemaker, prefix, spec.run_name) - {name}

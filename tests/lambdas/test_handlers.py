@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from lambdas.collect_results.handler import handler as collect
 from lambdas.core.execution import job_name_for_execution
 from lambdas.core.job_spec import JobSpecError
 from lambdas.core.results import ResultExistsError
-from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled, RunNameInUse
+from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled, RunIdTaken, RunNameInUse
 from lambdas.launch_job.handler import handler as launch
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
@@ -101,10 +102,16 @@ def test_collect_writes_the_result_once(aws, context) -> None:
     assert result["prices"]["source"].startswith("fallback table") and result["prices"]["date"]
     # A retried collect of the same execution (its reply lost) finds its own result and returns it...
     assert collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context) == reply
-    # ... but a result is never replaced by another job's (the execution name used again, 90 days on).
-    again = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}, context)["job_name"]
+    # ... but a result is never replaced by another job's (the execution name used again, 90 days on),
+    # and such an execution is refused before it launches anything.
+    with pytest.raises(RunIdTaken, match="results/run-0001/result.json exists already"):
+        launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}, context)
+    assert aws.training_jobs() == [name]
+    other = copy.copy(aws.training_job(name))  # a job of another execution whose result would land here
+    other.training_job_name = "hetero-vision-hetero-0123456789"
+    sagemaker_backends[ACCOUNT][REGION].training_jobs[other.training_job_name] = other
     with pytest.raises(ResultExistsError, match="never overwritten"):
-        collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": again}, context)
+        collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": other.training_job_name}, context)
 
 
 @pytest.mark.parametrize(
