@@ -69,13 +69,17 @@ class TrainingWorkflow(Construct):
         # The launch chose the interval (at least poll_interval_s; longer for long runtimes, so that the
         # number of polls, and so the execution's history, stays bounded).
         wait = sfn.Wait(self, "Wait", time=sfn.WaitTime.seconds_path("$.launch.poll_interval_s"))
-        describe = tasks.CallAwsService(
-            self, "Describe job", service="sagemaker", action="describeTrainingJob",
-            parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
-            iam_resources=[jobs_arn],
-            result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
-            result_path="$.job",
-        )
+        def describe_job(name: str) -> tasks.CallAwsService:
+            """DescribeTrainingJob of the run's job, its status into $.job.status."""
+            return tasks.CallAwsService(
+                self, name, service="sagemaker", action="describeTrainingJob",
+                parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
+                iam_resources=[jobs_arn],
+                result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
+                result_path="$.job",
+            )
+
+        describe = describe_job("Describe job")
         # A poll that fails is retried, then simply counted as a poll: it never stops a healthy job (the
         # run's deadline still bounds it). Few retries: each costs history events (see MAX_POLLS).
         describe.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=3,
@@ -98,17 +102,11 @@ class TrainingWorkflow(Construct):
         launch.add_catch(record_launch_failure.next(sfn.Fail(self, "LaunchFailed", error="LaunchFailed", cause_path="$.error.Cause")),
                          result_path="$.error")
         record_failure.next(sfn.Fail(self, "RunFailed", error="RunFailed", cause_path="$.error.Cause"))
-        # After a stop, wait (bounded: STOP_POLLS × STOP_POLL_S) for SageMaker to end the job, so that the
+        # After a stop, wait (bounded: STOP_POLLS poll intervals) for SageMaker to end the job, so that the
         # result records a terminal status and its billable seconds, not "Stopping" and null.
         begin_stop_wait = sfn.Pass(self, "Await stop", parameters={"polls_left": STOP_POLLS}, result_path="$.stopping")
         stop_wait = sfn.Wait(self, "Wait for stop", time=sfn.WaitTime.duration(Duration.seconds(poll_interval_s)))
-        describe_stopping = tasks.CallAwsService(
-            self, "Describe stopping job", service="sagemaker", action="describeTrainingJob",
-            parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
-            iam_resources=[jobs_arn],
-            result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
-            result_path="$.job",
-        )
+        describe_stopping = describe_job("Describe stopping job")
         describe_stopping.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=2,
                                     jitter_strategy=sfn.JitterType.FULL)
         describe_stopping.add_catch(record_failure, result_path="$.stop_error")
