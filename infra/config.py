@@ -3,9 +3,12 @@ dataclass. Everything the stacks vary by lives here, with its default and what i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from lambdas.core.job_spec import SpecPolicy
 
 CONTEXT_KEY = "platform"
 
@@ -50,6 +53,19 @@ class PlatformConfig:
     # A schedule for the sweep, or none: {"expression": "cron(0 6 ? * MON *)", "input": <sweep input>,
     # "enabled": false}. Created only when given, and disabled unless "enabled" is true.
     sweep_schedule: Mapping[str, Any] | None = None
+    # Buckets, besides the platform's datasets bucket, that job specs may read their channels from; the
+    # SageMaker role gets read access to these and no others.
+    input_buckets: tuple[str, ...] = ()
+    # The most one run may cost (every instance billed for its whole max_runtime_s), and a whole sweep;
+    # a spec or sweep input may lower these with max_cost_usd, never raise them.
+    run_cost_ceiling_usd: float = 1000.0
+    sweep_cost_ceiling_usd: float = 5000.0
+    # $/hour the ceiling uses for types the fallback table does not price (it has no Trainium prices):
+    # SageMaker on-demand training, us-east-1, as published in 2025. A type priced nowhere is refused
+    # under a ceiling.
+    ceiling_prices_usd_per_hour: Mapping[str, float] = field(
+        default_factory=lambda: {"ml.trn1.2xlarge": 1.5484, "ml.trn1.32xlarge": 24.7726}
+    )
 
     def __post_init__(self) -> None:
         if not self.prefix.isalnum() or not self.prefix.islower() or len(self.prefix) > 10:
@@ -60,6 +76,11 @@ class PlatformConfig:
             raise PlatformConfigError(f"sweep_max_concurrency must be in 1..16, got {self.sweep_max_concurrency}")
         if not 1 <= self.poll_interval_s <= 3600:
             raise PlatformConfigError(f"poll_interval_s must be in 1..3600, got {self.poll_interval_s}")
+        for name in ("run_cost_ceiling_usd", "sweep_cost_ceiling_usd"):
+            if not 0 < getattr(self, name) < 10_000_000:
+                raise PlatformConfigError(f"{name} must be a positive number of US dollars, got {getattr(self, name)}")
+        if any(not isinstance(price, int | float) or price <= 0 for price in self.ceiling_prices_usd_per_hour.values()):
+            raise PlatformConfigError(f"ceiling_prices_usd_per_hour must map instance types to positive $/hour, got {self.ceiling_prices_usd_per_hour}")
 
     def base_image(self, variant: str) -> str:
         return self.base_images[variant].format(region=self.region)
@@ -70,4 +91,21 @@ class PlatformConfig:
         unknown = sorted(set(raw) - {item.name for item in fields(cls)})
         if unknown:
             raise PlatformConfigError(f"unknown platform settings {unknown}; known: {sorted(item.name for item in fields(cls))}")
+        if "input_buckets" in raw:
+            raw["input_buckets"] = tuple(raw["input_buckets"])
         return cls(**raw)
+
+    def policy_for_synthesis(self) -> SpecPolicy:
+        """The policy a scheduled sweep is checked against at synthesis (bucket names are not known yet)."""
+        return SpecPolicy(run_cost_ceiling_usd=self.run_cost_ceiling_usd, sweep_cost_ceiling_usd=self.sweep_cost_ceiling_usd,
+                          prices_usd_per_hour=dict(self.ceiling_prices_usd_per_hour))
+
+    def policy_environment(self, input_buckets: str) -> dict[str, str]:
+        """The Lambdas' environment for SpecPolicy.from_environment (lambdas/core/job_spec.py);
+        ``input_buckets``: the allowed buckets as a JSON list (a deploy-time token)."""
+        return {
+            "INPUT_BUCKETS": input_buckets,
+            "RUN_COST_CEILING_USD": str(self.run_cost_ceiling_usd),
+            "SWEEP_COST_CEILING_USD": str(self.sweep_cost_ceiling_usd),
+            "CEILING_PRICES": json.dumps(dict(self.ceiling_prices_usd_per_hour), sort_keys=True),
+        }

@@ -27,7 +27,10 @@ def wildcard_resources(*resources: str) -> list[str]:
 
 
 def arn_token(construct: IConstruct) -> str:
-    """How cdk-nag spells a resource's ARN in a finding: <LogicalId.Arn>."""
+    """How cdk-nag spells a resource's ARN in a finding: <LogicalId.Arn> for a resource of the stack; an
+    imported bucket (no resource of ours) is spelled as its ARN."""
+    if construct.node.default_child is None and hasattr(construct, "bucket_name"):
+        return f"arn:<AWS::Partition>:s3:::{construct.bucket_name}"
     return f"<{Stack.of(construct).get_logical_id(construct.node.default_child)}.Arn>"
 
 

@@ -21,6 +21,7 @@ import collections.abc
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -35,6 +36,8 @@ DNN = "dnn"
 ROLES = (DATA, DNN)
 DISTRIBUTIONS = ("torchrun", "horovod", "mirrored", "none")
 RESERVED_PREFIX = "sagemaker_"
+# The input channel every trainer (or its data hosts) trains from.
+DATA_CHANNEL = "train"
 
 T = TypeVar("T")
 
@@ -64,7 +67,7 @@ class PlatformSettings:
     # Trainer processes per DNN host; 0 means one per GPU, or one on a host without GPUs.
     processes_per_host: int = 0
     # The input channel the data service reads (/opt/ml/input/data/<channel>).
-    data_channel: str = "train"
+    data_channel: str = DATA_CHANNEL
     # Port of the gRPC data service on every data host.
     data_service_port: int = 6000
     # tf.data.service (tensorflow variant): the dispatcher's port on the first data host, and the first
@@ -214,7 +217,10 @@ def _convert(name: str, value: Any, hint: Any) -> Any:
         if hint in (int, float, str):
             if hint is int and isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
-            return hint(value) if not (hint is int and isinstance(value, str)) else int(value, 10)
+            converted = hint(value) if not (hint is int and isinstance(value, str)) else int(value, 10)
+            if hint is float and not math.isfinite(converted):
+                raise ValueError(value)  # "nan", "inf": a learning rate nothing can train with
+            return converted
         if origin is collections.abc.Mapping:
             parsed = json.loads(value) if isinstance(value, str) else value
             if not isinstance(parsed, dict):

@@ -1,5 +1,6 @@
-"""The role SageMaker training jobs run as: read datasets, write artifacts and checkpoints, pull our
-images, write the job's logs and metrics. Nothing more."""
+"""The role SageMaker training jobs run as: read the input buckets (the datasets bucket and any the
+deployment allows), write artifacts and checkpoints, pull our images, write the job's logs and metrics.
+Nothing more."""
 
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ class ExecutionRole(Construct):
         scope: Construct,
         construct_id: str,
         *,
-        datasets: s3.IBucket,
+        inputs: Iterable[s3.IBucket],
         results: s3.IBucket,
         images: Iterable[ecr_assets.DockerImageAsset],
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
         self.role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"))
-        datasets.grant_read(self.role)
+        inputs = list(inputs)  # the datasets bucket, then cdk.json's input_buckets: what specs may read
+        for bucket in inputs:
+            bucket.grant_read(self.role)
         results.grant_read_write(self.role, "artifacts/*")
         results.grant_read_write(self.role, "checkpoints/*")
         results.grant_read_write(self.role, "neuron-cache/*")  # compiled Neuron graphs, reused across jobs
@@ -50,13 +53,14 @@ class ExecutionRole(Construct):
         )
         acknowledge(
             self.role,
-            "S3 action families from grant_read/grant_read_write, held to the datasets bucket and the results "
+            "S3 action families from grant_read/grant_read_write, held to the input buckets (datasets, and cdk.json's "
+            "input_buckets) and the results "
             "bucket's artifacts/, checkpoints/ and neuron-cache/ prefixes; SageMaker's training log group; PutMetricData and "
             "ecr:GetAuthorizationToken take no resource ARN (the former is held to SageMaker's namespace).",
             *wildcard_actions(*S3_READ_ACTIONS, *S3_WRITE_ACTIONS),
             *wildcard_resources(
                 "*",
-                f"{arn_token(datasets)}/*",
+                *(f"{arn_token(bucket)}/*" for bucket in inputs),
                 f"{arn_token(results)}/artifacts/*",
                 f"{arn_token(results)}/checkpoints/*",
                 f"{arn_token(results)}/neuron-cache/*",

@@ -77,6 +77,7 @@ class TrainingRunFunctions(Construct):
         log_retention_days: int,
         deadline_grace_s: int,
         poll_interval_s: int,
+        policy_environment: dict[str, str],
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -89,7 +90,7 @@ class TrainingRunFunctions(Construct):
             "JOB_NAME_PREFIX": prefix,
             "RESULTS_BUCKET": results.bucket_name,
             "POWERTOOLS_LOG_LEVEL": "INFO",
-        }
+        } | policy_environment  # the spec policy: allowed input buckets, cost ceilings (infra/config.py)
 
         def function(spec: FunctionSpec, extra_environment: dict[str, str] | None = None) -> lambda_.Function:
             log_group = logs.LogGroup(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from aws_cdk import CfnOutput, Stack
+from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from infra.config import PlatformConfig
@@ -24,11 +25,13 @@ class PlatformStack(Stack):
         super().__init__(scope, construct_id, **kwargs)
         buckets = Buckets(self, "Buckets", checkpoint_retention_days=config.checkpoint_retention_days)
         images = TrainingImages(self, "TrainingImages", base_images={v: config.base_image(v) for v in config.base_images})
-        role = ExecutionRole(self, "SageMakerExecution", datasets=buckets.datasets, results=buckets.results, images=images.images.values())
+        inputs = [buckets.datasets, *(s3.Bucket.from_bucket_name(self, f"Input{index}", name) for index, name in enumerate(config.input_buckets))]
+        role = ExecutionRole(self, "SageMakerExecution", inputs=inputs, results=buckets.results, images=images.images.values())
         functions = TrainingRunFunctions(
             self, "TrainingRunFunctions", prefix=config.prefix, sagemaker_role=role.role, results=buckets.results,
             image_uris=images.image_uris, log_retention_days=config.log_retention_days, deadline_grace_s=config.deadline_grace_s,
             poll_interval_s=config.poll_interval_s,
+            policy_environment=config.policy_environment(self.to_json_string([bucket.bucket_name for bucket in inputs])),
         )
         workflow = TrainingWorkflow(
             self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,
@@ -38,7 +41,7 @@ class PlatformStack(Stack):
         sweep = BenchmarkSweep(
             self, "BenchmarkSweep", prefix=config.prefix, functions=functions, training_run=workflow.state_machine,
             max_concurrency=config.sweep_max_concurrency, timeout_h=config.sweep_timeout_h,
-            log_retention_days=config.log_retention_days, schedule=config.sweep_schedule,
+            log_retention_days=config.log_retention_days, schedule=config.sweep_schedule, policy=config.policy_for_synthesis(),
         )
         self.buckets, self.functions, self.workflow, self.sweep = buckets, functions, workflow, sweep
         CfnOutput(self, "DatasetsBucket", value=buckets.datasets.bucket_name)

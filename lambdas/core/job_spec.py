@@ -11,28 +11,38 @@ The same JSON starts a training run on SageMaker (the Step Functions input) and 
         {"name": "dnn_group",  "role": "dnn",  "instance_type": "ml.p3.2xlarge", "count": 1}],
      "distribution": "torchrun",               # per variant (training/variants.py); default: its first
      "hyperparameters": {"batch_size": 64, "steps": 500},   # scalar values only
-     "inputs": {"train": {"s3_uri": "s3://bucket/prefix/", "groups": ["data_group"]}},
-     "max_runtime_s": 3600}
+     "inputs": {"train": {"s3_uri": "s3://bucket/prefix/", "groups": ["data_group"]}},   # ≤ 20 channels
+     "max_runtime_s": 3600,                    # 60 s .. 5 days
+     "max_cost_usd": 50,                       # optional: lowers the deployment's cost ceiling
+     "resume_from": "<run id>"}                # optional: carry on an earlier run's checkpoints
 
 Every refusal is a JobSpecError naming the field and what to do instead. ``parse_job_spec`` checks the
-shape (types, names, SageMaker's own limits); ``validate_job_spec`` adds the platform's rules: a known
-variant, workload and distribution, instance types from the catalog, Trainium only with the neuron
-variant, data groups only for variants with a data service and only on CPU instances, the data channel on
-every data host, and hyperparameters the trainer knows, with valid values. Nothing here performs I/O.
+shape (types, names, and SageMaker's own limits, read from botocore's service model by
+lambdas/core/service_limits.py); ``validate_job_spec`` adds the platform's rules: a known variant,
+workload and distribution, instance types from the catalog, Trainium only with the neuron variant, data
+groups only for variants with a data service and only on CPU instances, the "train" channel, on every
+data host, channels the trainer names (model_channel, eval_channel) among the inputs, hyperparameters the
+trainer knows with values in range, and the deployment's policy (SpecPolicy): input buckets on its
+allow-list, and a worst-case cost (every instance for the whole max_runtime_s) under its ceiling.
+Nothing here performs I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from lambdas.core.catalog import CATALOG
+from lambdas.core.price_performance import FALLBACK_PRICES
+from lambdas.core.service_limits import limit, training_instance_types
 from training.cluster import HOMOGENEOUS_GROUP
-from training.hyperparameters import HyperparameterError, build, platform_keys, to_hyperparameter_string
+from training.hyperparameters import DATA_CHANNEL, HyperparameterError, build, platform_keys, to_hyperparameter_string
 from training.variants import VARIANTS
 
 SPEC_VERSION = 1
@@ -40,16 +50,60 @@ ROLES = ("data", "dnn")
 MAX_GROUPS = 5  # SageMaker's limit on ResourceConfig.InstanceGroups
 MAX_INSTANCES_PER_GROUP = 20
 MAX_RUNTIME_S = 5 * 24 * 3600  # SageMaker's MaxRuntimeInSeconds limit for training jobs
-RUN_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}$")
-GROUP_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-CHANNEL_NAME = re.compile(r"^[A-Za-z0-9\.\-_]{1,64}$")
-HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
-# A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/).
-RUN_ID = re.compile(r"\A[A-Za-z0-9_-]{1,80}\Z")
+# Every pattern is matched against the whole value (fullmatch: "$" would let a trailing newline through).
+# Run names: SageMaker's TrainingJobName pattern, ≤ 40 characters (the job name adds prefix and suffix).
+RUN_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}")
+# Group names: SageMaker takes any 1–64 characters; the platform keeps them to ones a path and a log
+# stream can carry.
+GROUP_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+HYPERPARAMETER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# S3 bucket names (general purpose buckets): 3–63 lowercase letters, digits, dots and hyphens.
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/), restricted to
+# what a SageMaker tag value, an S3 key and a job name's hash input all carry unchanged.
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
+# Channels the platform adds to every job (none today); the user's channels share SageMaker's limit.
+PLATFORM_CHANNELS = 0
 KNOWN_FIELDS = frozenset(
     {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
-     "resume_from"}
+     "resume_from", "max_cost_usd"}
 )
+
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    """What a deployment adds to the spec's own rules; the Lambdas read it from their environment
+    (``from_environment``), set from cdk.json. The default (no allow-list, no ceiling) is for checks
+    without a deployment: the emulated cluster, offline validation."""
+
+    # Buckets a channel may read from (the SageMaker role can read only these); None: any.
+    input_buckets: frozenset[str] | None = None
+    # Most a run may cost, every instance billed for its whole max_runtime_s; None: no ceiling.
+    run_cost_ceiling_usd: float | None = None
+    # Most a whole benchmark sweep may cost, its configurations' worst cases added up.
+    sweep_cost_ceiling_usd: float | None = None
+    # $/hour for the ceiling, on top of the fallback table (which has none for Trainium).
+    prices_usd_per_hour: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> SpecPolicy:
+        def number(key: str) -> float | None:
+            return float(environ[key]) if environ.get(key) else None
+
+        buckets = json.loads(environ["INPUT_BUCKETS"]) if environ.get("INPUT_BUCKETS") else None
+        return cls(
+            input_buckets=frozenset(buckets) if buckets is not None else None,
+            run_cost_ceiling_usd=number("RUN_COST_CEILING_USD"),
+            sweep_cost_ceiling_usd=number("SWEEP_COST_CEILING_USD"),
+            prices_usd_per_hour=json.loads(environ.get("CEILING_PRICES", "{}")),
+        )
+
+    def price(self, instance_type: str) -> float | None:
+        return self.prices_usd_per_hour.get(instance_type, FALLBACK_PRICES.usd_per_hour.get(instance_type))
+
+
+# No deployment: any bucket, no ceiling (the emulated cluster; offline checks).
+NO_POLICY = SpecPolicy()
 
 
 class JobSpecError(ValueError):
@@ -89,6 +143,8 @@ class JobSpec:
     spec_version: int = SPEC_VERSION
     # The run id (execution name) whose checkpoints this run resumes and carries on; "" starts afresh.
     resume_from: str = ""
+    # The spec's own cost ceiling (it can only lower the deployment's); None: the deployment's.
+    max_cost_usd: float | None = None
 
     @property
     def dnn_group(self) -> GroupSpec:
@@ -124,7 +180,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if version != SPEC_VERSION:
         raise JobSpecError("spec_version", f"version {version!r} is not supported; use {SPEC_VERSION}")
     run_name = _string(raw, "run_name")
-    if not RUN_NAME.match(run_name):
+    if not RUN_NAME.fullmatch(run_name):
         raise JobSpecError("run_name", f"{run_name!r} must be 1–40 letters, digits or hyphens, starting with a letter or digit")
     groups = _groups(raw.get("instance_groups"))
     return JobSpec(
@@ -139,6 +195,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
         spec_version=SPEC_VERSION,
         resume_from=_resume_from(raw.get("resume_from", "")),
+        max_cost_usd=_max_cost(raw.get("max_cost_usd")),
     )
 
 
@@ -163,7 +220,7 @@ def _groups(raw: Any) -> tuple[GroupSpec, ...]:
         if extra:
             raise JobSpecError(f"{where}.{extra[0]}", "unknown field; a group has name, role, instance_type, count")
         name = item.get("name")
-        if not isinstance(name, str) or not GROUP_NAME.match(name):
+        if not isinstance(name, str) or not GROUP_NAME.fullmatch(name):
             raise JobSpecError(f"{where}.name", f"{name!r} must be 1–64 letters, digits, '_' or '-'")
         if name == HOMOGENEOUS_GROUP:
             raise JobSpecError(f"{where}.name", f"{HOMOGENEOUS_GROUP!r} is SageMaker's own group name; pick another")
@@ -171,8 +228,10 @@ def _groups(raw: Any) -> tuple[GroupSpec, ...]:
         if role not in ROLES:
             raise JobSpecError(f"{where}.role", f"{role!r} must be one of {ROLES}")
         instance_type = item.get("instance_type")
-        if not isinstance(instance_type, str) or not instance_type.startswith("ml."):
-            raise JobSpecError(f"{where}.instance_type", f"{instance_type!r} must be a SageMaker instance type such as ml.c5.9xlarge")
+        # The catalog's types count as known whatever botocore the runtime has (a test holds the catalog
+        # within the model's enum).
+        if not isinstance(instance_type, str) or instance_type not in training_instance_types() | CATALOG.keys():
+            raise JobSpecError(f"{where}.instance_type", f"{instance_type!r} must be a SageMaker training instance type such as ml.c5.9xlarge")
         count = item.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_INSTANCES_PER_GROUP:
             raise JobSpecError(f"{where}.count", f"{count!r} must be an integer in 1..{MAX_INSTANCES_PER_GROUP}")
@@ -190,11 +249,20 @@ def _groups(raw: Any) -> tuple[GroupSpec, ...]:
 def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
     if not isinstance(raw, Mapping):
         raise JobSpecError("hyperparameters", "must be an object of name → scalar value")
+    # SageMaker's limit on HyperParameters counts the platform's settings too.
+    room = limit("HyperParameters").max - len(platform_keys())
+    if len(raw) > room:
+        raise JobSpecError("hyperparameters", f"{len(raw)} given; the platform's settings leave room for {room}")
     for name, value in raw.items():
-        if not HYPERPARAMETER_NAME.match(name):
-            raise JobSpecError(f"hyperparameters.{name}", "names are letters, digits and '_', not starting with a digit")
+        where = f"hyperparameters.{name}"
+        if not HYPERPARAMETER_NAME.fullmatch(name) or (problem := limit("HyperParameterKey").problem(name)):
+            raise JobSpecError(where, "names are letters, digits and '_', not starting with a digit, ≤ 256 characters")
         if value is None or not isinstance(value, str | int | float | bool):
-            raise JobSpecError(f"hyperparameters.{name}", f"{value!r} must be a string, number or boolean")
+            raise JobSpecError(where, f"{value!r} must be a string, number or boolean")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise JobSpecError(where, f"{value!r} must be a finite number")
+        if problem := limit("HyperParameterValue").problem(to_hyperparameter_string(value)):
+            raise JobSpecError(where, problem)
     return MappingProxyType(dict(raw))
 
 
@@ -202,16 +270,25 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...]) -> tuple[ChannelSpec, ...]:
     if not isinstance(raw, Mapping):
         raise JobSpecError("inputs", "must be an object of channel name → {s3_uri, groups}")
     names = {group.name for group in groups}
+    most = limit("InputDataConfig").max - PLATFORM_CHANNELS
+    if len(raw) > most:
+        raise JobSpecError("inputs", f"{len(raw)} channels; SageMaker takes at most {most}")
     channels = []
     for name, item in raw.items():
         where = f"inputs.{name}"
-        if not CHANNEL_NAME.match(name):
+        if limit("ChannelName").problem(name):
             raise JobSpecError(where, "channel names are 1–64 letters, digits, '.', '-' or '_'")
-        if not isinstance(item, Mapping) or not isinstance(item.get("s3_uri"), str) or not item["s3_uri"].startswith("s3://"):
-            raise JobSpecError(f"{where}.s3_uri", "must be an s3:// URI")
+        if not isinstance(item, Mapping):
+            raise JobSpecError(where, "must be an object {s3_uri, groups}")
+        extra = sorted(set(item) - {"s3_uri", "groups"})
+        if extra:
+            raise JobSpecError(f"{where}.{extra[0]}", "unknown field; a channel has s3_uri and groups")
+        _check_s3_uri(f"{where}.s3_uri", item.get("s3_uri"))
         channel_groups = item.get("groups", [])
         if not isinstance(channel_groups, list) or not all(isinstance(group, str) for group in channel_groups):
             raise JobSpecError(f"{where}.groups", "must be a list of instance group names")
+        if len(set(channel_groups)) != len(channel_groups):
+            raise JobSpecError(f"{where}.groups", f"{channel_groups} names a group twice")
         missing = sorted(set(channel_groups) - names)
         if missing:
             raise JobSpecError(f"{where}.groups", f"{missing} are not instance groups of this spec: {sorted(names)}")
@@ -226,10 +303,35 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...]) -> tuple[ChannelSpec, ...]:
     return tuple(channels)
 
 
+def _check_s3_uri(where: str, uri: Any) -> None:
+    """s3://<bucket>/<prefix>, within SageMaker's S3Uri limits and with a valid bucket name."""
+    if not isinstance(uri, str) or not uri.startswith("s3://"):
+        raise JobSpecError(where, f"{uri!r} must be an s3://<bucket>/<prefix> URI")
+    if problem := limit("S3Uri").problem(uri):
+        raise JobSpecError(where, problem)
+    bucket = uri[len("s3://"):].split("/", 1)[0]
+    if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        raise JobSpecError(where, f"{bucket!r} is not an S3 bucket name (3–63 lowercase letters, digits, '.', '-')")
+    if any(ord(character) < 32 for character in uri):
+        raise JobSpecError(where, "must not contain control characters")
+
+
+def bucket_of(uri: str) -> str:
+    return uri[len("s3://"):].split("/", 1)[0]
+
+
 def _resume_from(value: Any) -> str:
-    if value != "" and (not isinstance(value, str) or not RUN_ID.match(value)):
+    if value != "" and (not isinstance(value, str) or not RUN_ID.fullmatch(value)):
         raise JobSpecError("resume_from", f"{value!r} must be the run id (execution name) of an earlier run: 1–80 letters, digits, - or _")
     return value
+
+
+def _max_cost(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise JobSpecError("max_cost_usd", f"{value!r} must be a positive number of US dollars")
+    return float(value)
 
 
 def _max_runtime(value: Any) -> int:
@@ -238,8 +340,8 @@ def _max_runtime(value: Any) -> int:
     return value
 
 
-def validate_job_spec(raw: Any) -> JobSpec:
-    """Parse, then apply the platform's rules; the spec a training run may launch."""
+def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
+    """Parse, then apply the platform's rules and the deployment's policy; the spec a run may launch."""
     spec = parse_job_spec(raw)
     variant = VARIANTS.get(spec.variant)
     if variant is None:
@@ -260,9 +362,44 @@ def validate_job_spec(raw: Any) -> JobSpec:
         _check_instance_type(index, group, variant.accelerator, variant.name)
     if spec.data_groups and not variant.has_data_service:
         raise JobSpecError("instance_groups", f"variant {variant.name!r} has no data service: remove the data groups")
-    _check_channels(spec)
+    _check_channels(spec, policy)
     _check_hyperparameters(spec, variant.config)
+    _check_cost(spec, policy)
     return spec
+
+
+def worst_case_cost_usd(spec: JobSpec, policy: SpecPolicy) -> float:
+    """What the run costs if every instance is billed for the whole max_runtime_s. Raises JobSpecError
+    for a type the policy has no price for: a ceiling that cannot be checked is no ceiling."""
+    total = 0.0
+    for index, group in enumerate(spec.instance_groups):
+        price = policy.price(group.instance_type)
+        if price is None:
+            raise JobSpecError(f"instance_groups[{index}].instance_type",
+                               f"no price known for {group.instance_type} to check the cost ceiling against: add it to "
+                               "cdk.json's ceiling_prices_usd_per_hour")
+        total += group.count * price
+    return total * spec.max_runtime_s / 3600
+
+
+def cost_ceiling_usd(spec: JobSpec, policy: SpecPolicy) -> float | None:
+    """The lower of the deployment's ceiling and the spec's own, or None when neither is set."""
+    ceilings = [value for value in (policy.run_cost_ceiling_usd, spec.max_cost_usd) if value is not None]
+    return min(ceilings) if ceilings else None
+
+
+def _check_cost(spec: JobSpec, policy: SpecPolicy) -> None:
+    if policy.run_cost_ceiling_usd is not None and spec.max_cost_usd is not None and spec.max_cost_usd > policy.run_cost_ceiling_usd:
+        raise JobSpecError("max_cost_usd", f"${spec.max_cost_usd:,.2f} is above the platform's ceiling of "
+                                           f"${policy.run_cost_ceiling_usd:,.2f}; a spec can only lower it")
+    ceiling = cost_ceiling_usd(spec, policy)
+    if ceiling is None:
+        return
+    cost = worst_case_cost_usd(spec, policy)
+    if cost > ceiling:
+        cluster = " + ".join(f"{group.count}× {group.instance_type}" for group in spec.instance_groups)
+        raise JobSpecError("max_runtime_s", f"{cluster} for {spec.max_runtime_s / 3600:g} h may cost ${cost:,.2f}, above the "
+                                            f"ceiling of ${ceiling:,.2f}: lower max_runtime_s or the instance counts")
 
 
 def _check_instance_type(index: int, group: GroupSpec, accelerator: str, variant: str) -> None:
@@ -278,11 +415,14 @@ def _check_instance_type(index: int, group: GroupSpec, accelerator: str, variant
         raise JobSpecError(where, f"variant {variant!r} trains on Trainium: use an ml.trn1.* instance type")
 
 
-def _check_channels(spec: JobSpec) -> None:
-    if not spec.inputs:
-        raise JobSpecError("inputs", "the job needs a training channel, e.g. {\"train\": {\"s3_uri\": \"s3://...\"}}")
+def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
+    if DATA_CHANNEL not in {channel.name for channel in spec.inputs}:
+        raise JobSpecError("inputs", f"the job trains from a {DATA_CHANNEL!r} channel: add {{\"{DATA_CHANNEL}\": {{\"s3_uri\": \"s3://...\"}}}}")
     data_groups = {group.name for group in spec.data_groups}
     for channel in spec.inputs:
+        if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:
+            raise JobSpecError(f"inputs.{channel.name}.s3_uri", f"bucket {bucket_of(channel.s3_uri)!r} is not one the platform's "
+                                                                f"jobs may read: use {sorted(policy.input_buckets)} (cdk.json's input_buckets)")
         missing = sorted(data_groups - set(spec.group_names_for(channel)))
         if missing:
             raise JobSpecError(f"inputs.{channel.name}.groups", f"data groups {missing} preprocess this channel: add them")
@@ -298,6 +438,13 @@ def _check_hyperparameters(spec: JobSpec, config: type) -> None:
     if sagemaker:
         raise JobSpecError(f"hyperparameters.{sagemaker[0]}", "the sagemaker_ prefix belongs to the SageMaker toolkit")
     try:
-        build(config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}, strict=True)
+        trainer = build(config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}, strict=True)
     except HyperparameterError as error:
         raise JobSpecError("hyperparameters", str(error)) from None
+    # Channels the trainer reads by name must be inputs of this job (the text trainer's; its one group
+    # receives every channel).
+    channels = sorted(channel.name for channel in spec.inputs)
+    for setting in ("model_channel", "eval_channel"):
+        name = getattr(trainer, setting, "")
+        if name and name not in channels:
+            raise JobSpecError(f"hyperparameters.{setting}", f"{name!r} is not a channel of this job's inputs {channels}")

@@ -12,7 +12,8 @@ A sweep's input (the "benchmark sweep" state machine's execution input, or the s
                  "train_ms_per_step": 80},                 #   (lambdas/core/sizing.py)
      "data_instance_type": "ml.c5.9xlarge",               # default: the base's data group type, else this
      "extra": [<job spec>, ...],                          # e.g. Trainium configurations
-     "step_time_target_ms": 150}                          # optional: only configurations this fast qualify
+     "step_time_target_ms": 150,                          # optional: only configurations this fast qualify
+     "max_cost_usd": 400}                                 # optional: lowers the deployment's sweep ceiling
 
 Each configuration is a full job spec, validated as a training run would be, with a run name of its own
 (``<base run name>-d<n>`` for the generated ones). The comparison takes each run's result.json and the
@@ -30,16 +31,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from lambdas.core.catalog import instance_type
-from lambdas.core.job_spec import JobSpecError, validate_job_spec
+from lambdas.core.job_spec import NO_POLICY, JobSpecError, SpecPolicy, validate_job_spec, worst_case_cost_usd
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
 from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed
 
 # Where each sweep's figures go in CloudWatch (the dashboard reads them there).
 METRIC_NAMESPACE = "HeterogeneousTraining/Sweeps"
-SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,31}$")
+SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")
 MAX_CONFIGURATIONS = 16
 DEFAULT_DATA_INSTANCE_TYPE = "ml.c5.9xlarge"
-SWEEP_KEYS = {"sweep_name", "configurations", "base", "data_hosts", "advisor", "data_instance_type", "extra", "step_time_target_ms"}
+SWEEP_KEYS = {"sweep_name", "configurations", "base", "data_hosts", "advisor", "data_instance_type", "extra", "step_time_target_ms",
+              "max_cost_usd"}
 
 
 class SweepSpecError(ValueError):
@@ -82,14 +84,16 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
     return spec
 
 
-def plan_sweep(raw: Any) -> SweepPlan:
+def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
+    """The sweep's configurations, each validated as its training run will be (with the deployment's
+    policy), and their worst-case costs together under the sweep's ceiling."""
     if not isinstance(raw, dict):
         raise SweepSpecError("$", "a sweep input is a JSON object")
     unknown = sorted(set(raw) - SWEEP_KEYS)
     if unknown:
         raise SweepSpecError(unknown[0], f"unknown field; a sweep takes {sorted(SWEEP_KEYS)}")
     name = raw.get("sweep_name")
-    if not isinstance(name, str) or not SWEEP_NAME.match(name):
+    if not isinstance(name, str) or not SWEEP_NAME.fullmatch(name):
         raise SweepSpecError("sweep_name", f"{name!r} must be 1–32 letters, digits or hyphens")
     target = raw.get("step_time_target_ms")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or target <= 0):
@@ -100,16 +104,38 @@ def plan_sweep(raw: Any) -> SweepPlan:
     specs += list(raw.get("extra", []))
     if not 1 <= len(specs) <= MAX_CONFIGURATIONS:
         raise SweepSpecError("configurations", f"a sweep runs 1–{MAX_CONFIGURATIONS} configurations, got {len(specs)}")
+    validated = []
     for index, spec in enumerate(specs):
         try:
-            validate_job_spec(spec)
+            validated.append(validate_job_spec(spec, policy))
         except JobSpecError as error:
             raise SweepSpecError(f"configurations[{index}].{error.field}", error.problem) from None
+    _check_total_cost(raw.get("max_cost_usd"), validated, policy)
     names = [spec["run_name"] for spec in specs]
     duplicates = sorted({run for run in names if names.count(run) > 1})
     if duplicates:
         raise SweepSpecError("configurations", f"run names must differ within a sweep: {duplicates} appear twice")
     return SweepPlan(name, tuple(specs), float(target) if target is not None else None)
+
+
+def _check_total_cost(own_ceiling: Any, specs: Sequence[Any], policy: SpecPolicy) -> None:
+    if own_ceiling is not None and (isinstance(own_ceiling, bool) or not isinstance(own_ceiling, int | float)
+                                    or not 0 < own_ceiling < float("inf")):
+        raise SweepSpecError("max_cost_usd", f"{own_ceiling!r} must be a positive number of US dollars")
+    if own_ceiling is not None and policy.sweep_cost_ceiling_usd is not None and own_ceiling > policy.sweep_cost_ceiling_usd:
+        raise SweepSpecError("max_cost_usd", f"${own_ceiling:,.2f} is above the platform's sweep ceiling of "
+                                             f"${policy.sweep_cost_ceiling_usd:,.2f}; a sweep can only lower it")
+    ceilings = [value for value in (policy.sweep_cost_ceiling_usd, own_ceiling) if value is not None]
+    if not ceilings:
+        return
+    try:
+        total = sum(worst_case_cost_usd(spec, policy) for spec in specs)
+    except JobSpecError as error:
+        raise SweepSpecError(f"configurations.{error.field}", error.problem) from None
+    if total > min(ceilings):
+        raise SweepSpecError("configurations", f"the {len(specs)} configurations may cost ${total:,.2f} together (each for its whole "
+                                               f"max_runtime_s), above the sweep ceiling of ${min(ceilings):,.2f}: fewer "
+                                               "configurations or shorter runtimes")
 
 
 def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:

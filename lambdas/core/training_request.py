@@ -16,18 +16,17 @@ What the request carries, and why:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec, role_map
+from lambdas.core.service_limits import limit
 from training.hyperparameters import PlatformSettings, to_hyperparameter_string
 from training.metrics import METRIC_DEFINITIONS
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
-JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 
 
 class RequestError(ValueError):
@@ -59,8 +58,8 @@ def job_name(prefix: str, run_name: str, suffix: str) -> str:
     """``<platform prefix>-<run name>-<suffix>``, unique per execution. The prefix lets IAM scope the
     platform's SageMaker permissions to its own jobs; run names are ≤ 40 characters, leaving room."""
     name = f"{prefix}-{run_name}-{suffix}"[:63].rstrip("-")
-    if not JOB_NAME.match(name):
-        raise RequestError(f"{name!r} is not a valid training job name")
+    if problem := limit("TrainingJobName").problem(name):
+        raise RequestError(f"{name!r} is not a valid training job name: {problem}")
     return name
 
 

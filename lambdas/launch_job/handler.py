@@ -29,7 +29,7 @@ from botocore.exceptions import ClientError
 
 from lambdas.clients import client, object_size_or_none, recent_running_jobs
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
-from lambdas.core.job_spec import validate_job_spec
+from lambdas.core.job_spec import SpecPolicy, validate_job_spec
 from lambdas.core.training_request import LaunchSettings, create_training_job_request
 
 logger = Logger(service="launch-job")
@@ -73,7 +73,7 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
 
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    spec = validate_job_spec(event["spec"])
+    spec = validate_job_spec(event["spec"], SpecPolicy.from_environment(os.environ))
     prefix = os.environ["JOB_NAME_PREFIX"]
     name = job_name_for_execution(prefix, spec.run_name, event["execution_arn"], event["execution_start"])
     settings = settings_from_environment(dict(os.environ))

@@ -8,10 +8,12 @@ Each configuration gets the name of the training-run execution that will run it
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from aws_lambda_powertools import Logger
 
+from lambdas.core.job_spec import SpecPolicy
 from lambdas.core.sweep import plan_sweep
 
 logger = Logger(service="plan-sweep")
@@ -22,7 +24,7 @@ MAX_SWEEP_ID = 77
 
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    plan = plan_sweep(event["input"]).to_json()
+    plan = plan_sweep(event["input"], SpecPolicy.from_environment(os.environ)).to_json()
     sweep_id = event["execution_name"][:MAX_SWEEP_ID]
     for configuration in plan["configurations"]:
         configuration["execution_name"] = f"{sweep_id}-{configuration['index']}"

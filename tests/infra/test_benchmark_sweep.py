@@ -32,7 +32,7 @@ def resources(template_json: dict[str, Any], kind: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def scheduled() -> dict[str, Any]:
     """The platform synthesized with a weekly sweep enabled (cdk-nag runs as part of synthesis)."""
-    app, stack = build_app(context={"platform": {"sweep_schedule": SCHEDULE, "sweep_max_concurrency": 3}})
+    app, stack = build_app(context={"platform": {"sweep_schedule": SCHEDULE, "sweep_max_concurrency": 3, "input_buckets": ["team-datasets"]}})
     app.synth()
     return Template.from_stack(stack).to_json()
 
@@ -80,6 +80,19 @@ def test_a_schedule_is_off_unless_enabled_and_a_bad_input_fails_synthesis() -> N
     assert rule["Properties"]["State"] == "DISABLED"
     with pytest.raises(SweepSpecError, match="data_hosts"):
         build_app(context={"platform": {"sweep_schedule": SCHEDULE | {"input": SWEEP_INPUT | {"data_hosts": []}}}})
+    with pytest.raises(SweepSpecError, match="above the sweep ceiling of \\$10.00"):
+        build_app(context={"platform": {"sweep_schedule": SCHEDULE, "sweep_cost_ceiling_usd": 10}})
+
+
+def test_allowed_input_buckets_are_the_ones_jobs_can_read(scheduled) -> None:
+    """cdk.json's input_buckets join the datasets bucket: on the functions' allow-list and in the
+    SageMaker role's read access, and nowhere else."""
+    (function,) = [r for key, r in resources(scheduled, "AWS::Lambda::Function").items() if key.startswith("TrainingRunFunctionsValidateSpec")]
+    allowed = json.dumps(function["Properties"]["Environment"]["Variables"]["INPUT_BUCKETS"])
+    assert "team-datasets" in allowed and "BucketsDatasets" in allowed
+    (role_policy,) = [r for key, r in resources(scheduled, "AWS::IAM::Policy").items() if key.startswith("SageMakerExecutionRoleDefaultPolicy")]
+    reads = json.dumps([s["Resource"] for s in role_policy["Properties"]["PolicyDocument"]["Statement"] if "s3:GetObject*" in s["Action"]])
+    assert ":s3:::team-datasets/*" in reads and "BucketsDatasets" in reads
 
 
 def test_the_dashboard_and_the_alarm(scheduled) -> None:

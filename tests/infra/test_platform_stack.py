@@ -122,6 +122,15 @@ def test_sagemaker_permissions_are_held_to_the_platforms_jobs(template_json) -> 
             assert "training-job/hetero-*" in rendered, statement
 
 
+def test_the_functions_that_check_specs_carry_the_deployments_policy(template_json) -> None:
+    for name in ("ValidateSpec", "LaunchJob", "PlanSweep"):
+        (function,) = [r for key, r in resources(template_json, "AWS::Lambda::Function").items() if key.startswith(f"TrainingRunFunctions{name}")]
+        variables = function["Properties"]["Environment"]["Variables"]
+        assert (variables["RUN_COST_CEILING_USD"], variables["SWEEP_COST_CEILING_USD"]) == ("1000.0", "5000.0")
+        assert json.loads(variables["CEILING_PRICES"])["ml.trn1.32xlarge"] > 0
+        assert "BucketsDatasets" in json.dumps(variables["INPUT_BUCKETS"])
+
+
 def test_functions_run_traced_on_the_latest_python(template: Template, template_json) -> None:
     functions = resources(template_json, "AWS::Lambda::Function").values()
     assert len(functions) == 7  # training run: validate, launch, collect, stop; reconciler; sweep: plan, compare

@@ -33,6 +33,11 @@ ENVIRONMENT = {
     "OUTPUT_S3_URI": f"s3://{RESULTS_BUCKET}/artifacts/",
     "CHECKPOINT_S3_URI": f"s3://{RESULTS_BUCKET}/checkpoints/",
     "PRICING_REGION_CODE": REGION,
+    # The deployment's policy, as infra/constructs/functions.py sets it (the datasets bucket of the examples).
+    "INPUT_BUCKETS": json.dumps(["datasets-bucket"]),
+    "RUN_COST_CEILING_USD": "1000",
+    "SWEEP_COST_CEILING_USD": "5000",
+    "CEILING_PRICES": json.dumps({"ml.trn1.2xlarge": 1.5, "ml.trn1.32xlarge": 25.0}),
 }
 
 

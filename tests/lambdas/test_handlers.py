@@ -32,10 +32,25 @@ def spec(name: str = "pytorch-heterogeneous.json") -> dict:
     return json.loads((EXAMPLES / name).read_text())
 
 
-def test_validate_summarises_a_valid_spec_and_refuses_an_invalid_one(context) -> None:
-    assert validate(spec(), context) == {"run_name": "vision-hetero", "variant": "pytorch", "heterogeneous": True, "instances": 2}
+def test_validate_summarises_a_valid_spec_and_refuses_an_invalid_one(aws, context) -> None:
+    assert validate(spec(), context) == {"run_name": "vision-hetero", "variant": "pytorch", "heterogeneous": True, "instances": 2,
+                                         "worst_case_cost_usd": 5.66, "cost_ceiling_usd": 1000.0}
     with pytest.raises(JobSpecError, match="instance_groups"):
         validate(spec() | {"instance_groups": []}, context)
+
+
+def test_validate_and_launch_apply_the_deployments_policy(aws, context) -> None:
+    """The environment's allow-list and ceiling (set by the stack) refuse before anything is created."""
+    elsewhere = spec() | {"inputs": {"train": {"s3_uri": "s3://not-ours/x/", "groups": ["data_group"]}}}
+    costly = spec() | {"max_runtime_s": 5 * 24 * 3600, "instance_groups": [
+        {"name": "data_group", "role": "data", "instance_type": "ml.c5.18xlarge", "count": 4},
+        {"name": "dnn_group", "role": "dnn", "instance_type": "ml.p4d.24xlarge", "count": 2}]}
+    for refused, message in ((elsewhere, "'not-ours' is not one the platform's jobs may read"), (costly, r"may cost \$10,807.68")):
+        with pytest.raises(JobSpecError, match=message):
+            validate(refused, context)
+        with pytest.raises(JobSpecError, match=message):
+            launch({"spec": refused, "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
 
 
 def test_launch_creates_the_job_once_per_execution(aws, context) -> None:

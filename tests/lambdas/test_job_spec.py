@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lambdas.core.job_spec import JobSpec, JobSpecError, role_map, validate_job_spec
+from lambdas.core.catalog import CATALOG
+from lambdas.core.job_spec import JobSpec, JobSpecError, SpecPolicy, role_map, validate_job_spec, worst_case_cost_usd
+from lambdas.core.service_limits import limit, training_instance_types
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -101,15 +103,15 @@ INVALID: list[tuple[str, Any, str]] = [
     ("role map set by hand", changed(hetero(), "hyperparameters.role_map", "{}"), "hyperparameters.role_map"),
     ("toolkit key set by hand", changed(hetero(), "hyperparameters.sagemaker_program", "x.py"), "hyperparameters.sagemaker_program"),
     ("no inputs", changed(hetero(), "inputs", {}), "inputs"),
-    ("inputs not an object", changed(hetero(), "inputs", ["s3://b/"]), "inputs"),
-    ("channel name with a slash", changed(hetero(), "inputs", {"tr/ain": {"s3_uri": "s3://b/x/", "groups": ["data_group"]}}), "inputs.tr/ain"),
+    ("inputs not an object", changed(hetero(), "inputs", ["s3://datasets-bucket/"]), "inputs"),
+    ("channel name with a slash", changed(hetero(), "inputs", {"tr/ain": {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]}}), "inputs.tr/ain"),
     ("channel without an S3 URI", changed(hetero(), "inputs.train.s3_uri", "/local/path"), "inputs.train.s3_uri"),
     ("channel assigned to an unknown group", changed(hetero(), "inputs.train.groups", ["gpu_group"]), "inputs.train.groups"),
     ("channel groups not a list", changed(hetero(), "inputs.train.groups", "data_group"), "inputs.train.groups"),
     ("channel assigned only to the dnn group", changed(hetero(), "inputs.train.groups", ["dnn_group"]), "inputs.train.groups"),
     (
         "one channel assigned, one not",
-        changed(hetero(), "inputs.validation", {"s3_uri": "s3://b/validation/"}),
+        changed(hetero(), "inputs.validation", {"s3_uri": "s3://datasets-bucket/validation/"}),
         "inputs.validation.groups",
     ),
     ("runtime too short", changed(hetero(), "max_runtime_s", 10), "max_runtime_s"),
@@ -120,6 +122,35 @@ INVALID: list[tuple[str, Any, str]] = [
     ("pytorch with horovod", changed(hetero(), "distribution", "horovod"), "distribution"),
     ("a ResNet18 asked of the Keras trainer", changed(tensorflow(), "hyperparameters.model", "resnet18"), "hyperparameters"),
     ("tensorflow data group without the channel", changed(tensorflow(), "inputs.train.groups", ["dnn_group"]), "inputs.train.groups"),
+    # SageMaker's own limits (botocore's service model), whole values only, and numbers in range.
+    ("run name with a trailing newline", changed(hetero(), "run_name", "vision-hetero\n"), "run_name"),
+    ("group name with a trailing newline", changed(hetero(), "instance_groups.0.name", "data_group\n"), "instance_groups[0].name"),
+    ("instance type with a trailing newline", changed(hetero(), "instance_groups.0.instance_type", "ml.c5.9xlarge\n"), "instance_groups[0].instance_type"),
+    ("resume_from with a trailing newline", changed(hetero(), "resume_from", "run-1\n"), "resume_from"),
+    ("21 channels", changed(hetero(), "inputs", {f"c{i}": {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]} for i in range(21)}), "inputs"),
+    ("S3 URI longer than SageMaker takes", changed(hetero(), "inputs.train.s3_uri", "s3://datasets-bucket/" + "x" * 1010), "inputs.train.s3_uri"),
+    ("S3 URI without a bucket", changed(hetero(), "inputs.train.s3_uri", "s3://"), "inputs.train.s3_uri"),
+    ("S3 URI with an uppercase bucket", changed(hetero(), "inputs.train.s3_uri", "s3://Datasets/x/"), "inputs.train.s3_uri"),
+    ("S3 URI with a newline", changed(hetero(), "inputs.train.s3_uri", "s3://datasets-bucket/x/\n"), "inputs.train.s3_uri"),
+    ("S3 URI over HTTPS", changed(hetero(), "inputs.train.s3_uri", "https://datasets-bucket.s3.amazonaws.com/x/"), "inputs.train.s3_uri"),
+    ("channel with an unknown field", changed(hetero(), "inputs.train.mode", "pipe"), "inputs.train.mode"),
+    ("channel naming a group twice", changed(hetero(), "inputs.train.groups", ["data_group", "data_group"]), "inputs.train.groups"),
+    ("no train channel", changed(hetero(), "inputs", {"images": {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]}}), "inputs"),
+    ("10**30 steps", changed(hetero(), "hyperparameters.steps", 10**30), "hyperparameters"),
+    ("a batch of 10**9", changed(hetero(), "hyperparameters.batch_size", 10**9), "hyperparameters"),
+    ("negative momentum", changed(hetero(), "hyperparameters.momentum", -0.5), "hyperparameters"),
+    ("NaN learning rate", changed(hetero(), "hyperparameters.learning_rate", float("nan")), "hyperparameters.learning_rate"),
+    ("infinite learning rate", changed(hetero(), "hyperparameters.learning_rate", float("inf")), "hyperparameters.learning_rate"),
+    ("huge learning rate", changed(hetero(), "hyperparameters.learning_rate", 1e6), "hyperparameters"),
+    ("image size of 10**6", changed(hetero(), "hyperparameters.image_size", 10**6), "hyperparameters"),
+    ("hyperparameter value over 2,500 characters", changed(neuron(), "hyperparameters.model", "m" * 2501), "hyperparameters.model"),
+    ("more hyperparameters than SageMaker takes", changed(hetero(), "hyperparameters", {f"h{i}": 1 for i in range(90)}), "hyperparameters"),
+    ("model channel not among the inputs", changed(neuron(), "hyperparameters.model_channel", "weights"), "hyperparameters.model_channel"),
+    ("eval channel not among the inputs", changed(neuron(), "inputs.test", REMOVE), "hyperparameters.eval_channel"),
+    ("negative cost ceiling", changed(hetero(), "max_cost_usd", -1), "max_cost_usd"),
+    ("cost ceiling as a boolean", changed(hetero(), "max_cost_usd", True), "max_cost_usd"),
+    ("NaN cost ceiling", changed(hetero(), "max_cost_usd", float("nan")), "max_cost_usd"),
+    ("run costlier than its own ceiling", changed(hetero(), "max_cost_usd", 1), "max_runtime_s"),
 ]
 
 
@@ -134,7 +165,7 @@ def test_mirrored_names_horovod_as_the_multi_host_choice() -> None:
 
 
 def test_the_corpus_is_large() -> None:
-    assert len(INVALID) >= 40
+    assert len(INVALID) >= 90
 
 
 @pytest.mark.parametrize(("spec", "field"), [(spec, field) for _, spec, field in INVALID], ids=[name for name, _, _ in INVALID])
@@ -157,14 +188,17 @@ def test_role_map_of_a_single_group_is_the_homogeneous_cluster() -> None:
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False) | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.integers() | st.floats() | st.text(max_size=12)
+    | st.sampled_from(["s3://datasets-bucket/x/\n", "vision\n", "s3://" + "a" * 1100, "ml.c5.9xlarge\n", "train"]),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
 PATHS = st.sampled_from(
     ["run_name", "variant", "workload", "distribution", "instance_groups", "instance_groups.0", "instance_groups.0.count",
      "instance_groups.1.instance_type", "instance_groups.0.role", "hyperparameters", "hyperparameters.steps",
-     "hyperparameters.batch_size", "inputs", "inputs.train", "inputs.train.groups", "max_runtime_s", "spec_version"]
+     "hyperparameters.batch_size", "hyperparameters.learning_rate", "hyperparameters.momentum", "hyperparameters.image_size",
+     "inputs", "inputs.train", "inputs.train.groups", "inputs.train.s3_uri", "max_runtime_s", "spec_version", "max_cost_usd",
+     "resume_from"]
 )
 
 
@@ -183,3 +217,78 @@ def test_fuzzed_specs_are_valid_or_refused_by_name(mutations: list[tuple[str, An
         assert error.field and error.problem
         return
     assert isinstance(validated, JobSpec)
+
+
+# The deployment's policy ---------------------------------------------------------------------------------
+
+POLICY = SpecPolicy(input_buckets=frozenset({"datasets-bucket"}), run_cost_ceiling_usd=1000.0, sweep_cost_ceiling_usd=5000.0,
+                    prices_usd_per_hour={"ml.trn1.2xlarge": 1.5, "ml.trn1.32xlarge": 25.0})
+
+
+def test_a_channel_outside_the_allowed_buckets_is_refused_by_name() -> None:
+    spec = changed(hetero(), "inputs.train.s3_uri", "s3://someone-elses-bucket/images/")
+    validate_job_spec(spec)  # no deployment: any bucket
+    with pytest.raises(JobSpecError, match="'someone-elses-bucket' is not one the platform's jobs may read") as refused:
+        validate_job_spec(spec, POLICY)
+    assert refused.value.field == "inputs.train.s3_uri"
+
+
+def test_twenty_p4d_for_five_days_is_refused_with_its_cost() -> None:
+    spec = changed(changed(homogeneous(), "instance_groups.0.instance_type", "ml.p4d.24xlarge"), "instance_groups.0.count", 20)
+    spec["max_runtime_s"] = 5 * 24 * 3600
+    with pytest.raises(JobSpecError) as refused:
+        validate_job_spec(spec, POLICY)
+    # 20 × $37.688/h × 120 h, from the fallback table
+    assert refused.value.field == "max_runtime_s"
+    assert "$90,451.20" in refused.value.problem and "ceiling of $1,000.00" in refused.value.problem
+
+
+def test_the_cost_is_every_instance_for_the_whole_runtime() -> None:
+    spec = validate_job_spec(hetero(), POLICY)  # 1× c5.9xlarge + 1× p3.2xlarge for 1 h
+    assert worst_case_cost_usd(spec, POLICY) == pytest.approx(1.836 + 3.825)
+
+
+def test_a_spec_may_lower_the_ceiling_but_not_raise_it() -> None:
+    with pytest.raises(JobSpecError, match="above the ceiling of \\$5.00"):
+        validate_job_spec(changed(hetero(), "max_cost_usd", 5), POLICY)
+    assert validate_job_spec(changed(hetero(), "max_cost_usd", 6), POLICY).max_cost_usd == 6.0
+    with pytest.raises(JobSpecError, match="a spec can only lower it") as refused:
+        validate_job_spec(changed(hetero(), "max_cost_usd", 2000), POLICY)
+    assert refused.value.field == "max_cost_usd"
+
+
+def test_an_unpriced_type_under_a_ceiling_is_refused_not_waved_through() -> None:
+    spec = changed(neuron(), "instance_groups.0.instance_type", "ml.trn2.48xlarge")
+    with pytest.raises(JobSpecError, match="no price known for ml.trn2.48xlarge") as refused:
+        validate_job_spec(spec, POLICY)
+    assert refused.value.field == "instance_groups[0].instance_type"
+    validate_job_spec(neuron(), POLICY)  # trn1: priced by the deployment's table
+
+
+def test_the_policy_reads_the_lambda_environment() -> None:
+    policy = SpecPolicy.from_environment({"INPUT_BUCKETS": '["a-bucket"]', "RUN_COST_CEILING_USD": "250", "SWEEP_COST_CEILING_USD": "900",
+                                          "CEILING_PRICES": '{"ml.trn1.2xlarge": 1.5}'})
+    assert policy == SpecPolicy(frozenset({"a-bucket"}), 250.0, 900.0, {"ml.trn1.2xlarge": 1.5})
+    assert SpecPolicy.from_environment({}) == SpecPolicy()
+
+
+# SageMaker's limits, from botocore's model ---------------------------------------------------------------
+
+
+def test_the_limits_are_the_service_models() -> None:
+    assert limit("InputDataConfig").max == 20
+    assert limit("S3Uri").max == 1024
+    assert limit("ChannelName").problem("train") is None
+    assert limit("ChannelName").problem("train\n") is not None  # whole value: no "$" loophole
+    assert limit("HyperParameters").max == 100
+
+
+def test_the_catalog_is_within_sagemakers_training_instance_types() -> None:
+    assert set(CATALOG) <= training_instance_types()
+
+
+def test_the_models_patterns_we_use_mean_the_same_in_python() -> None:
+    """Java's \\p{...} classes are not Python's: none of the patterns used may have them."""
+    for shape in ("TrainingJobName", "ChannelName", "S3Uri", "HyperParameterKey", "HyperParameterValue"):
+        pattern = limit(shape).pattern
+        assert pattern is None or "\\p{" not in pattern.pattern, shape

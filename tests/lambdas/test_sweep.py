@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from lambdas.core.chart import BAR, BEST, FAILED, render_chart
+from lambdas.core.job_spec import SpecPolicy
 from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.sweep import SweepSpecError, compare, plan_sweep, render_markdown, with_data_hosts
 
@@ -62,6 +63,32 @@ def test_bad_sweep_inputs_are_refused_naming_the_field(raw: Any, field: str) -> 
     with pytest.raises(SweepSpecError) as refused:
         plan_sweep(raw)
     assert refused.value.field == field and len(refused.value.problem) > 10
+
+
+POLICY = SpecPolicy(input_buckets=frozenset({"datasets-bucket"}), run_cost_ceiling_usd=1000.0, sweep_cost_ceiling_usd=100.0,
+                    prices_usd_per_hour={"ml.trn1.2xlarge": 1.5})
+
+
+def test_a_sweep_whose_configurations_cost_too_much_together_is_refused_with_the_figure() -> None:
+    # Each of 1× p4d + 0..4× c5.18xlarge for 1 h is under the $1,000 run ceiling; together
+    # 5 × $37.688 + (0+1+2+3+4) × $3.672 = $225.16 is over the $100 sweep ceiling.
+    base = TF | {"instance_groups": [TF["instance_groups"][0], TF["instance_groups"][1] | {"instance_type": "ml.p4d.24xlarge"}],
+                 "max_runtime_s": 3600}
+    with pytest.raises(SweepSpecError, match=r"may cost \$225.16 together.*sweep ceiling of \$100.00") as refused:
+        plan_sweep({"sweep_name": "big", "base": base, "data_hosts": [0, 1, 2, 3, 4]}, POLICY)
+    assert refused.value.field == "configurations"
+    assert len(plan_sweep({"sweep_name": "small", "base": base, "data_hosts": [0, 1]}, POLICY).configurations) == 2
+    with pytest.raises(SweepSpecError, match="a sweep can only lower it"):
+        plan_sweep({"sweep_name": "small", "base": base, "data_hosts": [0], "max_cost_usd": 500}, POLICY)
+    with pytest.raises(SweepSpecError, match="sweep ceiling of \\$50.00"):
+        plan_sweep({"sweep_name": "small", "base": base, "data_hosts": [0, 1], "max_cost_usd": 50}, POLICY)
+
+
+def test_each_configuration_meets_the_deployments_policy() -> None:
+    elsewhere = PYTORCH | {"inputs": {"train": {"s3_uri": "s3://other-bucket/x/", "groups": ["data_group"]}}}
+    with pytest.raises(SweepSpecError) as refused:
+        plan_sweep({"sweep_name": "s", "configurations": [PYTORCH, elsewhere | {"run_name": "b"}]}, POLICY)
+    assert refused.value.field == "configurations[1].inputs.train.s3_uri"
 
 
 def outcomes(steps: dict[int, float | None]) -> list[dict[str, Any]]:

@@ -77,7 +77,7 @@ def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
 
 def test_a_variant_without_an_image_is_refused() -> None:
     spec = validate_job_spec(json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text()))
-    settings = LaunchSettings(image_uris={}, role_arn=SETTINGS.role_arn, output_s3_uri="s3://b/", checkpoint_s3_uri="s3://b/c/")
+    settings = LaunchSettings(image_uris={}, role_arn=SETTINGS.role_arn, output_s3_uri="s3://datasets-bucket/", checkpoint_s3_uri="s3://datasets-bucket/c/")
     with pytest.raises(RequestError, match="no training image is deployed for variant 'pytorch'"):
         create_training_job_request(spec, settings, name="x", shutdown_token=TOKEN, run_id="run-0001")
 

@@ -7,7 +7,9 @@ checks a job's hyperparameters against these classes before anything is launched
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 MODELS = ("cnn", "resnet18", "resnet50")
@@ -36,9 +38,39 @@ class AugmentConfig:
         return (3, self.image_size, self.image_size)
 
 
+def check_limits(config: object) -> None:
+    """Every number of a config within its class's ``limits`` (inclusive ranges, merged along the class
+    hierarchy) and finite: a spec asking for 10**30 steps, a batch of 10**9 or a NaN learning rate is
+    refused before anything is launched, not discovered by a running job."""
+    limits: dict[str, tuple[float, float]] = {}
+    for cls in reversed(type(config).__mro__):
+        limits |= dict(vars(cls).get("limits", {}))
+    for item in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, item.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value):
+            raise ValueError(f"{item.name} must be a finite number, got {value}")
+        low, high = limits.get(item.name, (-math.inf, math.inf))
+        if not low <= value <= high:
+            raise ValueError(f"{item.name} must be in {_shown(low)}..{_shown(high)}, got {_shown(value)}")
+
+
+def _shown(number: float) -> str:
+    """A bound or value as a person writes it: 10000000, 0.999, 1e+30."""
+    return str(int(number)) if float(number).is_integer() and abs(number) < 1e15 else f"{number:g}"
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     """What every trainer's loop shares (training/trainers/loop.py)."""
+
+    # Inclusive ranges of the numbers, checked by check_limits (subclasses add theirs). Far beyond any
+    # sensible run, tight enough that an absurd value is a refusal, not a job that runs for days.
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "steps": (1, 10_000_000), "warmup_steps": (0, 10_000_000), "batch_size": (1, 65_536), "log_every": (1, 10_000_000),
+        "checkpoint_every": (0, 10_000_000), "seed": (0, 2**32 - 1),
+    }
 
     steps: int = 100  # optimizer steps in total, counted across restarts
     warmup_steps: int = 5  # first steps of each run, left out of step-time figures (start-up, compile)
@@ -48,11 +80,9 @@ class LoopConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _positive(self, "steps", "batch_size", "log_every")
+        check_limits(self)
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"warmup_steps must be in 0..steps-1 ({self.steps - 1}), got {self.warmup_steps}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be ≥ 0, got {self.checkpoint_every}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +90,10 @@ class ImageClassificationConfig(LoopConfig):
     """What both image-classification trainers take; each names the models it builds (``models``)."""
 
     models: ClassVar[tuple[str, ...]] = MODELS
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "cnn_width": (1, 1024), "image_size": (8, 1024), "learning_rate": (1e-8, 10.0), "momentum": (0.0, 0.999),
+        "weight_decay": (0.0, 1.0), "cached_input_batches": (0, 100_000), "lr_warmup_fraction": (0.0, 0.99),
+    }
     model: str = "resnet18"
     cnn_width: int = 32  # channels of the first "cnn" layer; doubles per stage
     image_size: int = 128  # side of the square crops fed to the model
@@ -78,10 +112,6 @@ class ImageClassificationConfig(LoopConfig):
         super().__post_init__()
         if self.model not in self.models:
             raise ValueError(f"model must be one of {self.models}, got {self.model!r}")
-        _positive(self, "cnn_width", "learning_rate")
-        if self.cached_input_batches < 0:
-            raise ValueError(f"cached_input_batches must be ≥ 0, got {self.cached_input_batches}")
-        _fraction(self, "lr_warmup_fraction")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         AugmentConfig(image_size=self.image_size, augment=self.augment)  # raises on a bad size or augmentation
@@ -96,6 +126,7 @@ class VisionConfig(ImageClassificationConfig):
     """The PyTorch image-classification trainer (training/trainers/pytorch_vision.py): "cnn", "resnet18"
     or "resnet50" (torchvision); preprocessing in training/data_service/preprocess.py."""
 
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {"dataloader_workers": (-1, 256)}
     model: str = "resnet18"
     dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
     channels_last: bool = True  # on GPUs: NHWC memory format, which tensor cores want (ignored on CPUs)
@@ -119,20 +150,14 @@ class KerasVisionConfig(ImageClassificationConfig):
             raise ValueError(f"jit_compile must be auto, true or false, got {self.jit_compile!r}")
 
 
-def _fraction(config: object, name: str) -> None:
-    if not 0 <= getattr(config, name) < 1:
-        raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)}")
-
-
-def _positive(config: object, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) <= 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
-
-
 @dataclass(frozen=True)
 class TextConfig(LoopConfig):
     """The PyTorch/XLA sequence-classification trainer (training/trainers/xla_text.py)."""
+
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "eval_every": (0, 10_000_000), "max_seq_len": (8, 8192), "learning_rate": (1e-8, 1.0), "weight_decay": (0.0, 1.0),
+        "lr_warmup_fraction": (0.0, 0.99), "tokenize_chunk": (1, 1_000_000), "precompile_steps": (0, 10_000_000),
+    }
 
     model: str = "bert-base-uncased"  # a Hugging Face name already in the image's cache, or a saved model folder
     model_channel: str = ""  # when set, the model and tokenizer load from this input channel instead
@@ -149,11 +174,7 @@ class TextConfig(LoopConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive(self, "max_seq_len", "learning_rate", "tokenize_chunk")
-        _fraction(self, "lr_warmup_fraction")
         if not 0 <= self.precompile_steps <= self.steps:
             raise ValueError(f"precompile_steps must be in 0..steps ({self.steps}), got {self.precompile_steps}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be ≥ 0, got {self.eval_every}")
         if self.eval_every and not self.eval_channel:
             raise ValueError("eval_every needs an eval_channel to evaluate on")
