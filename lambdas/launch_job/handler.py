@@ -29,7 +29,7 @@ from botocore.exceptions import ClientError
 
 from lambdas.clients import client, object_size_or_none, recent_running_jobs
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
-from lambdas.core.job_spec import SpecPolicy, validate_job_spec
+from lambdas.core.job_spec import RUN_ID, SpecPolicy, validate_job_spec
 from lambdas.core.training_request import LaunchSettings, create_training_job_request
 
 logger = Logger(service="launch-job")
@@ -55,6 +55,11 @@ class RunIdTaken(RuntimeError):
     find no place for its result. Refused before anything is billed."""
 
 
+class RunIdUnsupported(RuntimeError):
+    """The execution's name has characters a SageMaker tag value cannot hold (e.g. ``!'()``): the job
+    could not carry the tag the reconciler finds it by. Refused before anything is created."""
+
+
 class RunNameInUse(RuntimeError):
     """Another execution's job of the same run name is running: two runs of one name at once would
     compete for the same results and, resuming, the same checkpoints."""
@@ -74,6 +79,8 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"], SpecPolicy.from_environment(os.environ))
+    if not RUN_ID.fullmatch(run_id(event["execution_arn"])):
+        raise RunIdUnsupported(f"execution name {run_id(event['execution_arn'])!r}: start the run under a name of letters, digits, '-' and '_' (≤ 80)")
     prefix = os.environ["JOB_NAME_PREFIX"]
     name = job_name_for_execution(prefix, spec.run_name, event["execution_arn"], event["execution_start"])
     settings = settings_from_environment(dict(os.environ))

@@ -13,8 +13,8 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from lambdas.core.job_spec import SpecPolicy
-from lambdas.core.sweep import plan_sweep
+from lambdas.core.job_spec import RUN_ID, SpecPolicy
+from lambdas.core.sweep import SweepSpecError, plan_sweep
 
 logger = Logger(service="plan-sweep")
 
@@ -26,6 +26,9 @@ MAX_SWEEP_ID = 77
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     plan = plan_sweep(event["input"], SpecPolicy.from_environment(os.environ)).to_json()
     sweep_id = event["execution_name"][:MAX_SWEEP_ID]
+    if not RUN_ID.fullmatch(sweep_id):
+        raise SweepSpecError("execution_name", f"{sweep_id!r}: each configuration runs as <execution name>-<index>, which must be "
+                                               "letters, digits, '-' and '_': start the sweep under such a name")
     for configuration in plan["configurations"]:
         configuration["execution_name"] = f"{sweep_id}-{configuration['index']}"
     logger.info("sweep planned", extra={"sweep_id": sweep_id, "configurations": [c["name"] for c in plan["configurations"]]})

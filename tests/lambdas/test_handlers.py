@@ -17,8 +17,10 @@ from lambdas.collect_results.handler import handler as collect
 from lambdas.core.execution import job_name_for_execution
 from lambdas.core.job_spec import JobSpecError
 from lambdas.core.results import ResultExistsError
-from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled, RunIdTaken, RunNameInUse
+from lambdas.core.sweep import SweepSpecError
+from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled, RunIdTaken, RunIdUnsupported, RunNameInUse
 from lambdas.launch_job.handler import handler as launch
+from lambdas.plan_sweep.handler import handler as plan_sweep
 from lambdas.stop_job.handler import handler as stop
 from lambdas.validate_spec.handler import handler as validate
 from tests.lambdas.conftest import ACCOUNT, REGION, RESULTS_BUCKET, output_archive
@@ -90,6 +92,19 @@ def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:
     with pytest.raises(JobSpecError):
         launch({"spec": spec() | {"variant": "jax"}, "execution_arn": EXECUTION, "execution_start": STARTED}, context)
     assert aws.training_jobs() == []
+
+
+def test_an_execution_name_no_sagemaker_tag_can_hold_is_refused_before_anything_starts(aws, context) -> None:
+    """Step Functions allows ``!'()`` in execution names; SageMaker tag values do not (the reconciler
+    finds a job by its execution tag). Refused, by name, with nothing created."""
+    odd = EXECUTION.replace("run-0001", "run(1)!")
+    with pytest.raises(RunIdUnsupported, match="letters, digits"):
+        launch({"spec": spec(), "execution_arn": odd, "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
+    sweep = {"sweep_name": "s", "configurations": [spec()]}
+    with pytest.raises(SweepSpecError, match="execution_name"):
+        plan_sweep({"input": sweep, "execution_name": "weekly(1)"}, context)
+    assert plan_sweep({"input": sweep, "execution_name": "weekly-1"}, context)["configurations"][0]["execution_name"] == "weekly-1-0"
 
 
 @pytest.mark.parametrize(("code", "error"), [("ThrottlingException", LaunchThrottled), ("ResourceLimitExceeded", CapacityUnavailable)])
