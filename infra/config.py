@@ -43,6 +43,13 @@ class PlatformConfig:
     # Past a spec's max_runtime_s, how long SageMaker gets to stop the job itself before the state machine
     # stops it and fails the run with RunTimedOut.
     deadline_grace_s: int = 900
+    # How long a job may take to start training (instances, image and data download) before the run
+    # stops it (StartTimedOut); the spec's max_runtime_s is counted from its training start.
+    start_timeout_s: int = 7200
+    # Times a job that failed for want of capacity (CapacityError) is launched again, with doubling backoff.
+    capacity_relaunches: int = 3
+    # Seconds before the first relaunch (doubling for each further one, up to 30 minutes).
+    capacity_backoff_s: int = 120
     # Days before checkpoints in the results bucket expire (a finished run needs them no more).
     checkpoint_retention_days: int = 30
     # Days of Lambda and state machine logs kept.
@@ -76,6 +83,12 @@ class PlatformConfig:
             raise PlatformConfigError(f"sweep_max_concurrency must be in 1..16, got {self.sweep_max_concurrency}")
         if not 1 <= self.poll_interval_s <= 3600:
             raise PlatformConfigError(f"poll_interval_s must be in 1..3600, got {self.poll_interval_s}")
+        if not 600 <= self.start_timeout_s <= 24 * 3600:
+            raise PlatformConfigError(f"start_timeout_s must be in 600..86400, got {self.start_timeout_s}")
+        if not 1 <= self.capacity_backoff_s <= 1800:
+            raise PlatformConfigError(f"capacity_backoff_s must be in 1..1800, got {self.capacity_backoff_s}")
+        if not 0 <= self.capacity_relaunches <= 5:
+            raise PlatformConfigError(f"capacity_relaunches must be in 0..5, got {self.capacity_relaunches}")
         for name in ("run_cost_ceiling_usd", "sweep_cost_ceiling_usd"):
             if not 0 < getattr(self, name) < 10_000_000:
                 raise PlatformConfigError(f"{name} must be a positive number of US dollars, got {getattr(self, name)}")

@@ -78,6 +78,9 @@ class TrainingRunFunctions(Construct):
         deadline_grace_s: int,
         poll_interval_s: int,
         policy_environment: dict[str, str],
+        start_timeout_s: int,
+        capacity_relaunches: int,
+        capacity_backoff_s: int,
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -90,6 +93,8 @@ class TrainingRunFunctions(Construct):
             "JOB_NAME_PREFIX": prefix,
             "RESULTS_BUCKET": results.bucket_name,
             "POWERTOOLS_LOG_LEVEL": "INFO",
+            # Launch attempts one execution may make (the stop function looks for each of their jobs).
+            "CAPACITY_RELAUNCHES": str(capacity_relaunches),
         } | policy_environment  # the spec policy: allowed input buckets, cost ceilings (infra/config.py)
 
         def function(spec: FunctionSpec, extra_environment: dict[str, str] | None = None) -> lambda_.Function:
@@ -130,6 +135,8 @@ class TrainingRunFunctions(Construct):
                 "JOB_TAGS": stack.to_json_string({"platform": prefix}),
                 "DEADLINE_GRACE_S": str(deadline_grace_s),
                 "POLL_INTERVAL_S": str(poll_interval_s),
+                "START_TIMEOUT_S": str(start_timeout_s),
+                "RELAUNCH_BACKOFF_S": str(capacity_backoff_s),
             },
         )
         self.collect = function(FunctionSpec("CollectResults", "collect_results", "Write results/<run id>/result.json", 60))

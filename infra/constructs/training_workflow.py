@@ -6,12 +6,18 @@ transient, cleanup on what fails, and a failure recorded in results/ either way.
         └─any error──▶ Record launch failure ▶ Fail "LaunchFailed"
     Wait (the launch's interval) ▶ Describe job (retried; still failing: "Poll failed", status Unknown)
         ▶ Completed? ─yes─▶ Collect results ▶ figures usable? ▶ Succeed (else Fail "RunFailed": no step timed...)
-          Failed/Stopped? ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
+          Failed? ─▶ Describe failure ▶ a CapacityError with relaunches left? ─yes─▶ Back off (the launch's,
+                     doubling) ▶ Relaunch job (the next attempt's job, poll budgets carried over) ▶ Wait
+                     otherwise (and Stopped) ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
+          not training yet? ─▶ start polls left? ─yes─▶ Count down the start ▶ Wait
+                                                  no ──▶ Start timed out ▶ Stop job ▶ ...
           no polls left ─▶ Run timed out ▶ Stop job ▶ await a terminal status (≤ 12 polls) ▶ Record failure
                            ▶ Fail "RunFailed"
           otherwise ▶ Count down ▶ Wait
-        any error while collecting ▶ Stop job (retried; still failing: recorded) ▶ Record failure ▶ Fail
-    A failing poll never stops a job: only the run's deadline does.
+        any error while collecting or relaunching ▶ Stop job (retried; still failing: recorded) ▶ Record
+        failure ▶ Fail
+    A failing poll never stops a job: only the run's deadlines do, the runtime's counted from the job's
+    training start (polls while it starts count against the start window instead).
 
 An aborted or timed-out execution runs none of this; the AbortCleanup construct stops its job.
 """
@@ -33,6 +39,12 @@ SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
 STOP_POLLS = 12
 EXECUTION_ARN = sfn.JsonPath.execution_id
 EXECUTION_START = sfn.JsonPath.execution_start_time
+# SageMaker's secondary statuses before a job trains (SecondaryStatus, botocore's model): polls in these
+# count against the start window, not the run's deadline.
+STARTING = ("Pending", "Starting", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading", "DownloadingTrainingImage")
+# How SageMaker reports a capacity shortage: a Failed job whose FailureReason starts "CapacityError: Unable
+# to provision requested ML compute capacity..." (the SageMaker Python SDK looks for the same word).
+CAPACITY_FAILURE = "*CapacityError*"
 
 
 class TrainingWorkflow(Construct):
@@ -44,6 +56,7 @@ class TrainingWorkflow(Construct):
         prefix: str,
         functions: TrainingRunFunctions,
         poll_interval_s: int,
+        start_timeout_s: int,
         timeout_h: int,
         log_retention_days: int,
     ) -> None:
@@ -75,7 +88,8 @@ class TrainingWorkflow(Construct):
                 self, name, service="sagemaker", action="describeTrainingJob",
                 parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")},
                 iam_resources=[jobs_arn],
-                result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus")},
+                result_selector={"status": sfn.JsonPath.string_at("$.TrainingJobStatus"),
+                                 "secondary": sfn.JsonPath.string_at("$.SecondaryStatus")},
                 result_path="$.job",
             )
 
@@ -84,7 +98,8 @@ class TrainingWorkflow(Construct):
         # run's deadline still bounds it). Few retries: each costs history events (see MAX_POLLS).
         describe.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=3,
                            max_delay=Duration.seconds(60), jitter_strategy=sfn.JitterType.FULL)
-        job = {"spec": SPEC, "execution_arn": EXECUTION_ARN, "job_name": sfn.JsonPath.string_at("$.launch.job_name")}
+        job = {"spec": SPEC, "execution_arn": EXECUTION_ARN, "job_name": sfn.JsonPath.string_at("$.launch.job_name"),
+               "attempts": sfn.JsonPath.list_at("$.launch.attempts")}
         collect = invoke("Collect results", functions.collect, job, "$.result")
         collect_failed = invoke("Collect failed run", functions.collect, job, "$.result")
         stop = invoke("Stop job", functions.stop, {"job_name": sfn.JsonPath.string_at("$.launch.job_name")}, None)
@@ -133,16 +148,57 @@ class TrainingWorkflow(Construct):
 
         count_down = sfn.Pass(
             self, "Count down",
-            parameters={"job_name": sfn.JsonPath.string_at("$.launch.job_name"),
-                        "poll_interval_s": sfn.JsonPath.number_at("$.launch.poll_interval_s"),
-                        "polls_left": sfn.JsonPath.math_add(sfn.JsonPath.number_at("$.launch.polls_left"), -1)},
-            result_path="$.launch",
+            parameters={"left": sfn.JsonPath.math_add(sfn.JsonPath.number_at("$.launch.polls.left"), -1),
+                        "start_left": sfn.JsonPath.number_at("$.launch.polls.start_left")},
+            result_path="$.launch.polls",
         ).next(wait)
-        poll_failed = sfn.Pass(self, "Poll failed", parameters={"status": "Unknown"}, result_path="$.job")
+        count_down_start = sfn.Pass(
+            self, "Count down the start",
+            parameters={"left": sfn.JsonPath.number_at("$.launch.polls.left"),
+                        "start_left": sfn.JsonPath.math_add(sfn.JsonPath.number_at("$.launch.polls.start_left"), -1)},
+            result_path="$.launch.polls",
+        ).next(wait)
+        poll_failed = sfn.Pass(self, "Poll failed", parameters={"status": "Unknown", "secondary": "Unknown"}, result_path="$.job")
         describe.add_catch(poll_failed, result_path="$.poll_error")
         # The spec's runtime (plus grace) has passed and SageMaker has not stopped the job: stop it here.
         timed_out = sfn.Pass(self, "Run timed out", parameters={"Error": "RunTimedOut", "Cause": "the job ran past the spec's max_runtime_s"},
                              result_path="$.error").next(cleanup)
+        start_timed_out = sfn.Pass(
+            self, "Start timed out",
+            parameters={"Error": "StartTimedOut", "Cause": f"the job did not start training within {start_timeout_s} s (the start window)"},
+            result_path="$.error",
+        ).next(cleanup)
+        # Capacity: SageMaker fails a job it cannot find instances for; the launch function creates the
+        # next attempt's job after a backoff, up to its relaunch limit. The reason is read only for a
+        # Failed job (where SageMaker always gives one).
+        describe_failure = tasks.CallAwsService(
+            self, "Describe failure", service="sagemaker", action="describeTrainingJob",
+            parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")}, iam_resources=[jobs_arn],
+            result_selector={"reason": sfn.JsonPath.string_at("$.FailureReason")}, result_path="$.failure",
+        )
+        describe_failure.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=3,
+                                   jitter_strategy=sfn.JitterType.FULL)
+        relaunch = invoke("Relaunch job", functions.launch,
+                          {"spec": SPEC, "execution_arn": EXECUTION_ARN, "execution_start": EXECUTION_START,
+                           "previous": sfn.JsonPath.object_at("$.launch"), "failure_reason": sfn.JsonPath.string_at("$.failure.reason")},
+                          "$.launch")
+        relaunch.add_retry(errors=["LaunchThrottled"], interval=Duration.seconds(10), backoff_rate=2, max_attempts=6,
+                           jitter_strategy=sfn.JitterType.FULL)
+        # The previous attempt's job has failed; a job this attempt created before failing is the
+        # reconciler's (its execution has ended).
+        relaunch.add_catch(record_failure, result_path="$.error")
+        back_off = sfn.Wait(self, "Back off", time=sfn.WaitTime.seconds_path("$.launch.backoff_s")).next(relaunch)
+        relaunch.next(wait)
+        failed_job = collect_failed.next(sfn.Fail(self, "TrainingJobFailed", error="TrainingJobFailed",
+                                                  cause="The training job failed or was stopped; see results/<run id>/result.json"))
+        describe_failure.add_catch(failed_job, result_path="$.failure_error")
+        capacity = (
+            sfn.Choice(self, "Capacity to retry?")
+            .when(sfn.Condition.and_(sfn.Condition.string_matches("$.failure.reason", CAPACITY_FAILURE),
+                                     sfn.Condition.number_greater_than("$.launch.relaunches_left", 0)), back_off)
+            .otherwise(failed_job)
+        )
+        describe_failure.next(capacity)
         # A job that completed but left no usable figures (no step timed, an unreadable summary) is a
         # failed run: result.json says why.
         usable = (
@@ -154,11 +210,12 @@ class TrainingWorkflow(Construct):
         finished = (
             sfn.Choice(self, "Job finished?")
             .when(sfn.Condition.string_equals("$.job.status", "Completed"), collect.next(usable))
-            .when(
-                sfn.Condition.or_(sfn.Condition.string_equals("$.job.status", "Failed"), sfn.Condition.string_equals("$.job.status", "Stopped")),
-                collect_failed.next(sfn.Fail(self, "TrainingJobFailed", error="TrainingJobFailed", cause="The training job failed or was stopped; see results/<run id>/result.json")),
-            )
-            .when(sfn.Condition.number_less_than_equals("$.launch.polls_left", 0), timed_out)
+            .when(sfn.Condition.string_equals("$.job.status", "Failed"), describe_failure)
+            .when(sfn.Condition.string_equals("$.job.status", "Stopped"), failed_job)
+            .when(sfn.Condition.and_(sfn.Condition.or_(*(sfn.Condition.string_equals("$.job.secondary", status) for status in STARTING)),
+                                     sfn.Condition.number_less_than_equals("$.launch.polls.start_left", 0)), start_timed_out)
+            .when(sfn.Condition.or_(*(sfn.Condition.string_equals("$.job.secondary", status) for status in STARTING)), count_down_start)
+            .when(sfn.Condition.number_less_than_equals("$.launch.polls.left", 0), timed_out)
             .otherwise(count_down)
         )
         poll_failed.next(finished)

@@ -32,9 +32,11 @@ class PlatformStack(Stack):
             image_uris=images.image_uris, log_retention_days=config.log_retention_days, deadline_grace_s=config.deadline_grace_s,
             poll_interval_s=config.poll_interval_s,
             policy_environment=config.policy_environment(self.to_json_string([bucket.bucket_name for bucket in inputs])),
+            start_timeout_s=config.start_timeout_s, capacity_relaunches=config.capacity_relaunches, capacity_backoff_s=config.capacity_backoff_s,
         )
         workflow = TrainingWorkflow(
             self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,
+            start_timeout_s=config.start_timeout_s,
             timeout_h=config.run_timeout_h, log_retention_days=config.log_retention_days,
         )
         AbortCleanup(self, "AbortCleanup", state_machine=workflow.state_machine, stop=functions.stop, reconcile=functions.reconcile)

@@ -1,6 +1,6 @@
 """Write results/<run id>/result.json for a finished (or failed) run, never over an existing one.
 
-Event: {"spec", "execution_arn", "job_name"?, "failure"?: {"Error", "Cause"}}. The step times come from
+Event: {"spec", "execution_arn", "job_name"?, "attempts"?: [{job_name, failure_reason}], "failure"?: {"Error", "Cause"}}. The step times come from
 the trainer's summary.json inside the job's output.tar.gz (an archive that cannot be read, or is larger
 than MAX_ARCHIVE_BYTES, is recorded as such: the run failed with SummaryUnreadable); cost from the
 fallback price table. A retried collect of the same execution finds its own result and returns it.
@@ -47,6 +47,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         summary_problem=problem,
         prices=FALLBACK_PRICES,
         failure=f"{failure.get('Error')}: {failure.get('Cause')}" if failure else None,
+        attempts=event.get("attempts"),
     )
     bucket, key = os.environ["RESULTS_BUCKET"], f"results/{document['run_id']}/result.json"
     try:

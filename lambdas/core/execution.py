@@ -29,9 +29,11 @@ def epoch_ms(started: str | int | float | datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def job_name_for_execution(prefix: str, run_name: str, execution_arn: str, started: str | int | float | datetime) -> str:
-    digest = hashlib.sha256(f"{execution_arn}@{epoch_ms(started)}".encode()).hexdigest()[:10]
-    return job_name(prefix, run_name, digest)
+def job_name_for_execution(prefix: str, run_name: str, execution_arn: str, started: str | int | float | datetime, attempt: int = 0) -> str:
+    """The job of the execution's ``attempt`` (0: the first launch; n: the n-th relaunch after a
+    capacity failure)."""
+    key = f"{execution_arn}@{epoch_ms(started)}" + (f"#{attempt}" if attempt else "")
+    return job_name(prefix, run_name, hashlib.sha256(key.encode()).hexdigest()[:10])
 
 
 def run_id(execution_arn: str) -> str:

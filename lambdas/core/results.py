@@ -1,7 +1,7 @@
 """The result of a training run: what the job cost and how fast it stepped. Pure.
 
-``result.json`` (results/<run id>/result.json) holds the spec, the job's name and status, the failure
-reason, billable seconds, step time p50/p90 from the trainer's summary, samples/s, the job's final
+``result.json`` (results/<run id>/result.json) holds the spec, the job's name and status, the earlier
+launch attempts that failed for want of capacity, the failure reason, billable seconds, step time p50/p90 from the trainer's summary, samples/s, the job's final
 metrics, $/hour of its instances, cost per 1k steps and of the whole run, and the prices used with their
 source and date.
 """
@@ -79,6 +79,7 @@ def result_document(
     prices: Prices,
     failure: str | None = None,
     summary_problem: str | None = None,
+    attempts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     describe = describe or {}
     job_status = describe.get("TrainingJobStatus", "NotStarted")
@@ -98,6 +99,8 @@ def result_document(
         "spec": dict(raw_spec),
         "status": status,
         "job_status": job_status,
+        # Earlier launch attempts of this run that failed for want of capacity: {job_name, failure_reason}.
+        "capacity_attempts": list(attempts or []),
         "failure_reason": failure or describe.get("FailureReason") or verdict,
         "billable_seconds": billable,
         "training_seconds": describe.get("TrainingTimeInSeconds"),

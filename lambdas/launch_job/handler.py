@@ -1,15 +1,22 @@
 """Launch the training job for a validated spec: CreateTrainingJob with instance groups (the CDK's
-SageMaker task cannot express them). The job name is derived from the execution and its start time, so
-a retried launch finds the job it already created instead of starting a second one, and an execution name
-used again (allowed 90 days after its execution closed) gets a job of its own.
+SageMaker task cannot express them). The job name is derived from the execution, its start time and the
+attempt, so a retried launch finds the job it already created instead of starting a second one, and an
+execution name used again (allowed 90 days after its execution closed) gets a job of its own.
 
-It also returns how the run polls: the interval between two DescribeTrainingJob calls and how many it
-may make, covering the spec's max_runtime_s plus a grace period for SageMaker to stop the job on its own
-(its StoppingCondition) and upload what it has. The state machine counts the polls down; a job still
-running after the last one is stopped, and the run fails with RunTimedOut. (Counting polls needs no
-clock in the state data, and only ever errs late.) The number of polls is bounded (MAX_POLLS): Step
-Functions fails an execution at 25,000 history events, and each poll costs some, so a long runtime gets a
-longer interval instead of more polls (60 s up to ~11.5 h; ~10 min for SageMaker's 5-day default).
+It also returns how the run polls: the interval between two DescribeTrainingJob calls, and two budgets
+the state machine counts down: polls while the job has not started training yet (``start_left``:
+``START_TIMEOUT_S``, instances launching, image and data downloading) and polls once it trains
+(``left``: the spec's max_runtime_s plus a grace period for SageMaker to stop the job on its own and
+upload what it has). The run's deadline so counts from the job's training start, not from the launch.
+A job past either budget is stopped, and the run fails (StartTimedOut, RunTimedOut). Both budgets
+together are bounded (MAX_POLLS): Step Functions fails an execution at 25,000 history events, and each
+poll costs some, so a long runtime gets a longer interval instead of more polls.
+
+Capacity: SageMaker reports a shortage not at CreateTrainingJob but as a job that Failed with a
+``CapacityError`` FailureReason. The state machine then calls this function again with the failed
+launch (``previous``) and the reason: after a backoff it creates the next attempt's job, up to
+``CAPACITY_RELAUNCHES`` times, carrying the poll budgets over and recording every failed attempt
+(``attempts``, which result.json keeps).
 
 Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable. A run name
 whose job is running already is refused (RunNameInUse) before anything is created.
@@ -81,8 +88,10 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"], SpecPolicy.from_environment(os.environ))
     if not RUN_ID.fullmatch(run_id(event["execution_arn"])):
         raise RunIdUnsupported(f"execution name {run_id(event['execution_arn'])!r}: start the run under a name of letters, digits, '-' and '_' (≤ 80)")
+    previous = event.get("previous")
+    plan = next_attempt(previous, event.get("failure_reason", "")) if previous else first_attempt(spec.max_runtime_s)
     prefix = os.environ["JOB_NAME_PREFIX"]
-    name = job_name_for_execution(prefix, spec.run_name, event["execution_arn"], event["execution_start"])
+    name = job_name_for_execution(prefix, spec.run_name, event["execution_arn"], event["execution_start"], plan["attempt"])
     settings = settings_from_environment(dict(os.environ))
     # The reconciler (lambdas/reconcile_jobs) finds the execution of a running job by this tag.
     settings = replace(settings, tags=dict(settings.tags) | {EXECUTION_TAG: event["execution_arn"]})
@@ -103,28 +112,53 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         message = error.response["Error"].get("Message", "")
         if code == "ResourceInUse" and _exists(sagemaker, name):
             logger.info("job already launched by an earlier attempt", extra={"job_name": name})
-            return {"job_name": name} | _polls(spec.max_runtime_s)
+            return {"job_name": name} | plan
         raise _named(code, message) from None
-    logger.info("launched", extra={"job_name": name, "instance_groups": [g.name for g in spec.instance_groups]})
-    return {"job_name": name} | _polls(spec.max_runtime_s)
+    logger.info("launched", extra={"job_name": name, "attempt": plan["attempt"], "instance_groups": [g.name for g in spec.instance_groups]})
+    return {"job_name": name} | plan
 
 
-# Polls one run may make, whatever its runtime: with the worst case of every poll retried and caught (the
-# state machine's own figures, tests/workflows/test_history.py), far below Step Functions' 25,000 events.
+# Polls one run may make, whatever its runtime and however many capacity relaunches: with the worst case
+# of every poll retried and caught (the state machine's own figures, tests/workflows/test_history.py),
+# far below Step Functions' 25,000 events.
 MAX_POLLS = 700
+# The first capacity relaunch waits RELAUNCH_BACKOFF_S (the stack's capacity_backoff_s), each further one
+# twice as long, up to the cap.
+RELAUNCH_BACKOFF_CAP_S = 1800
 
 
-def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int) -> tuple[int, int]:
-    """(seconds between polls, polls allowed): the configured interval, or a longer one when the runtime
-    would otherwise take more than MAX_POLLS. Pure."""
+def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int, start_timeout_s: int = 0) -> tuple[int, int, int]:
+    """(seconds between polls, polls once training, polls before it): the configured interval, or a
+    longer one when both windows together would take more than MAX_POLLS. Rounded up: a deadline only
+    ever errs late. Pure."""
     window = max_runtime_s + grace_s
-    interval = max(poll_interval_s, math.ceil(window / MAX_POLLS))
-    return interval, math.ceil(window / interval)
+    interval = max(poll_interval_s, math.ceil((window + start_timeout_s) / (MAX_POLLS - 1)))
+    return interval, math.ceil(window / interval), math.ceil(start_timeout_s / interval)
 
 
-def _polls(max_runtime_s: int) -> dict[str, int]:
-    interval, polls = poll_plan(max_runtime_s, int(os.environ.get("DEADLINE_GRACE_S", "900")), int(os.environ.get("POLL_INTERVAL_S", "60")))
-    return {"poll_interval_s": interval, "polls_left": polls}
+def first_attempt(max_runtime_s: int) -> dict[str, Any]:
+    interval, polls, start_polls = poll_plan(
+        max_runtime_s, int(os.environ.get("DEADLINE_GRACE_S", "900")), int(os.environ.get("POLL_INTERVAL_S", "60")),
+        int(os.environ.get("START_TIMEOUT_S", "7200")),
+    )
+    relaunches = int(os.environ.get("CAPACITY_RELAUNCHES", "3"))
+    return {"poll_interval_s": interval, "polls": {"left": polls, "start_left": start_polls}, "attempt": 0,
+            "relaunches_left": relaunches, "backoff_s": int(os.environ.get("RELAUNCH_BACKOFF_S", "120")), "attempts": []}
+
+
+def next_attempt(previous: dict[str, Any], failure_reason: str) -> dict[str, Any]:
+    """The attempt after a capacity failure: the poll budgets carried over (the deadline is the run's,
+    not the attempt's), one relaunch fewer, twice the backoff, and the failed attempt on the record. Pure."""
+    if previous["relaunches_left"] <= 0:
+        raise CapacityUnavailable(f"no relaunches left after {len(previous['attempts']) + 1} attempts: {failure_reason}")
+    return {
+        "poll_interval_s": previous["poll_interval_s"],
+        "polls": dict(previous["polls"]),
+        "attempt": previous["attempt"] + 1,
+        "relaunches_left": previous["relaunches_left"] - 1,
+        "backoff_s": min(previous["backoff_s"] * 2, RELAUNCH_BACKOFF_CAP_S),
+        "attempts": [*previous["attempts"], {"job_name": previous["job_name"], "failure_reason": failure_reason}],
+    }
 
 
 def _named(code: str, message: str) -> Exception:

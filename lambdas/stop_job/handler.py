@@ -3,7 +3,8 @@
 Called by the state machine's Catch (event {"job_name"}), and by an EventBridge rule when an execution
 is aborted or times out, where Step Functions itself runs no cleanup (event: the "Step Functions
 Execution Status Change" notification, whose detail holds the execution ARN, its start date and input;
-the job name is derived from them as the launch derived it).
+the job names are derived from them as the launch derived them, one per launch attempt: after capacity
+failures, the running job is a later attempt's).
 """
 
 from __future__ import annotations
@@ -22,31 +23,35 @@ logger = Logger(service="stop-job")
 RUNNING = {"InProgress"}
 
 
-def job_name_from_event(event: dict[str, Any]) -> str | None:
+def job_names_from_event(event: dict[str, Any]) -> list[str]:
+    """The job the state machine names, or every job the aborted execution may have launched."""
     if "job_name" in event:
-        return event["job_name"]
+        return [event["job_name"]]
     detail = event.get("detail", {})
     try:
         run_name = json.loads(detail.get("input") or "{}")["run_name"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        return None  # an input that never validated launched nothing
-    return job_name_for_execution(os.environ["JOB_NAME_PREFIX"], run_name, detail["executionArn"], detail["startDate"])
+        return []  # an input that never validated launched nothing
+    attempts = 1 + int(os.environ.get("CAPACITY_RELAUNCHES", "0"))
+    prefix = os.environ["JOB_NAME_PREFIX"]
+    return [job_name_for_execution(prefix, run_name, detail["executionArn"], detail["startDate"], attempt) for attempt in range(attempts)]
 
 
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    name = job_name_from_event(event)
-    if name is None:
-        return {"job_name": None, "stopped": False, "status": "NotStarted"}
+    names = job_names_from_event(event)
     sagemaker = client("sagemaker")
-    try:
-        status = sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobStatus"]
-    except ClientError as error:
-        if error.response["Error"]["Code"] == "ValidationException":  # no such job: never launched
-            return {"job_name": name, "stopped": False, "status": "NotStarted"}
-        raise
-    if status not in RUNNING:
-        return {"job_name": name, "stopped": False, "status": status}
-    sagemaker.stop_training_job(TrainingJobName=name)
-    logger.info("stopped", extra={"job_name": name})
-    return {"job_name": name, "stopped": True, "status": "Stopping"}
+    outcome = {"job_name": names[0] if names else None, "stopped": False, "status": "NotStarted"}
+    for name in names:
+        try:
+            status = sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobStatus"]
+        except ClientError as error:
+            if error.response["Error"]["Code"] == "ValidationException":  # no such job: this attempt never launched
+                continue
+            raise
+        outcome = {"job_name": name, "stopped": False, "status": status}
+        if status in RUNNING:
+            sagemaker.stop_training_job(TrainingJobName=name)
+            logger.info("stopped", extra={"job_name": name})
+            return {"job_name": name, "stopped": True, "status": "Stopping"}
+    return outcome

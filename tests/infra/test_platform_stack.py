@@ -158,12 +158,23 @@ def test_the_state_machine_graph(template_json) -> None:
     assert states["Describe job"]["Resource"].endswith(":states:::aws-sdk:sagemaker:describeTrainingJob")
     choice = states["Job finished?"]
     assert choice["Default"] == "Count down" and states["Count down"]["Next"] == "Wait"
-    assert states["Count down"]["Parameters"]["polls_left.$"] == "States.MathAdd($.launch.polls_left, -1)"
-    assert states["Count down"]["Parameters"]["poll_interval_s.$"] == "$.launch.poll_interval_s"
-    assert {rule["Next"] for rule in choice["Choices"]} == {"Collect results", "Collect failed run", "Run timed out"}
+    assert states["Count down"]["ResultPath"] == "$.launch.polls"
+    assert states["Count down"]["Parameters"] == {"left.$": "States.MathAdd($.launch.polls.left, -1)", "start_left.$": "$.launch.polls.start_left"}
+    # Polls while the job starts count against the start window: the run's deadline counts from training.
+    assert states["Count down the start"]["Parameters"] == {"left.$": "$.launch.polls.left",
+                                                            "start_left.$": "States.MathAdd($.launch.polls.start_left, -1)"}
+    assert {rule["Next"] for rule in choice["Choices"]} == {"Collect results", "Describe failure", "Collect failed run", "Start timed out",
+                                                          "Count down the start", "Run timed out"}
     (deadline,) = [rule for rule in choice["Choices"] if rule["Next"] == "Run timed out"]
-    assert deadline == {"Variable": "$.launch.polls_left", "NumericLessThanEquals": 0, "Next": "Run timed out"}
-    assert states["Run timed out"]["Next"] == "Stop job"
+    assert deadline == {"Variable": "$.launch.polls.left", "NumericLessThanEquals": 0, "Next": "Run timed out"}
+    assert states["Run timed out"]["Next"] == "Stop job" and states["Start timed out"]["Next"] == "Stop job"
+    # A job that failed for want of capacity is launched again after a backoff, while relaunches are left.
+    (capacity,) = states["Capacity to retry?"]["Choices"]
+    assert capacity["Next"] == "Back off" and states["Capacity to retry?"]["Default"] == "Collect failed run"
+    assert {"Variable": "$.failure.reason", "StringMatches": "*CapacityError*"} in capacity["And"]
+    assert states["Back off"]["SecondsPath"] == "$.launch.backoff_s" and states["Back off"]["Next"] == "Relaunch job"
+    assert states["Relaunch job"]["Next"] == "Wait" and states["Relaunch job"]["ResultPath"] == "$.launch"
+    assert states["Relaunch job"]["Catch"][0]["Next"] == "Record failure"
     for name in ("Collect results", "Collect failed run"):
         assert states[name]["Catch"][0]["Next"] == "Stop job"
     # A failing poll is retried with jitter, then counted as a poll: it never leads to "Stop job".

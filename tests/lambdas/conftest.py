@@ -33,6 +33,7 @@ ENVIRONMENT = {
     "OUTPUT_S3_URI": f"s3://{RESULTS_BUCKET}/artifacts/",
     "CHECKPOINT_S3_URI": f"s3://{RESULTS_BUCKET}/checkpoints/",
     "PRICING_REGION_CODE": REGION,
+    "CAPACITY_RELAUNCHES": "3",
     # The deployment's policy, as infra/constructs/functions.py sets it (the datasets bucket of the examples).
     "INPUT_BUCKETS": json.dumps(["datasets-bucket"]),
     "RUN_COST_CEILING_USD": "1000",
@@ -54,7 +55,7 @@ def refuse_a_name_in_use(self: SageMakerModelBackend, training_job_name: str, *a
 
 def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
     job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
-    job.training_job_status = "Stopping"
+    job.training_job_status = job.secondary_status = "Stopping"
     return EmptyResult()
 
 

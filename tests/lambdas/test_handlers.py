@@ -80,12 +80,44 @@ def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
 def test_the_run_may_poll_for_the_specs_runtime_plus_grace() -> None:
     from lambdas.launch_job.handler import MAX_POLLS, poll_plan
 
-    assert poll_plan(3600, 900, 60) == (60, 75)
-    assert poll_plan(60, 0, 7) == (7, 9)  # rounded up: the deadline only ever errs late
+    assert poll_plan(3600, 900, 60, 7200) == (60, 75, 120)
+    assert poll_plan(60, 0, 7) == (7, 9, 0)  # rounded up: the deadline only ever errs late
     # Long runtimes poll less often instead of more: the execution's history stays bounded.
-    interval, polls = poll_plan(5 * 24 * 3600, 900, 60)
-    assert polls <= MAX_POLLS and interval * polls >= 5 * 24 * 3600 + 900 and interval == 619
-    assert poll_plan(28 * 24 * 3600, 900, 60)[1] <= MAX_POLLS  # SageMaker's longest MaxRuntime too
+    interval, polls, start_polls = poll_plan(5 * 24 * 3600, 900, 60, 7200)
+    assert polls + start_polls <= MAX_POLLS and interval * polls >= 5 * 24 * 3600 + 900 and interval * start_polls >= 7200
+    assert interval == 630
+    assert sum(poll_plan(28 * 24 * 3600, 900, 60, 24 * 3600)[1:]) <= MAX_POLLS  # SageMaker's longest MaxRuntime too
+
+
+def test_a_capacity_relaunch_carries_the_budgets_over_and_records_the_attempt() -> None:
+    from lambdas.launch_job.handler import CapacityUnavailable as NoCapacity
+    from lambdas.launch_job.handler import next_attempt
+
+    first = {"job_name": "hetero-r-0", "poll_interval_s": 60, "polls": {"left": 75, "start_left": 118}, "attempt": 0,
+             "relaunches_left": 2, "backoff_s": 120, "attempts": []}
+    second = next_attempt(first, "CapacityError: Unable to provision")
+    assert second == {"poll_interval_s": 60, "polls": {"left": 75, "start_left": 118}, "attempt": 1, "relaunches_left": 1,
+                      "backoff_s": 240, "attempts": [{"job_name": "hetero-r-0", "failure_reason": "CapacityError: Unable to provision"}]}
+    third = next_attempt(second | {"job_name": "hetero-r-1"}, "CapacityError: again")
+    assert [a["job_name"] for a in third["attempts"]] == ["hetero-r-0", "hetero-r-1"] and third["relaunches_left"] == 0
+    with pytest.raises(NoCapacity, match="no relaunches left after 3 attempts"):
+        next_attempt(third | {"job_name": "hetero-r-2"}, "CapacityError")
+
+
+def test_a_relaunch_creates_the_next_attempts_job_once(aws, context) -> None:
+    first = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    sagemaker_backends[ACCOUNT][REGION].training_jobs[first["job_name"]].training_job_status = "Failed"
+    event = {"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED, "previous": first, "failure_reason": "CapacityError: x"}
+    second = launch(event, context)
+    assert second["job_name"] == job_name_for_execution("hetero", "vision-hetero", EXECUTION, STARTED, 1) != first["job_name"]
+    assert second["attempt"] == 1 and second["attempts"] == [{"job_name": first["job_name"], "failure_reason": "CapacityError: x"}]
+    assert launch(event, context) == second and len(aws.training_jobs()) == 2  # a retried relaunch finds its job
+    # The abort cleanup finds the running job whichever attempt it is.
+    sagemaker_backends[ACCOUNT][REGION].training_jobs[second["job_name"]].training_job_status = "InProgress"
+    detail = {"executionArn": EXECUTION, "startDate": 1796040000000, "input": json.dumps(spec())}
+    assert STARTED == "2026-11-30T12:00:00.000Z"  # 1796040000000 ms
+    stopped = stop({"detail": detail}, context)
+    assert stopped == {"job_name": second["job_name"], "stopped": True, "status": "Stopping"}
 
 
 def test_launch_of_an_invalid_spec_creates_nothing(aws, context) -> None:

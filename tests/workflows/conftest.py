@@ -73,6 +73,13 @@ class Scenario:
     throttle_describes: int = 0
     # The stop function fails (as a Lambda whose code raises) every time it is invoked.
     stop_fails: bool = False
+    # Seconds a job spends starting (SecondaryStatus Starting) before it trains; None: it never starts.
+    starts_for_s: float | None = 0.3
+    # The first N jobs launched fail while starting, as SageMaker reports a capacity shortage.
+    capacity_failures: int = 0
+
+
+CAPACITY_ERROR = "CapacityError: Unable to provision requested ML compute capacity. Please retry using a different ML instance type."
 
 
 @pytest.fixture(scope="package")
@@ -125,10 +132,10 @@ class Harness:
         self.scenario.summaries = summaries or {}
         return self.sfn.start_execution(stateMachineArn=self.sweep_arn, name=name, input=json.dumps(sweep_input))["executionArn"]
 
-    def job_of(self, execution_arn: str, run_name: str) -> str:
-        """The job an execution launched, derived as the platform derives it (ARN and start time)."""
+    def job_of(self, execution_arn: str, run_name: str, attempt: int = 0) -> str:
+        """The job an execution launched, derived as the platform derives it (ARN, start time, attempt)."""
         started = self.sfn.describe_execution(executionArn=execution_arn)["startDate"]
-        return job_name_for_execution("hetero", run_name, execution_arn, started)
+        return job_name_for_execution("hetero", run_name, execution_arn, started, attempt)
 
     def wait(self, execution_arn: str, timeout_s: float = 60) -> dict[str, Any]:
         give_up = time.monotonic() + timeout_s
@@ -204,14 +211,16 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     # The launch function's own settings, as synthesized (the others are deploy-time references).
     (launch_function,) = [r for r in platform["Resources"].values()
                           if r["Type"] == "AWS::Lambda::Function" and r["Properties"]["Handler"].startswith("lambdas.launch_job.")]
-    for key in ("POLL_INTERVAL_S", "DEADLINE_GRACE_S"):
+    for key in ("POLL_INTERVAL_S", "DEADLINE_GRACE_S", "START_TIMEOUT_S", "RELAUNCH_BACKOFF_S", "CAPACITY_RELAUNCHES"):
         monkeypatch.setenv(key, launch_function["Properties"]["Environment"]["Variables"][key])
+    # A one-minute start window (the stack's is 2 h): the polls' interval stays the configured second.
+    monkeypatch.setenv("START_TIMEOUT_S", "60")
     def stop_training_job(self: SageMakerResponse):  # Stopping, then Stopped a moment later, as SageMaker does
         reply = _stop_training_job(self)
         job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
 
         def stopped() -> None:
-            job.training_job_status, job.billable_time_in_seconds = "Stopped", 120
+            job.training_job_status, job.secondary_status, job.billable_time_in_seconds = "Stopped", "Stopped", 120
 
         timer = threading.Timer(1.0, stopped)
         timers.append(timer)
@@ -241,7 +250,29 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     def script_job(job_name: str) -> None:
         scenario: Scenario = state["scenario"]
         job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
-        job.training_job_status = "InProgress"
+        if job.training_job_status == "InProgress":
+            return  # a retried launch that found its job: it is scripted already
+        job.training_job_status, job.secondary_status = "InProgress", "Starting"
+        state["launched"] = state.get("launched", 0) + 1
+        if state["launched"] <= scenario.capacity_failures:
+            def no_capacity() -> None:
+                job.training_job_status, job.secondary_status, job.failure_reason = "Failed", "Failed", CAPACITY_ERROR
+                job.billable_time_in_seconds = 0
+
+            timer = threading.Timer(scenario.starts_for_s or 0.3, no_capacity)
+            timers.append(timer)
+            timer.start()
+            return
+        if scenario.starts_for_s is None:
+            return  # stuck starting (the start window ends it)
+
+        def training() -> None:
+            if job.training_job_status == "InProgress":
+                job.secondary_status = "Training"
+
+        started = threading.Timer(scenario.starts_for_s, training)
+        timers.append(started)
+        started.start()
 
         fails = any(f"-{run}-" in job_name for run in scenario.failing_runs)
         summary = next((value for run, value in scenario.summaries.items() if f"-{run}-" in job_name), scenario.summary)
@@ -254,10 +285,11 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
                 )
             if job.training_job_status == "InProgress":
                 job.training_job_status = "Failed" if fails else scenario.final_status
+                job.secondary_status = job.training_job_status
                 job.failure_reason = "AlgorithmError: the trainer exited with 137" if fails else scenario.failure_reason
                 job.billable_time_in_seconds = 600
 
-        timer = threading.Timer(scenario.runs_for_s, finish)
+        timer = threading.Timer(scenario.starts_for_s + scenario.runs_for_s, finish)
         timers.append(timer)
         timer.start()
 

@@ -13,6 +13,56 @@ from tests.lambdas.conftest import LambdaContext
 from tests.workflows.conftest import SPEC, Scenario
 
 
+def history_states(harness, execution_arn: str) -> list[str]:
+    """The names of the states the execution passed through, in order (every page of its history)."""
+    names, token = [], None
+    while True:
+        page = harness.sfn.get_execution_history(executionArn=execution_arn, maxResults=1000, **({"nextToken": token} if token else {}))
+        names += [e["stateExitedEventDetails"]["name"] for e in page["events"] if "stateExitedEventDetails" in e]
+        token = page.get("nextToken")
+        if not token:
+            return names
+
+
+SUMMARY = {"timed_steps": 100, "step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}
+
+
+def test_a_job_without_capacity_is_launched_again_and_the_run_succeeds(run, monkeypatch) -> None:
+    monkeypatch.setenv("RELAUNCH_BACKOFF_S", "1")  # the stack's capacity_backoff_s (120 s by default)
+    harness = run(Scenario(capacity_failures=2, summary=SUMMARY))
+    execution_arn = harness.start(SPEC, "run-capacity")
+    execution = harness.wait(execution_arn, timeout_s=90)
+    assert execution["status"] == "SUCCEEDED", execution
+    result = harness.result("run-capacity")
+    assert result["status"] == "Completed" and len(result["capacity_attempts"]) == 2
+    assert all(a["failure_reason"].startswith("CapacityError: Unable to provision") for a in result["capacity_attempts"])
+    jobs = [harness.job_of(execution_arn, SPEC["run_name"], attempt) for attempt in range(3)]
+    assert [a["job_name"] for a in result["capacity_attempts"]] == jobs[:2] and result["job_name"] == jobs[2]
+    assert sorted(harness.training_jobs()) == sorted(jobs)
+    assert history_states(harness, execution_arn).count("Back off") == 2
+
+
+def test_capacity_that_never_comes_fails_the_run_after_the_last_relaunch(run, monkeypatch) -> None:
+    monkeypatch.setenv("RELAUNCH_BACKOFF_S", "1")
+    monkeypatch.setenv("CAPACITY_RELAUNCHES", "1")
+    harness = run(Scenario(capacity_failures=10))
+    execution = harness.wait(harness.start(SPEC, "run-no-capacity"), timeout_s=90)
+    assert execution["status"] == "FAILED" and execution["error"] == "TrainingJobFailed"
+    result = harness.result("run-no-capacity")
+    assert result["failure_reason"].startswith("CapacityError") and len(result["capacity_attempts"]) == 1
+    assert len(harness.training_jobs()) == 2
+
+
+def test_a_job_that_never_starts_training_is_stopped_at_the_end_of_the_start_window(run, monkeypatch) -> None:
+    monkeypatch.setenv("START_TIMEOUT_S", "3")  # the stack's start_timeout_s (2 h by default)
+    harness = run(Scenario(starts_for_s=None))
+    execution_arn = harness.start(SPEC, "run-never-starts")
+    execution = harness.wait(execution_arn, timeout_s=60)
+    assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
+    result = harness.result("run-never-starts")
+    assert result["failure_reason"].startswith("StartTimedOut") and result["status"] == "Stopped"
+
+
 def test_a_run_that_completes_writes_its_result(run) -> None:
     harness = run(Scenario(summary={"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "samples_per_s": 347.8}))
     execution = harness.wait(harness.start(SPEC, "run-ok"))
@@ -55,11 +105,15 @@ def test_an_invalid_spec_fails_naming_the_field_and_launches_nothing(run) -> Non
 
 def test_a_job_running_past_the_specs_runtime_is_stopped_and_the_run_fails(run, monkeypatch) -> None:
     monkeypatch.setenv("DEADLINE_GRACE_S", "0")  # no grace: the state machine stops the job at the runtime
-    harness = run(Scenario(runs_for_s=600))  # SageMaker never stops it on its own here
+    harness = run(Scenario(runs_for_s=600, starts_for_s=3))  # SageMaker never stops it on its own here
     spec = SPEC | {"max_runtime_s": 60}  # the shortest runtime a spec may ask for
     execution_arn = harness.start(spec, "run-overtime")
     execution = harness.wait(execution_arn, timeout_s=120)
     assert execution["status"] == "FAILED" and execution["error"] == "RunFailed"
+    # The deadline counts from the job's training start: the polls while it started (SecondaryStatus
+    # Starting) came out of the start window, and the whole runtime's 60 polls were still spent training.
+    counted = history_states(harness, execution_arn)
+    assert counted.count("Count down the start") >= 1 and counted.count("Count down") == 60
     job_name = harness.job_of(execution_arn, SPEC["run_name"])
     assert harness.sagemaker.describe_training_job(TrainingJobName=job_name)["TrainingJobStatus"] == "Stopped"
     result = harness.result("run-overtime")
