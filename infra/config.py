@@ -60,6 +60,9 @@ class PlatformConfig:
     # A schedule for the sweep, or none: {"expression": "cron(0 6 ? * MON *)", "input": <sweep input>,
     # "enabled": false}. Created only when given, and disabled unless "enabled" is true.
     sweep_schedule: Mapping[str, Any] | None = None
+    # Run every job in private subnets of a VPC of the platform's own, reaching only S3 and its own hosts
+    # (infra/constructs/training_network.py). Off: SageMaker's network, with internet access.
+    vpc_mode: bool = False
     # Buckets, besides the platform's datasets bucket, that job specs may read their channels from; the
     # SageMaker role gets read access to these and no others.
     input_buckets: tuple[str, ...] = ()

@@ -16,6 +16,7 @@ import torch_xla  # noqa: E402
 
 torch_xla.device()
 
+from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE  # noqa: E402
 from training.local.images import write_dataset  # noqa: E402
 
 TOKEN = "test-shutdown-token-0123456789"
@@ -36,10 +37,7 @@ def hetero_resource_config(current: str = "algo-1") -> dict[str, Any]:
 
 
 def platform_hyperparameters(**overrides: Any) -> dict[str, str]:
-    values = {
-        "role_map": json.dumps({"data_group": "data", "dnn_group": "dnn"}),
-        "shutdown_token": TOKEN,
-    }
+    values = {"role_map": json.dumps({"data_group": "data", "dnn_group": "dnn"})}
     return values | {key: str(value) for key, value in overrides.items()}
 
 
@@ -57,6 +55,9 @@ def write_host_tree(
         (config / "resourceconfig.json").write_text(text)
     (config / "hyperparameters.json").write_text(json.dumps(hyperparameters or {}))
     (config / "inputdataconfig.json").write_text(json.dumps({name: {"TrainingInputMode": "File"} for name in channels or {}}))
+    token = base / "input" / "data" / PLATFORM_CHANNEL / TOKEN_FILE  # the job's token, as its platform channel delivers it
+    token.parent.mkdir(parents=True, exist_ok=True)
+    token.write_text(TOKEN)
     for name, folder in (channels or {}).items():
         link = base / "input" / "data" / name
         link.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ SageMaker passes hyperparameters as a string → string map (``/opt/ml/input/con
 Two kinds share it:
 
 * platform settings, written by whoever launches the job (the launch Lambda, or the emulated cluster):
-  the role of each instance group, ports, timeouts and the per-job shutdown token;
+  the role of each instance group, ports and timeouts;
 * the trainer's own settings (batch size, steps, model...), written by the user in the job spec.
 
 The toolkit adds keys of its own, all prefixed ``sagemaker_``; they are left alone. Any other key that
@@ -13,6 +13,11 @@ name, so that a typo (``lerning_rate``) fails the job in seconds instead of trai
 
 Both sides build and read these keys through this module only (``PlatformSettings.to_hyperparameters``
 and ``parse_settings``), so no key is spelled twice.
+
+The per-job shutdown token is not among them: hyperparameters are shown by DescribeTrainingJob to anyone
+who may describe the job, land in every poll's execution history, and are logged. The launcher writes it
+to S3 and the job receives it as a file in its own channel (``/opt/ml/input/data/platform/shutdown_token``),
+which only the job's role can read; ``load_settings`` reads both.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from training.cluster import Cluster, address_of, config_dir
@@ -38,6 +44,11 @@ DISTRIBUTIONS = ("torchrun", "horovod", "mirrored", "none")
 RESERVED_PREFIX = "sagemaker_"
 # The input channel every trainer (or its data hosts) trains from.
 DATA_CHANNEL = "train"
+# The channel the platform adds to every job, on every host: the shutdown token, as a file.
+PLATFORM_CHANNEL = "platform"
+TOKEN_FILE = "shutdown_token"
+# Platform settings that never travel in hyperparameters.
+SECRET_SETTINGS = frozenset({"shutdown_token"})
 
 T = TypeVar("T")
 
@@ -56,8 +67,10 @@ class PlatformSettings:
 
     # Instance group name → "data" or "dnn". No group name is hard-coded anywhere else.
     role_map: Mapping[str, str]
-    # Random per job; a data host obeys a Shutdown RPC only with this token. Never logged.
-    shutdown_token: str
+    # Random per job; every call between hosts carries it. Never logged, never a hyperparameter: it comes
+    # from the platform channel's file (load_settings). Empty where settings only become hyperparameters
+    # (the launch side); a host's settings always have one (parse_settings), and no server starts without.
+    shutdown_token: str = ""
     # Which trainer runs on the DNN group ("pytorch" here; "tensorflow" and "neuron" follow).
     variant: str = "pytorch"
     # How the trainer spans the DNN group: "torchrun" (PyTorch), "horovod" (one process per device on
@@ -102,7 +115,7 @@ class PlatformSettings:
             raise RoleMapError(f"role_map must name exactly one '{DNN}' group, got {dict(self.role_map)}")
         if self.distribution not in DISTRIBUTIONS:
             raise HyperparameterError(f"distribution {self.distribution!r} is not one of {DISTRIBUTIONS}")
-        if not self.shutdown_token or len(self.shutdown_token) < 16:
+        if self.shutdown_token and len(self.shutdown_token) < 16:
             raise HyperparameterError("shutdown_token must be a random string of at least 16 characters")
         for name in ("data_service_port", "master_port", "tf_dispatcher_port", "tf_worker_port", "job_control_port"):
             if not 1024 <= getattr(self, name) <= 65535:
@@ -148,8 +161,8 @@ class PlatformSettings:
             raise RoleMapError(f"role_map names groups {missing} that this job does not have: {cluster.group_names}")
 
     def to_hyperparameters(self) -> dict[str, str]:
-        """The string map SageMaker's HyperParameters field takes."""
-        return {item.name: to_hyperparameter_string(getattr(self, item.name)) for item in fields(self)}
+        """The string map SageMaker's HyperParameters field takes: every setting but the secret ones."""
+        return {item.name: to_hyperparameter_string(getattr(self, item.name)) for item in fields(self) if item.name not in SECRET_SETTINGS}
 
 
 def platform_keys() -> frozenset[str]:
@@ -169,14 +182,41 @@ def load_hyperparameters(environ: Mapping[str, str] = os.environ) -> dict[str, A
     return raw
 
 
-def parse_settings(raw: Mapping[str, Any], trainer_config: type[T]) -> tuple[PlatformSettings, T]:
+def token_path(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the job's shutdown token arrives: a file in the platform channel."""
+    return config_dir(environ).parent / "data" / PLATFORM_CHANNEL / TOKEN_FILE
+
+
+def load_shutdown_token(environ: Mapping[str, str] = os.environ) -> str:
+    path = token_path(environ)
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise HyperparameterError(f"{path} does not exist: the job has no {PLATFORM_CHANNEL!r} channel with its shutdown token") from None
+
+
+def load_settings(trainer_config: type[T], environ: Mapping[str, str] = os.environ,
+                  hyperparameters: Mapping[str, Any] | None = None) -> tuple[PlatformSettings, T]:
+    """The job's settings as this host receives them: hyperparameters.json and the token file."""
+    raw = load_hyperparameters(environ) if hyperparameters is None else hyperparameters
+    return parse_settings(raw, trainer_config, load_shutdown_token(environ))
+
+
+def parse_settings(raw: Mapping[str, Any], trainer_config: type[T], shutdown_token: str) -> tuple[PlatformSettings, T]:
     """Split the job's hyperparameters into platform settings and the trainer's config, refusing any key
-    that belongs to neither."""
+    that belongs to neither, and any secret that came as a hyperparameter."""
+    leaked = sorted(SECRET_SETTINGS & set(raw))
+    if leaked:
+        raise HyperparameterError(f"{leaked[0]} must not be a hyperparameter (DescribeTrainingJob shows those): "
+                                  f"the platform delivers it in the {PLATFORM_CHANNEL!r} channel")
     known = platform_keys() | {item.name for item in fields(trainer_config)}
     unknown = sorted(key for key in raw if key not in known and not key.startswith(RESERVED_PREFIX))
     if unknown:
         raise HyperparameterError("; ".join(_unknown_message(key, known) for key in unknown))
-    platform = {key: value for key, value in raw.items() if key in platform_keys()}
+    if len(shutdown_token) < 16:
+        raise HyperparameterError(f"the job's shutdown token ({TOKEN_FILE} in the {PLATFORM_CHANNEL!r} channel) must be a random "
+                                  "string of at least 16 characters")
+    platform = {key: value for key, value in raw.items() if key in platform_keys()} | {"shutdown_token": shutdown_token}
     trainer = {key: value for key, value in raw.items() if key not in platform_keys() and key in known}
     return build(PlatformSettings, platform), build(trainer_config, trainer)
 

@@ -56,7 +56,7 @@ from training.data_service.dataset import ChannelError, channel_dir, scan_csv_ch
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
 from training.failure import RANK_FAILURE_ENV, failure_path, write_failure
-from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, parse_settings
+from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, load_settings
 from training.trainers.loop import PROGRESS_DIR_ENV
 from training.variants import VARIANTS, Variant
 
@@ -588,7 +588,7 @@ def main() -> int:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
-        settings, config = parse_settings(hyperparameters, variant.config)
+        settings, config = load_settings(variant.config, hyperparameters=hyperparameters)
         settings.check_cluster(cluster)
         if settings.distribution not in variant.distributions:
             raise HyperparameterError(

@@ -39,6 +39,8 @@ class Buckets(Construct):
             lifecycle_rules=[
                 s3.LifecycleRule(prefix="checkpoints/", expiration=Duration.days(checkpoint_retention_days),
                                  noncurrent_version_expiration=Duration.days(7), abort_incomplete_multipart_upload_after=Duration.days(7)),
+                # Each job's shutdown token (control/<job>/): read once, when the job starts (≤ 5 days + start).
+                s3.LifecycleRule(prefix="control/", expiration=Duration.days(7), noncurrent_version_expiration=Duration.days(1)),
                 # Results and reports keep every version: they are never overwritten, nor expire.
                 *(s3.LifecycleRule(prefix=prefix, noncurrent_version_expiration=Duration.days(90),
                                    abort_incomplete_multipart_upload_after=Duration.days(7))

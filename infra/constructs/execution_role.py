@@ -33,6 +33,7 @@ class ExecutionRole(Construct):
         inputs = list(inputs)  # the datasets bucket, then cdk.json's input_buckets: what specs may read
         for bucket in inputs:
             bucket.grant_read(self.role)
+        results.grant_read(self.role, "control/*")  # the job's own shutdown token, as its platform channel
         results.grant_read_write(self.role, "artifacts/*")
         results.grant_read_write(self.role, "checkpoints/*")
         results.grant_read_write(self.role, "neuron-cache/*")  # compiled Neuron graphs, reused across jobs
@@ -55,12 +56,13 @@ class ExecutionRole(Construct):
             self.role,
             "S3 action families from grant_read/grant_read_write, held to the input buckets (datasets, and cdk.json's "
             "input_buckets) and the results "
-            "bucket's artifacts/, checkpoints/ and neuron-cache/ prefixes; SageMaker's training log group; PutMetricData and "
+            "bucket's control/ (read), artifacts/, checkpoints/ and neuron-cache/ prefixes; SageMaker's training log group; PutMetricData and "
             "ecr:GetAuthorizationToken take no resource ARN (the former is held to SageMaker's namespace).",
             *wildcard_actions(*S3_READ_ACTIONS, *S3_WRITE_ACTIONS),
             *wildcard_resources(
                 "*",
                 *(f"{arn_token(bucket)}/*" for bucket in inputs),
+                f"{arn_token(results)}/control/*",
                 f"{arn_token(results)}/artifacts/*",
                 f"{arn_token(results)}/checkpoints/*",
                 f"{arn_token(results)}/neuron-cache/*",

@@ -81,6 +81,7 @@ class TrainingRunFunctions(Construct):
         start_timeout_s: int,
         capacity_relaunches: int,
         capacity_backoff_s: int,
+        vpc_config: dict | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -131,13 +132,14 @@ class TrainingRunFunctions(Construct):
                 "SAGEMAKER_ROLE_ARN": sagemaker_role.role_arn,
                 "OUTPUT_S3_URI": results.s3_url_for_object("artifacts/"),
                 "CHECKPOINT_S3_URI": results.s3_url_for_object("checkpoints/"),
+                "CONTROL_S3_URI": results.s3_url_for_object("control/"),
                 "NEURON_CACHE_S3_URI": results.s3_url_for_object("neuron-cache/"),
                 "JOB_TAGS": stack.to_json_string({"platform": prefix}),
                 "DEADLINE_GRACE_S": str(deadline_grace_s),
                 "POLL_INTERVAL_S": str(poll_interval_s),
                 "START_TIMEOUT_S": str(start_timeout_s),
                 "RELAUNCH_BACKOFF_S": str(capacity_backoff_s),
-            },
+            } | ({"VPC_CONFIG": stack.to_json_string(vpc_config)} if vpc_config else {}),
         )
         self.collect = function(FunctionSpec("CollectResults", "collect_results", "Write results/<run id>/result.json", 60))
         self.stop = function(FunctionSpec("StopJob", "stop_job", "Stop a run's training job after a failure or an abort"))
@@ -175,8 +177,10 @@ class TrainingRunFunctions(Construct):
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects("results/*")]))
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
                                                            conditions={"StringLike": {"s3:prefix": "results/*"}}))
-        acknowledge(self.launch.role, "Reads whether a run's result exists, under results/ only.",
-                    *wildcard_resources(f"{arn_token(results)}/results/*"))
+        # Each job's shutdown token, written once under control/<job name>/ (the job reads it as a channel).
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[results.arn_for_objects("control/*")]))
+        acknowledge(self.launch.role, "Reads whether a run's result exists, under results/ only; writes each job's token under control/ only.",
+                    *wildcard_resources(f"{arn_token(results)}/results/*", f"{arn_token(results)}/control/*"))
         jobs = training_jobs_arn(stack, prefix)
         for fn in (self.launch, self.collect, self.stop, self.reconcile):
             acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))

@@ -1,4 +1,5 @@
-"""The platform in one stack: storage, training images, the SageMaker role, the functions, the
+"""The platform in one stack: storage, training images, the SageMaker role (and in VPC mode its network),
+the functions, the
 training-run and benchmark-sweep state machines (with the sweep's schedule, dashboard and alarm), and the
 abort cleanup. It only composes constructs and exports what users need."""
 
@@ -17,6 +18,7 @@ from infra.constructs.buckets import Buckets
 from infra.constructs.execution_role import ExecutionRole
 from infra.constructs.functions import TrainingRunFunctions
 from infra.constructs.training_images import TrainingImages
+from infra.constructs.training_network import TrainingNetwork
 from infra.constructs.training_workflow import TrainingWorkflow
 
 
@@ -27,12 +29,15 @@ class PlatformStack(Stack):
         images = TrainingImages(self, "TrainingImages", base_images={v: config.base_image(v) for v in config.base_images})
         inputs = [buckets.datasets, *(s3.Bucket.from_bucket_name(self, f"Input{index}", name) for index, name in enumerate(config.input_buckets))]
         role = ExecutionRole(self, "SageMakerExecution", inputs=inputs, results=buckets.results, images=images.images.values())
+        network = TrainingNetwork(self, "TrainingNetwork", sagemaker_role=role.role, log_retention_days=config.log_retention_days) if config.vpc_mode else None
+        vpc_config = {"SecurityGroupIds": [network.security_group.security_group_id], "Subnets": network.subnet_ids} if network else None
         functions = TrainingRunFunctions(
             self, "TrainingRunFunctions", prefix=config.prefix, sagemaker_role=role.role, results=buckets.results,
             image_uris=images.image_uris, log_retention_days=config.log_retention_days, deadline_grace_s=config.deadline_grace_s,
             poll_interval_s=config.poll_interval_s,
             policy_environment=config.policy_environment(self.to_json_string([bucket.bucket_name for bucket in inputs])),
             start_timeout_s=config.start_timeout_s, capacity_relaunches=config.capacity_relaunches, capacity_backoff_s=config.capacity_backoff_s,
+            vpc_config=vpc_config,
         )
         workflow = TrainingWorkflow(
             self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,

@@ -42,7 +42,14 @@ from lambdas.core.catalog import CATALOG
 from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.service_limits import limit, training_instance_types
 from training.cluster import HOMOGENEOUS_GROUP
-from training.hyperparameters import DATA_CHANNEL, HyperparameterError, build, platform_keys, to_hyperparameter_string
+from training.hyperparameters import (
+    DATA_CHANNEL,
+    PLATFORM_CHANNEL,
+    HyperparameterError,
+    build,
+    platform_keys,
+    to_hyperparameter_string,
+)
 from training.variants import VARIANTS
 
 SPEC_VERSION = 1
@@ -62,8 +69,8 @@ BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/), restricted to
 # what a SageMaker tag value, an S3 key and a job name's hash input all carry unchanged.
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
-# Channels the platform adds to every job (none today); the user's channels share SageMaker's limit.
-PLATFORM_CHANNELS = 0
+# Channels the platform adds to every job (the shutdown token's); the user's share SageMaker's limit.
+PLATFORM_CHANNELS = 1
 KNOWN_FIELDS = frozenset(
     {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
      "resume_from", "max_cost_usd"}
@@ -278,6 +285,8 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...]) -> tuple[ChannelSpec, ...]:
         where = f"inputs.{name}"
         if limit("ChannelName").problem(name):
             raise JobSpecError(where, "channel names are 1–64 letters, digits, '.', '-' or '_'")
+        if name == PLATFORM_CHANNEL:
+            raise JobSpecError(where, f"{PLATFORM_CHANNEL!r} is the platform's own channel (the job's token): pick another name")
         if not isinstance(item, Mapping):
             raise JobSpecError(where, "must be an object {s3_uri, groups}")
         extra = sorted(set(item) - {"s3_uri", "groups"})

@@ -1,17 +1,20 @@
 """A validated job spec → the CreateTrainingJob request that runs it. Pure: no AWS call, no clock, no
-randomness (the job name and the shutdown token come in as arguments).
+randomness (the job name comes in as an argument).
 
 What the request carries, and why:
 
 * ResourceConfig.InstanceGroups for a heterogeneous spec; InstanceType/InstanceCount for a single group
   (SageMaker refuses both together), which SageMaker then reports as group ``homogeneousCluster``;
-* InputDataConfig with S3DataSource.InstanceGroupNames, so a channel lands only on the groups that read it;
+* InputDataConfig with S3DataSource.InstanceGroupNames, so a channel lands only on the groups that read it,
+  plus the platform channel on every host: the job's shutdown token as a file, which the launcher wrote
+  to S3 (control/<job name>/) and only the job's role reads. The token is in no field of the request, so
+  it never shows in DescribeTrainingJob, the execution's history or a log;
 * the container contract as HyperParameters: the user's trainer settings plus the platform settings
-  (role map, ports, timeouts, a fresh shutdown token), built by training/hyperparameters.py, the module
-  the container parses them with;
+  (role map, ports, timeouts), built by training/hyperparameters.py, the module the container parses
+  them with;
 * MetricDefinitions from training/metrics.py, the module the trainer prints them with;
 * CheckpointConfig per run (checkpoints/<run id>/; ``resume_from`` names an earlier run to carry on), a
-  stopping condition, tags.
+  stopping condition, tags, and in VPC mode the VpcConfig (infra/constructs/training_network.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec, role_map
 from lambdas.core.service_limits import limit
-from training.hyperparameters import PlatformSettings, to_hyperparameter_string
+from training.hyperparameters import PLATFORM_CHANNEL, PlatformSettings, to_hyperparameter_string
 from training.metrics import METRIC_DEFINITIONS
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
@@ -41,6 +44,7 @@ class LaunchSettings:
     role_arn: str  # the SageMaker execution role
     output_s3_uri: str  # s3://<results bucket>/artifacts/ (model.tar.gz, output.tar.gz)
     checkpoint_s3_uri: str  # s3://<results bucket>/checkpoints/
+    control_s3_uri: str = ""  # s3://<results bucket>/control/: each job's shutdown token, under its name
     tags: Mapping[str, str] = field(default_factory=dict)
     volume_size_gb: int = 100
     data_service_port: int = 6000
@@ -52,6 +56,8 @@ class LaunchSettings:
     inter_container_encryption: bool = True
     # s3://<results bucket>/neuron-cache/: compiled Neuron graphs persist there between jobs.
     neuron_cache_s3_uri: str = ""
+    # VPC mode: {"SecurityGroupIds": [...], "Subnets": [...]} for every job; None: SageMaker's network.
+    vpc_config: Mapping[str, Any] | None = None
 
 
 def job_name(prefix: str, run_name: str, suffix: str) -> str:
@@ -63,11 +69,9 @@ def job_name(prefix: str, run_name: str, suffix: str) -> str:
     return name
 
 
-def platform_settings(spec: JobSpec, *, shutdown_token: str, **settings: Any) -> PlatformSettings:
+def platform_settings(spec: JobSpec, **settings: Any) -> PlatformSettings:
     """The platform half of the container contract for a spec; ``settings`` are ports and timeouts."""
-    return PlatformSettings(
-        role_map=role_map(spec), shutdown_token=shutdown_token, variant=spec.variant, distribution=spec.distribution, **settings
-    )
+    return PlatformSettings(role_map=role_map(spec), variant=spec.variant, distribution=spec.distribution, **settings)
 
 
 def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict[str, str]:
@@ -76,14 +80,20 @@ def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict
     return user | platform.to_hyperparameters()
 
 
-def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, shutdown_token: str, run_id: str) -> dict[str, Any]:
+def token_uri(settings: LaunchSettings, name: str) -> str:
+    """The S3 prefix of a job's platform channel: its shutdown token lies there."""
+    if not settings.control_s3_uri:
+        raise RequestError("no control location is configured for the jobs' shutdown tokens")
+    return f"{settings.control_s3_uri.rstrip('/')}/{name}/"
+
+
+def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, run_id: str) -> dict[str, Any]:
     try:
         image = settings.image_uris[spec.variant]
     except KeyError:
         raise RequestError(f"no training image is deployed for variant {spec.variant!r}") from None
     platform = platform_settings(
         spec,
-        shutdown_token=shutdown_token,
         data_service_port=settings.data_service_port,
         master_port=settings.master_port,
         data_idle_timeout_s=settings.data_idle_timeout_s,
@@ -91,7 +101,7 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         data_connect_timeout_s=settings.data_connect_timeout_s,
         **_neuron_settings(spec, settings),
     )
-    return {
+    request = {
         "TrainingJobName": name,
         "AlgorithmSpecification": {
             "TrainingImage": image,
@@ -101,7 +111,7 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         },
         "HyperParameters": container_hyperparameters(spec, platform),
         "RoleArn": settings.role_arn,
-        "InputDataConfig": [_channel(spec, channel) for channel in spec.inputs],
+        "InputDataConfig": [*(_channel(spec, channel) for channel in spec.inputs), _platform_channel(spec, token_uri(settings, name))],
         "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri},
         "ResourceConfig": _resources(spec, settings.volume_size_gb),
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
@@ -109,6 +119,9 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         "EnableInterContainerTrafficEncryption": settings.inter_container_encryption,
         "Tags": [{"Key": key, "Value": value} for key, value in ({"run_name": spec.run_name} | dict(settings.tags)).items()],
     }
+    if settings.vpc_config:
+        request["VpcConfig"] = {"SecurityGroupIds": list(settings.vpc_config["SecurityGroupIds"]), "Subnets": list(settings.vpc_config["Subnets"])}
+    return request
 
 
 def checkpoint_uri(settings: LaunchSettings, spec: JobSpec, run_id: str) -> str:
@@ -137,6 +150,15 @@ def _resources(spec: JobSpec, volume_size_gb: int) -> dict[str, Any]:
         ],
         "VolumeSizeInGB": volume_size_gb,
     }
+
+
+def _platform_channel(spec: JobSpec, uri: str) -> dict[str, Any]:
+    """Every host gets it (listing every group when the user's channels list theirs: SageMaker takes all
+    channels assigned to groups, or none)."""
+    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
+    if spec.is_heterogeneous and any(channel.groups for channel in spec.inputs):
+        source["InstanceGroupNames"] = [group.name for group in spec.instance_groups]
+    return {"ChannelName": PLATFORM_CHANNEL, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
 
 
 def _channel(spec: JobSpec, channel: Any) -> dict[str, Any]:

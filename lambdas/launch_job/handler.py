@@ -34,10 +34,12 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client, object_size_or_none, recent_running_jobs
+from lambdas.clients import client, object_size_or_none, put_new_object, recent_running_jobs
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, validate_job_spec
-from lambdas.core.training_request import LaunchSettings, create_training_job_request
+from lambdas.core.results import ResultExistsError
+from lambdas.core.training_request import LaunchSettings, create_training_job_request, token_uri
+from training.hyperparameters import TOKEN_FILE
 
 logger = Logger(service="launch-job")
 
@@ -78,8 +80,10 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
         role_arn=environ["SAGEMAKER_ROLE_ARN"],
         output_s3_uri=environ["OUTPUT_S3_URI"],
         checkpoint_s3_uri=environ["CHECKPOINT_S3_URI"],
+        control_s3_uri=environ["CONTROL_S3_URI"],
         tags=json.loads(environ.get("JOB_TAGS", "{}")),
         neuron_cache_s3_uri=environ.get("NEURON_CACHE_S3_URI", ""),
+        vpc_config=json.loads(environ["VPC_CONFIG"]) if environ.get("VPC_CONFIG") else None,
     )
 
 
@@ -95,9 +99,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     settings = settings_from_environment(dict(os.environ))
     # The reconciler (lambdas/reconcile_jobs) finds the execution of a running job by this tag.
     settings = replace(settings, tags=dict(settings.tags) | {EXECUTION_TAG: event["execution_arn"]})
-    request = create_training_job_request(
-        spec, settings, name=name, shutdown_token=secrets.token_urlsafe(32), run_id=run_id(event["execution_arn"]),
-    )
+    request = create_training_job_request(spec, settings, name=name, run_id=run_id(event["execution_arn"]))
     result_key = f"results/{run_id(event['execution_arn'])}/result.json"
     if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
         raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")
@@ -106,6 +108,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         others = running_jobs_of(sagemaker, prefix, spec.run_name) - {name}
         if others:
             raise RunNameInUse(f"run {spec.run_name!r} is running already (training job {sorted(others)[0]}); wait for it, stop it, or pick another run_name")
+        _write_token(token_uri(settings, name))
         sagemaker.create_training_job(**request)
     except ClientError as error:
         code = error.response["Error"]["Code"]
@@ -159,6 +162,15 @@ def next_attempt(previous: dict[str, Any], failure_reason: str) -> dict[str, Any
         "backoff_s": min(previous["backoff_s"] * 2, RELAUNCH_BACKOFF_CAP_S),
         "attempts": [*previous["attempts"], {"job_name": previous["job_name"], "failure_reason": failure_reason}],
     }
+
+
+def _write_token(prefix_uri: str) -> None:
+    """The job's shutdown token, once: a retried launch keeps the one its job may have read already."""
+    bucket, _, prefix = prefix_uri[len("s3://"):].partition("/")
+    try:
+        put_new_object(bucket, f"{prefix}{TOKEN_FILE}", secrets.token_urlsafe(32).encode(), "text/plain")
+    except ResultExistsError:
+        pass
 
 
 def _named(code: str, message: str) -> Exception:

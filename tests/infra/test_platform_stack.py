@@ -63,7 +63,9 @@ def test_results_and_reports_are_write_once_in_s3_itself(template_json) -> None:
     (results,) = [b for b in resources(template_json, "AWS::S3::Bucket").values() if "VersioningConfiguration" in b["Properties"]]
     rules = results["Properties"]["LifecycleConfiguration"]["Rules"]
     # No rule expires anything (current or earlier versions) under results/ or benchmarks/.
-    assert all(rule.get("Prefix") in ("checkpoints/", "artifacts/", "prices/", "neuron-cache/") for rule in rules), rules
+    assert all(rule.get("Prefix") in ("checkpoints/", "control/", "artifacts/", "prices/", "neuron-cache/") for rule in rules), rules
+    (control,) = [rule for rule in rules if rule["Prefix"] == "control/"]  # job tokens: gone a week after the job started
+    assert control["ExpirationInDays"] == 7
 
 
 def test_every_bucket_is_encrypted_private_and_ssl_only(template: Template, template_json) -> None:
@@ -276,3 +278,39 @@ def test_every_variant_has_an_image_and_trainium_jobs_share_a_compile_cache(temp
     ]
     sagemaker_role_statements = json.dumps(statements(template_json))
     assert "/neuron-cache/*" in sagemaker_role_statements
+
+
+@pytest.fixture(scope="module")
+def in_vpc() -> dict[str, Any]:
+    """The platform synthesized in VPC mode (cdk-nag runs as part of synthesis: it must be clean)."""
+    from app import build_app
+
+    app, stack = build_app(context={"platform": {"vpc_mode": True}})
+    app.synth()
+    return Template.from_stack(stack).to_json()
+
+
+def test_vpc_mode_runs_jobs_in_isolated_subnets_that_reach_only_s3_and_each_other(in_vpc) -> None:
+    assert not resources(in_vpc, "AWS::EC2::InternetGateway") and not resources(in_vpc, "AWS::EC2::NatGateway")
+    subnets = resources(in_vpc, "AWS::EC2::Subnet")
+    assert len(subnets) == 2 and all(not s["Properties"].get("MapPublicIpOnLaunch") for s in subnets.values())
+    (endpoint,) = resources(in_vpc, "AWS::EC2::VPCEndpoint").values()
+    assert endpoint["Properties"]["VpcEndpointType"] == "Gateway" and ".s3" in json.dumps(endpoint["Properties"]["ServiceName"])
+    (group_id, group), = resources(in_vpc, "AWS::EC2::SecurityGroup").items()
+    # In from its own members only; out to them, and HTTPS (S3 via the endpoint: there is no other route).
+    ingress = list(resources(in_vpc, "AWS::EC2::SecurityGroupIngress").values())
+    assert [rule["Properties"]["SourceSecurityGroupId"] for rule in ingress] == [{"Fn::GetAtt": [group_id, "GroupId"]}]
+    assert "SecurityGroupIngress" not in group["Properties"]
+    assert [(rule["CidrIp"], rule["FromPort"]) for rule in group["Properties"]["SecurityGroupEgress"]] == [("0.0.0.0/0", 443)]
+    assert resources(in_vpc, "AWS::EC2::FlowLog")
+    (launch,) = [r for key, r in resources(in_vpc, "AWS::Lambda::Function").items() if key.startswith("TrainingRunFunctionsLaunchJob")]
+    vpc_config = json.dumps(launch["Properties"]["Environment"]["Variables"]["VPC_CONFIG"])
+    assert group_id in vpc_config and "Subnet" in vpc_config
+    network = [s for s in statements(in_vpc) if "ec2:CreateNetworkInterface" in as_list(s["Action"])]
+    assert network and all(not a.startswith("ec2:Run") for s in network for a in as_list(s["Action"]))
+
+
+def test_without_vpc_mode_there_is_no_vpc(template_json) -> None:
+    assert not resources(template_json, "AWS::EC2::VPC")
+    (launch,) = [r for key, r in resources(template_json, "AWS::Lambda::Function").items() if key.startswith("TrainingRunFunctionsLaunchJob")]
+    assert "VPC_CONFIG" not in launch["Properties"]["Environment"]["Variables"]

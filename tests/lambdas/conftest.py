@@ -32,6 +32,7 @@ ENVIRONMENT = {
     "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/training-sagemaker",
     "OUTPUT_S3_URI": f"s3://{RESULTS_BUCKET}/artifacts/",
     "CHECKPOINT_S3_URI": f"s3://{RESULTS_BUCKET}/checkpoints/",
+    "CONTROL_S3_URI": f"s3://{RESULTS_BUCKET}/control/",
     "PRICING_REGION_CODE": REGION,
     "CAPACITY_RELAUNCHES": "3",
     # The deployment's policy, as infra/constructs/functions.py sets it (the datasets bucket of the examples).

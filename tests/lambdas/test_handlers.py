@@ -61,9 +61,13 @@ def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
     assert first["job_name"].startswith("hetero-vision-hetero-")
     described = aws.sagemaker.describe_training_job(TrainingJobName=first["job_name"])
     assert [g["InstanceGroupName"] for g in described["ResourceConfig"]["InstanceGroups"]] == ["data_group", "dnn_group"]
-    assert len(described["HyperParameters"]["shutdown_token"]) >= 32
+    assert "shutdown_token" not in described["HyperParameters"]
+    token = aws.s3.get_object(Bucket=RESULTS_BUCKET, Key=f"control/{first['job_name']}/shutdown_token")["Body"].read()
+    assert len(token) >= 32
     again = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)  # a retried launch
     assert again == first and aws.training_jobs() == [first["job_name"]]
+    # ... which keeps the token the job has (it may have read it already).
+    assert aws.s3.get_object(Bucket=RESULTS_BUCKET, Key=f"control/{first['job_name']}/shutdown_token")["Body"].read() == token
     # The same execution name used again (90 days on) is another execution: it gets a job of its own,
     # once the first one is no longer running (one run name runs once at a time).
     later = {"spec": spec(), "execution_arn": EXECUTION, "execution_start": "2027-03-01T08:00:00.000Z"}
@@ -269,3 +273,10 @@ def test_valid_specs_make_requests_botocore_accepts(aws, context, data_groups, d
     described = aws.sagemaker.describe_training_job(TrainingJobName=name)
     counts = [g["InstanceCount"] for g in described["ResourceConfig"].get("InstanceGroups", [])] or [described["ResourceConfig"]["InstanceCount"]]
     assert sum(counts) == sum(g["count"] for g in groups)
+
+
+def test_in_vpc_mode_every_job_gets_the_platforms_subnets_and_security_group(aws, context, monkeypatch) -> None:
+    vpc = {"SecurityGroupIds": ["sg-0123456789abcdef0"], "Subnets": ["subnet-0123456789abcdef0", "subnet-0fedcba9876543210"]}
+    monkeypatch.setenv("VPC_CONFIG", json.dumps(vpc))  # as the stack sets it in VPC mode
+    launched = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert aws.sagemaker.describe_training_job(TrainingJobName=launched["job_name"])["VpcConfig"] == vpc

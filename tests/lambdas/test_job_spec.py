@@ -127,6 +127,8 @@ INVALID: list[tuple[str, Any, str]] = [
     ("group name with a trailing newline", changed(hetero(), "instance_groups.0.name", "data_group\n"), "instance_groups[0].name"),
     ("instance type with a trailing newline", changed(hetero(), "instance_groups.0.instance_type", "ml.c5.9xlarge\n"), "instance_groups[0].instance_type"),
     ("resume_from with a trailing newline", changed(hetero(), "resume_from", "run-1\n"), "resume_from"),
+    ("a channel named like the platform's own", changed(hetero(), "inputs.platform", {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]}), "inputs.platform"),
+    ("20 channels: SageMaker's 20 less the platform's", changed(hetero(), "inputs", {f"c{i}": {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]} for i in range(20)}), "inputs"),
     ("21 channels", changed(hetero(), "inputs", {f"c{i}": {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]} for i in range(21)}), "inputs"),
     ("S3 URI longer than SageMaker takes", changed(hetero(), "inputs.train.s3_uri", "s3://datasets-bucket/" + "x" * 1010), "inputs.train.s3_uri"),
     ("S3 URI without a bucket", changed(hetero(), "inputs.train.s3_uri", "s3://"), "inputs.train.s3_uri"),

@@ -21,14 +21,14 @@ SETTINGS = LaunchSettings(
     role_arn="arn:aws:iam::123456789012:role/training-sagemaker",
     output_s3_uri="s3://results-bucket/artifacts/",
     checkpoint_s3_uri="s3://results-bucket/checkpoints/",
+    control_s3_uri="s3://results-bucket/control/",
     tags={"platform": "heterogeneous-training"},
 )
-TOKEN = "a-random-token-for-this-job-0123"
 
 
 def request_for(example: str) -> dict:
     spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
-    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN, run_id="run-0001")
+    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), run_id="run-0001")
 
 
 def test_heterogeneous_spec_uses_instance_groups_and_routes_the_channel() -> None:
@@ -38,6 +38,19 @@ def test_heterogeneous_spec_uses_instance_groups_and_routes_the_channel() -> Non
     assert [g["InstanceGroupName"] for g in resources["InstanceGroups"]] == ["data_group", "dnn_group"]
     source = request["InputDataConfig"][0]["DataSource"]["S3DataSource"]
     assert source["InstanceGroupNames"] == ["data_group"]
+
+
+def test_the_token_travels_in_the_platform_channel_to_every_host_and_nowhere_else() -> None:
+    """DescribeTrainingJob shows hyperparameters to anyone who may describe the job, and every poll's
+    history event holds its answer: the token is in no field of the request, only behind the channel's
+    S3 prefix, which reaches every group."""
+    for example, groups in (("pytorch-heterogeneous.json", ["data_group", "dnn_group"]), ("pytorch-homogeneous.json", None)):
+        request = request_for(example)
+        assert "token" not in json.dumps(request["HyperParameters"]).lower()
+        (platform,) = [c for c in request["InputDataConfig"] if c["ChannelName"] == "platform"]
+        source = platform["DataSource"]["S3DataSource"]
+        assert source["S3Uri"] == "s3://results-bucket/control/hetero-" + json.loads((EXAMPLES / example).read_text())["run_name"] + "-ab12cd34ef/"
+        assert source.get("InstanceGroupNames") == groups
 
 
 def test_single_group_spec_is_a_classic_homogeneous_job() -> None:
@@ -52,7 +65,7 @@ def test_the_container_reads_back_exactly_what_the_request_carries() -> None:
     hyperparameters = request["HyperParameters"]
     assert all(isinstance(value, str) for value in hyperparameters.values())
     platform = build(PlatformSettings, {k: v for k, v in hyperparameters.items() if k in PlatformSettings.__dataclass_fields__})
-    assert platform.shutdown_token == TOKEN and dict(platform.role_map) == {"data_group": "data", "dnn_group": "dnn"}
+    assert dict(platform.role_map) == {"data_group": "data", "dnn_group": "dnn"}
     config = build(VisionConfig, {k: v for k, v in hyperparameters.items() if k in VisionConfig.__dataclass_fields__})
     assert config.augment == "heavy"
 
@@ -79,7 +92,7 @@ def test_a_variant_without_an_image_is_refused() -> None:
     spec = validate_job_spec(json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text()))
     settings = LaunchSettings(image_uris={}, role_arn=SETTINGS.role_arn, output_s3_uri="s3://datasets-bucket/", checkpoint_s3_uri="s3://datasets-bucket/c/")
     with pytest.raises(RequestError, match="no training image is deployed for variant 'pytorch'"):
-        create_training_job_request(spec, settings, name="x", shutdown_token=TOKEN, run_id="run-0001")
+        create_training_job_request(spec, settings, name="x", run_id="run-0001")
 
 
 @pytest.mark.parametrize("example", ["pytorch-heterogeneous.json", "pytorch-homogeneous.json"])
@@ -107,10 +120,10 @@ def test_trainium_requests_run_one_process_per_neuroncore_with_a_shared_compile_
     settings = LaunchSettings(
         image_uris={"neuron": "123456789012.dkr.ecr.us-east-1.amazonaws.com/training-neuron:abc"}, role_arn=SETTINGS.role_arn,
         output_s3_uri="s3://results-bucket/artifacts/", checkpoint_s3_uri="s3://results-bucket/checkpoints/",
-        neuron_cache_s3_uri="s3://results-bucket/neuron-cache/",
+        neuron_cache_s3_uri="s3://results-bucket/neuron-cache/", control_s3_uri="s3://results-bucket/control/",
     )
     spec = validate_job_spec(json.loads((EXAMPLES / example).read_text()))
-    request = create_training_job_request(spec, settings, name=job_name("hetero", spec.run_name, "ab12cd34ef"), shutdown_token=TOKEN, run_id="run-0001")
+    request = create_training_job_request(spec, settings, name=job_name("hetero", spec.run_name, "ab12cd34ef"), run_id="run-0001")
     hyperparameters = request["HyperParameters"]
     assert hyperparameters["processes_per_host"] == cores and hyperparameters["variant"] == "neuron"
     assert hyperparameters["neuron_compile_cache_uri"] == "s3://results-bucket/neuron-cache/"

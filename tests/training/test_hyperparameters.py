@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 import pytest
 
 from tests.conftest import TOKEN, hetero_resource_config, platform_hyperparameters
-from training.cluster import parse_resource_config
+from training.cluster import BASE_DIR_ENV, parse_resource_config
 from training.hyperparameters import HyperparameterError, PlatformSettings, RoleMapError, build, parse_settings
 from training.trainers.config import VisionConfig
 
 
 def test_settings_and_trainer_config_are_split_and_typed() -> None:
     raw = platform_hyperparameters(data_service_port=7000) | {"batch_size": "64", "learning_rate": "0.1", "cached_input_batches": "4"}
-    settings, config = parse_settings(raw | {"sagemaker_program": "launcher.py"}, VisionConfig)
+    settings, config = parse_settings(raw | {"sagemaker_program": "launcher.py"}, VisionConfig, TOKEN)
     assert settings.data_service_port == 7000
     assert dict(settings.role_map) == {"data_group": "data", "dnn_group": "dnn"}
     assert (config.batch_size, config.learning_rate, config.cached_input_batches) == (64, 0.1, 4)
@@ -23,7 +24,7 @@ def test_settings_and_trainer_config_are_split_and_typed() -> None:
 
 def test_unknown_hyperparameter_is_refused_with_the_nearest_name() -> None:
     with pytest.raises(HyperparameterError, match=r"unknown hyperparameter 'lerning_rate' \(did you mean 'learning_rate'\?\)"):
-        parse_settings(platform_hyperparameters() | {"lerning_rate": "0.1"}, VisionConfig)
+        parse_settings(platform_hyperparameters() | {"lerning_rate": "0.1"}, VisionConfig, TOKEN)
 
 
 @pytest.mark.parametrize(
@@ -45,18 +46,33 @@ def test_unknown_hyperparameter_is_refused_with_the_nearest_name() -> None:
         ("image_size", "4", "image_size must be in"),
         ("role_map", "[1]", "not a valid JSON object"),
         ("distribution", "mpi", "distribution 'mpi' is not one of"),
-        ("shutdown_token", "short", "at least 16 characters"),
+        ("shutdown_token", TOKEN, "must not be a hyperparameter"),
         ("data_service_port", "80", "port in 1024..65535"),
     ],
 )
 def test_bad_values_name_the_hyperparameter(key: str, value: str, message: str) -> None:
     with pytest.raises(HyperparameterError, match=message):
-        parse_settings(platform_hyperparameters() | {key: value}, VisionConfig)
+        parse_settings(platform_hyperparameters() | {key: value}, VisionConfig, TOKEN)
 
 
 def test_role_map_and_token_are_required() -> None:
     with pytest.raises(HyperparameterError, match="'role_map' is required"):
-        parse_settings({"shutdown_token": TOKEN}, VisionConfig)
+        parse_settings({}, VisionConfig, TOKEN)
+    with pytest.raises(HyperparameterError, match="at least 16 characters"):
+        parse_settings(platform_hyperparameters(), VisionConfig, "short")
+
+
+def test_the_token_comes_from_the_platform_channel_and_never_leaves_as_a_hyperparameter(tmp_path) -> None:
+    from tests.conftest import write_host_tree
+    from training.hyperparameters import load_settings
+
+    write_host_tree(tmp_path, hetero_resource_config(), platform_hyperparameters())
+    settings, _ = load_settings(VisionConfig, {BASE_DIR_ENV: str(tmp_path)})
+    assert settings.shutdown_token == TOKEN
+    assert "shutdown_token" not in settings.to_hyperparameters()
+    (tmp_path / "input" / "data" / "platform" / "shutdown_token").unlink()
+    with pytest.raises(HyperparameterError, match="no 'platform' channel with its shutdown token"):
+        load_settings(VisionConfig, {BASE_DIR_ENV: str(tmp_path)})
 
 
 @pytest.mark.parametrize(
@@ -83,7 +99,8 @@ def test_platform_settings_round_trip_through_sagemaker_strings() -> None:
     strings = settings.to_hyperparameters()
     assert all(isinstance(value, str) for value in strings.values())
     assert json.loads(strings["role_map"]) == {"d": "data", "g": "dnn"}
-    assert build(PlatformSettings, strings) == settings
+    assert "shutdown_token" not in strings  # never a hyperparameter: it arrives as a file
+    assert build(PlatformSettings, strings) == dataclasses.replace(settings, shutdown_token="")
 
 
 def test_data_service_targets_follow_the_role_map_and_address_map() -> None:

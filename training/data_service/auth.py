@@ -1,6 +1,7 @@
 """The job's token on every call between hosts: one header on the client side, one check on the server side.
 
-The launch side writes a random token per job into the hyperparameters (``shutdown_token``). Every RPC
+The launch side writes a random token per job into a file of the job's ``platform`` channel (never the
+hyperparameters, which DescribeTrainingJob shows: training/hyperparameters.py). Every RPC
 between hosts (a data host's Describe, StreamBatches and Shutdown; a DNN host's ReportFailure) carries it
 as ``authorization: Bearer <token>`` call metadata, and the servers refuse any call without it with
 UNAUTHENTICATED before a handler runs: whoever reaches a data host's port can neither read the training
@@ -37,6 +38,8 @@ class TokenAuth(grpc.ServerInterceptor):
     """Refuses every call whose token is not the job's."""
 
     def __init__(self, token: str) -> None:
+        if len(token) < 16:  # an empty token would let every call through
+            raise ValueError("a server needs the job's token (at least 16 characters) to check calls against")
         self._token = token.encode()
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201 (grpc's interface)

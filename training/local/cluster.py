@@ -43,6 +43,7 @@ from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
+from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
 
@@ -220,7 +221,6 @@ def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tu
     machine) share its ports: each cluster gets free ones of its own."""
     platform = platform_settings(
         spec,
-        shutdown_token=secrets.token_urlsafe(24),
         data_service_port=ports[0],
         master_port=ports[1],
         job_control_port=ports[2],
@@ -279,6 +279,7 @@ class EmulatedCluster:
         self._started_at = 0.0
         self.cluster_id = f"{os.getpid()}-{subnet}-{secrets.token_hex(4)}"
         self.hyperparameters: dict[str, str] = {}
+        self.shutdown_token = ""
         quotas = {host.name: host.cpu_quota for host in self.hosts if host.cpu_quota is not None}
         try:
             self._quotas = ClusterQuotas(f"hetero-emulation-{os.getpid()}-{subnet}", quotas)
@@ -304,14 +305,21 @@ class EmulatedCluster:
             tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
             ports = (free_port(), free_port(), free_port())
             self.hyperparameters = emulated_hyperparameters(self.spec, self.options, ports, tf_ports)
+            # The job's token reaches every host as a file of its platform channel, as on SageMaker.
+            self.shutdown_token = secrets.token_urlsafe(24)
         for host in self.hosts:
+            token = host.base_dir / "input" / "data" / PLATFORM_CHANNEL / TOKEN_FILE
+            token.parent.mkdir(parents=True, exist_ok=True)
+            token.write_text(self.shutdown_token)
+            token.chmod(0o600)
             config = host.base_dir / "input" / "config"
             config.mkdir(parents=True, exist_ok=True)
             (config / "resourceconfig.json").write_text(json.dumps(resource_config(host, self.hosts), indent=2))
             (config / "hyperparameters.json").write_text(json.dumps(self.hyperparameters, indent=2))
             assigned = self._channels_of(host)
             (config / "inputdataconfig.json").write_text(
-                json.dumps({name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"} for name in assigned}, indent=2)
+                json.dumps({name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"} for name in [*assigned, PLATFORM_CHANNEL]},
+                           indent=2)
             )
             for name in assigned:
                 link = host.base_dir / "input" / "data" / name

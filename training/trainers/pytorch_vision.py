@@ -53,7 +53,7 @@ from training.data_service.control import DataServiceError, describe
 from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
 from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError, load_and_augment
 from training.failure import write_failure
-from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
+from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers import host_collectives
 from training.trainers.config import AugmentConfig, VisionConfig
 from training.trainers.loop import (
@@ -382,7 +382,7 @@ def host_cpus() -> int:
 
 def build_trainer(environ: dict[str, str]) -> VisionTrainer:
     cluster = load_cluster(environ)
-    settings, config = parse_settings(load_hyperparameters(environ), VisionConfig)
+    settings, config = load_settings(VisionConfig, environ)
     rank, world_size = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
     cpus = max(1, host_cpus() // local_world)

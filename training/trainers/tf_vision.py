@@ -52,7 +52,7 @@ from training.data_service.control import DataServiceError, describe, wait_for_p
 from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
 from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, read_from_service
 from training.failure import write_failure
-from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
+from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers.config import KerasVisionConfig
 from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
 from training.trainers.precision import resolve_precision
@@ -306,7 +306,7 @@ def local_dataset(folder: ImageFolder, config: KerasVisionConfig, rank: int, ran
 
 def build_trainer(environ: dict[str, str]) -> KerasVisionTrainer:
     cluster = load_cluster(environ)
-    settings, config = parse_settings(load_hyperparameters(environ), KerasVisionConfig)
+    settings, config = load_settings(KerasVisionConfig, environ)
     # Threads first: they cannot change once TensorFlow's context exists (a strategy creates it).
     local_processes = int(environ.get("HOROVOD_LOCAL_SIZE", 1))
     tf.config.threading.set_intra_op_parallelism_threads(max(1, len(os.sched_getaffinity(0)) // local_processes))

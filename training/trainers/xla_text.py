@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 from training.cluster import ClusterConfigError, base_dir, load_cluster
 from training.data_service.dataset import ChannelError, EmptyChannelError, channel_dir, scan_csv_channel
 from training.failure import write_failure
-from training.hyperparameters import HyperparameterError, load_hyperparameters, parse_settings
+from training.hyperparameters import HyperparameterError, load_settings
 from training.metrics import metric_line
 from training.trainers import host_collectives
 from training.trainers.config import TextConfig
@@ -453,7 +453,7 @@ def build_trainer(environ: dict[str, str]) -> TextTrainer:
     import torch_xla.runtime as xr
 
     cluster = load_cluster(environ)
-    settings, config = parse_settings(load_hyperparameters(environ), TextConfig)
+    settings, config = load_settings(TextConfig, environ)
     paths = OutputPaths.from_environment(environ)
     extracting = bool(environ.get(GRAPH_EXTRACTION_ENV))
     if extracting:
