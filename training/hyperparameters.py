@@ -46,6 +46,9 @@ RESERVED_PREFIX = "sagemaker_"
 DATA_CHANNEL = "train"
 # The channel the platform adds to every job, on every host: the shutdown token, as a file.
 PLATFORM_CHANNEL = "platform"
+# The channel a resuming run gets on its DNN hosts: the earlier run's checkpoints, which seed this run's
+# own (/opt/ml/checkpoints, synced to checkpoints/<this run>/): a run never writes into another's.
+RESUME_CHANNEL = "resume"
 TOKEN_FILE = "shutdown_token"
 # Platform settings that never travel in hyperparameters.
 SECRET_SETTINGS = frozenset({"shutdown_token"})

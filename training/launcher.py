@@ -51,12 +51,20 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from training.cluster import Cluster, ClusterConfigError, address_of, host_addresses, load_cluster
+from training.cluster import Cluster, ClusterConfigError, address_of, base_dir, host_addresses, load_cluster
 from training.data_service.dataset import ChannelError, channel_dir, scan_csv_channel, scan_image_folder
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
 from training.failure import RANK_FAILURE_ENV, failure_path, write_failure
-from training.hyperparameters import DATA, DNN, HyperparameterError, PlatformSettings, load_hyperparameters, load_settings
+from training.hyperparameters import (
+    DATA,
+    DNN,
+    RESUME_CHANNEL,
+    HyperparameterError,
+    PlatformSettings,
+    load_hyperparameters,
+    load_settings,
+)
 from training.trainers.loop import PROGRESS_DIR_ENV
 from training.variants import VARIANTS, Variant
 
@@ -282,7 +290,21 @@ def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, e
 CHANNEL_CHECKS = {"image_folder": scan_image_folder, "csv": scan_csv_channel}
 
 
+def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:
+    """A resuming run's first start: the earlier run's checkpoints (its resume channel) become this run's,
+    which SageMaker syncs to this run's own prefix. A restart that has checkpoints of its own keeps them.
+    Returns the files copied."""
+    source, target = channel_dir(RESUME_CHANNEL, environ), base_dir(environ) / "checkpoints"
+    if not source.is_dir() or (target.is_dir() and any(target.iterdir())):
+        return 0
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    copied = sum(1 for path in target.rglob("*") if path.is_file())
+    log.info("resuming: %d checkpoint files from the %r channel", copied, RESUME_CHANNEL)
+    return copied
+
+
 def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0) -> int:
+    seed_checkpoints()
     addresses = host_addresses()
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)

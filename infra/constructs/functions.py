@@ -175,8 +175,9 @@ class TrainingRunFunctions(Construct):
         # A run id whose result exists is refused before launch: HeadObject on results/ (ListBucket on that
         # prefix, so that a missing result answers 404, not 403).
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects("results/*")]))
+        # ... and whether the run a spec resumes left checkpoints (ListBucket on checkpoints/).
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
-                                                           conditions={"StringLike": {"s3:prefix": "results/*"}}))
+                                                           conditions={"StringLike": {"s3:prefix": ["results/*", "checkpoints/*"]}}))
         # Each job's shutdown token, written once under control/<job name>/ (the job reads it as a channel).
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[results.arn_for_objects("control/*")]))
         acknowledge(self.launch.role, "Reads whether a run's result exists, under results/ only; writes each job's token under control/ only.",

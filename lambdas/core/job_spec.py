@@ -45,6 +45,7 @@ from training.cluster import HOMOGENEOUS_GROUP
 from training.hyperparameters import (
     DATA_CHANNEL,
     PLATFORM_CHANNEL,
+    RESUME_CHANNEL,
     HyperparameterError,
     build,
     platform_keys,
@@ -69,7 +70,8 @@ BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/), restricted to
 # what a SageMaker tag value, an S3 key and a job name's hash input all carry unchanged.
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
-# Channels the platform adds to every job (the shutdown token's); the user's share SageMaker's limit.
+# Channels the platform adds to every job (the shutdown token's; a resuming run's checkpoints besides);
+# the user's share SageMaker's limit with them.
 PLATFORM_CHANNELS = 1
 KNOWN_FIELDS = frozenset(
     {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
@@ -190,6 +192,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if not RUN_NAME.fullmatch(run_name):
         raise JobSpecError("run_name", f"{run_name!r} must be 1–40 letters, digits or hyphens, starting with a letter or digit")
     groups = _groups(raw.get("instance_groups"))
+    resume_from = _resume_from(raw.get("resume_from", ""))
     return JobSpec(
         run_name=run_name,
         variant=_string(raw, "variant"),
@@ -198,10 +201,10 @@ def parse_job_spec(raw: Any) -> JobSpec:
         # Absent: the variant's default, filled in by validate_job_spec.
         distribution=_string(raw, "distribution") if "distribution" in raw else "",
         hyperparameters=_hyperparameters(raw.get("hyperparameters", {})),
-        inputs=_inputs(raw.get("inputs", {}), groups),
+        inputs=_inputs(raw.get("inputs", {}), groups, PLATFORM_CHANNELS + bool(resume_from)),
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
         spec_version=SPEC_VERSION,
-        resume_from=_resume_from(raw.get("resume_from", "")),
+        resume_from=resume_from,
         max_cost_usd=_max_cost(raw.get("max_cost_usd")),
     )
 
@@ -273,20 +276,20 @@ def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
     return MappingProxyType(dict(raw))
 
 
-def _inputs(raw: Any, groups: tuple[GroupSpec, ...]) -> tuple[ChannelSpec, ...]:
+def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> tuple[ChannelSpec, ...]:
     if not isinstance(raw, Mapping):
         raise JobSpecError("inputs", "must be an object of channel name → {s3_uri, groups}")
     names = {group.name for group in groups}
-    most = limit("InputDataConfig").max - PLATFORM_CHANNELS
+    most = limit("InputDataConfig").max - platform_channels
     if len(raw) > most:
-        raise JobSpecError("inputs", f"{len(raw)} channels; SageMaker takes at most {most}")
+        raise JobSpecError("inputs", f"{len(raw)} channels; SageMaker takes at most {most} beside the platform's {platform_channels}")
     channels = []
     for name, item in raw.items():
         where = f"inputs.{name}"
         if limit("ChannelName").problem(name):
             raise JobSpecError(where, "channel names are 1–64 letters, digits, '.', '-' or '_'")
-        if name == PLATFORM_CHANNEL:
-            raise JobSpecError(where, f"{PLATFORM_CHANNEL!r} is the platform's own channel (the job's token): pick another name")
+        if name in (PLATFORM_CHANNEL, RESUME_CHANNEL):
+            raise JobSpecError(where, f"{name!r} is a channel the platform adds itself: pick another name")
         if not isinstance(item, Mapping):
             raise JobSpecError(where, "must be an object {s3_uri, groups}")
         extra = sorted(set(item) - {"s3_uri", "groups"})

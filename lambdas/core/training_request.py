@@ -13,7 +13,8 @@ What the request carries, and why:
   (role map, ports, timeouts), built by training/hyperparameters.py, the module the container parses
   them with;
 * MetricDefinitions from training/metrics.py, the module the trainer prints them with;
-* CheckpointConfig per run (checkpoints/<run id>/; ``resume_from`` names an earlier run to carry on), a
+* CheckpointConfig per run (checkpoints/<run id>/); ``resume_from`` adds a resume channel of the earlier
+  run's checkpoints on the DNN hosts, which seed this run's own (training/launcher.py), a
   stopping condition, tags, and in VPC mode the VpcConfig (infra/constructs/training_network.py).
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec, role_map
 from lambdas.core.service_limits import limit
-from training.hyperparameters import PLATFORM_CHANNEL, PlatformSettings, to_hyperparameter_string
+from training.hyperparameters import PLATFORM_CHANNEL, RESUME_CHANNEL, PlatformSettings, to_hyperparameter_string
 from training.metrics import METRIC_DEFINITIONS
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
@@ -111,11 +112,15 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         },
         "HyperParameters": container_hyperparameters(spec, platform),
         "RoleArn": settings.role_arn,
-        "InputDataConfig": [*(_channel(spec, channel) for channel in spec.inputs), _platform_channel(spec, token_uri(settings, name))],
+        "InputDataConfig": [
+            *(_channel(spec, channel) for channel in spec.inputs),
+            _platform_channel(spec, PLATFORM_CHANNEL, token_uri(settings, name), spec.instance_groups),
+            *([_platform_channel(spec, RESUME_CHANNEL, checkpoint_uri(settings, spec.resume_from), [spec.dnn_group])] if spec.resume_from else []),
+        ],
         "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri},
         "ResourceConfig": _resources(spec, settings.volume_size_gb),
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
-        "CheckpointConfig": {"S3Uri": checkpoint_uri(settings, spec, run_id), "LocalPath": CHECKPOINT_LOCAL_PATH},
+        "CheckpointConfig": {"S3Uri": checkpoint_uri(settings, run_id), "LocalPath": CHECKPOINT_LOCAL_PATH},
         "EnableInterContainerTrafficEncryption": settings.inter_container_encryption,
         "Tags": [{"Key": key, "Value": value} for key, value in ({"run_name": spec.run_name} | dict(settings.tags)).items()],
     }
@@ -124,11 +129,11 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
     return request
 
 
-def checkpoint_uri(settings: LaunchSettings, spec: JobSpec, run_id: str) -> str:
+def checkpoint_uri(settings: LaunchSettings, run_id: str) -> str:
     """Checkpoints are the run's own (checkpoints/<run id>/): two runs of one spec never share them, so a
-    weekly sweep does not resume last week's final step and train nothing. A spec with ``resume_from``
-    resumes that run's checkpoints, and carries on writing them there."""
-    return f"{settings.checkpoint_s3_uri.rstrip('/')}/{spec.resume_from or run_id}/"
+    weekly sweep does not resume last week's final step and train nothing; a resuming run reads the
+    earlier run's through its resume channel and writes only its own."""
+    return f"{settings.checkpoint_s3_uri.rstrip('/')}/{run_id}/"
 
 
 def _neuron_settings(spec: JobSpec, settings: LaunchSettings) -> dict[str, Any]:
@@ -152,13 +157,13 @@ def _resources(spec: JobSpec, volume_size_gb: int) -> dict[str, Any]:
     }
 
 
-def _platform_channel(spec: JobSpec, uri: str) -> dict[str, Any]:
-    """Every host gets it (listing every group when the user's channels list theirs: SageMaker takes all
-    channels assigned to groups, or none)."""
+def _platform_channel(spec: JobSpec, name: str, uri: str, groups: Any) -> dict[str, Any]:
+    """A channel the platform adds, for ``groups`` when the user's channels are assigned to groups
+    (SageMaker takes all channels assigned, or none; unassigned, every host gets it)."""
     source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
     if spec.is_heterogeneous and any(channel.groups for channel in spec.inputs):
-        source["InstanceGroupNames"] = [group.name for group in spec.instance_groups]
-    return {"ChannelName": PLATFORM_CHANNEL, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
+        source["InstanceGroupNames"] = [group.name for group in groups]
+    return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
 
 
 def _channel(spec: JobSpec, channel: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from lambdas.clients import client, object_size_or_none, put_new_object, recent_
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, validate_job_spec
 from lambdas.core.results import ResultExistsError
-from lambdas.core.training_request import LaunchSettings, create_training_job_request, token_uri
+from lambdas.core.training_request import LaunchSettings, checkpoint_uri, create_training_job_request, token_uri
 from training.hyperparameters import TOKEN_FILE
 
 logger = Logger(service="launch-job")
@@ -67,6 +67,10 @@ class RunIdTaken(RuntimeError):
 class RunIdUnsupported(RuntimeError):
     """The execution's name has characters a SageMaker tag value cannot hold (e.g. ``!'()``): the job
     could not carry the tag the reconciler finds it by. Refused before anything is created."""
+
+
+class NothingToResume(RuntimeError):
+    """The spec resumes a run that left no checkpoints: it would silently train from scratch."""
 
 
 class RunNameInUse(RuntimeError):
@@ -100,6 +104,9 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     # The reconciler (lambdas/reconcile_jobs) finds the execution of a running job by this tag.
     settings = replace(settings, tags=dict(settings.tags) | {EXECUTION_TAG: event["execution_arn"]})
     request = create_training_job_request(spec, settings, name=name, run_id=run_id(event["execution_arn"]))
+    if spec.resume_from and not _has_checkpoints(checkpoint_uri(settings, spec.resume_from)):
+        raise NothingToResume(f"run {spec.resume_from!r} left no checkpoints ({checkpoint_uri(settings, spec.resume_from)}): "
+                              "name a run that wrote some, or leave resume_from out to start afresh")
     result_key = f"results/{run_id(event['execution_arn'])}/result.json"
     if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
         raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")
@@ -162,6 +169,11 @@ def next_attempt(previous: dict[str, Any], failure_reason: str) -> dict[str, Any
         "backoff_s": min(previous["backoff_s"] * 2, RELAUNCH_BACKOFF_CAP_S),
         "attempts": [*previous["attempts"], {"job_name": previous["job_name"], "failure_reason": failure_reason}],
     }
+
+
+def _has_checkpoints(prefix_uri: str) -> bool:
+    bucket, _, prefix = prefix_uri[len("s3://"):].partition("/")
+    return client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
 
 def _write_token(prefix_uri: str) -> None:

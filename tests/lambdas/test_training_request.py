@@ -81,7 +81,10 @@ def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
     # The run's own checkpoints (two runs of one spec share none); resuming names the earlier run.
     assert request["CheckpointConfig"] == {"S3Uri": "s3://results-bucket/checkpoints/run-0001/", "LocalPath": "/opt/ml/checkpoints"}
     resumed = validate_job_spec(json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text()) | {"resume_from": "run-0000"})
-    assert checkpoint_uri(SETTINGS, resumed, "run-0001") == "s3://results-bucket/checkpoints/run-0000/"
+    carried_on = create_training_job_request(resumed, SETTINGS, name="hetero-vision-hetero-ab12cd34ef", run_id="run-0001")
+    assert carried_on["CheckpointConfig"]["S3Uri"] == checkpoint_uri(SETTINGS, "run-0001")  # writes only its own
+    (resume,) = [c for c in carried_on["InputDataConfig"] if c["ChannelName"] == "resume"]
+    assert resume["DataSource"]["S3DataSource"]["S3Uri"] == "s3://results-bucket/checkpoints/run-0000/"
     assert request["TrainingJobName"] == "hetero-vision-hetero-ab12cd34ef"
     assert len(job_name("platform10", "a" * 40, "x" * 10)) == 62
     with pytest.raises(RequestError):

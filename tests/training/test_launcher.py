@@ -313,3 +313,20 @@ def test_as_the_containers_first_process_it_passes_sigterm_on_and_exits_with_the
     assert supervisor.stdout.readline().strip() == "ready"
     supervisor.send_signal(signal.SIGTERM)
     assert supervisor.wait(timeout=30) == 7 and marker.exists()
+
+
+def test_a_resuming_run_starts_from_the_earlier_runs_checkpoints_and_a_restart_keeps_its_own(tmp_path: Path) -> None:
+    from training.cluster import BASE_DIR_ENV
+    from training.launcher import seed_checkpoints
+
+    environ = {BASE_DIR_ENV: str(tmp_path)}
+    earlier = tmp_path / "input" / "data" / "resume"
+    (earlier / "rank-0").mkdir(parents=True)
+    (earlier / "checkpoint.pt").write_bytes(b"step 60")
+    (earlier / "rank-0" / "rng.bin").write_bytes(b"rng")
+    assert seed_checkpoints(environ) == 2
+    assert (tmp_path / "checkpoints" / "checkpoint.pt").read_bytes() == b"step 60"
+    # A restart of this run (spot, a retried host) has checkpoints of its own: they are kept.
+    (tmp_path / "checkpoints" / "checkpoint.pt").write_bytes(b"step 80")
+    assert seed_checkpoints(environ) == 0 and (tmp_path / "checkpoints" / "checkpoint.pt").read_bytes() == b"step 80"
+    assert seed_checkpoints({BASE_DIR_ENV: str(tmp_path / "elsewhere")}) == 0  # no resume channel: nothing to do

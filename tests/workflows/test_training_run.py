@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lambdas.stop_job.handler import handler as stop
-from tests.lambdas.conftest import LambdaContext
+from tests.lambdas.conftest import RESULTS_BUCKET, LambdaContext
 from tests.workflows.conftest import SPEC, Scenario
 
 
@@ -181,14 +181,24 @@ def test_an_unreadable_output_archive_is_a_failed_run_whose_result_says_so(run) 
 
 def test_runs_of_one_spec_keep_their_own_checkpoints_unless_one_resumes_another(run) -> None:
     harness = run(Scenario(runs_for_s=0.5, summary={"timed_steps": 100, "step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
-    checkpoints = {}
+    # Resuming a run that left no checkpoints is refused: it would silently train from scratch.
+    refused = harness.wait(harness.start(SPEC | {"resume_from": "week-0"}, "week-0-more"))
+    assert refused["status"] == "FAILED" and refused["error"] == "LaunchFailed" and "NothingToResume" in refused["cause"]
+    jobs = {}
     for name, spec in (("week-1", SPEC), ("week-2", SPEC), ("week-2-more", SPEC | {"resume_from": "week-2"})):
         execution_arn = harness.start(spec, name)
         assert harness.wait(execution_arn)["status"] == "SUCCEEDED"
-        job = harness.sagemaker.describe_training_job(TrainingJobName=harness.job_of(execution_arn, SPEC["run_name"]))
-        checkpoints[name] = job["CheckpointConfig"]["S3Uri"]
+        jobs[name] = harness.sagemaker.describe_training_job(TrainingJobName=harness.job_of(execution_arn, SPEC["run_name"]))
+        # What SageMaker syncs from the job's /opt/ml/checkpoints, under its own prefix.
+        uri = jobs[name]["CheckpointConfig"]["S3Uri"]
+        harness.s3.put_object(Bucket=RESULTS_BUCKET, Key=uri.split("/", 3)[3] + "checkpoint.pt", Body=b"state")
+    checkpoints = {name: job["CheckpointConfig"]["S3Uri"] for name, job in jobs.items()}
     assert checkpoints["week-1"].endswith("/checkpoints/week-1/") and checkpoints["week-2"].endswith("/checkpoints/week-2/")
-    assert checkpoints["week-2-more"] == checkpoints["week-2"]  # resumed explicitly, by run id
+    # The resuming run reads week-2's checkpoints (a channel on its DNN group) and writes only its own.
+    assert checkpoints["week-2-more"].endswith("/checkpoints/week-2-more/")
+    (resume,) = [c for c in jobs["week-2-more"]["InputDataConfig"] if c["ChannelName"] == "resume"]
+    assert resume["DataSource"]["S3DataSource"]["S3Uri"] == checkpoints["week-2"]
+    assert resume["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["dnn_group"]
 
 
 def test_the_reconciler_stops_a_job_whose_execution_ended_and_spares_the_others(run) -> None:
