@@ -60,6 +60,9 @@ class PlatformConfig:
     # A schedule for the sweep, or none: {"expression": "cron(0 6 ? * MON *)", "input": <sweep input>,
     # "enabled": false}. Created only when given, and disabled unless "enabled" is true.
     sweep_schedule: Mapping[str, Any] | None = None
+    # Mail address told of every alarm (lost job stops, reconciler errors, failed or unstarted sweeps);
+    # none: subscribe to the AlarmTopic output yourself.
+    alarm_email: str | None = None
     # Run every job in private subnets of a VPC of the platform's own, reaching only S3 and its own hosts
     # (infra/constructs/training_network.py). Off: SageMaker's network, with internet access.
     vpc_mode: bool = False

@@ -127,6 +127,13 @@ class BenchmarkSweep(Construct):
             self, "ScheduleDeadLetters", encryption=sqs.QueueEncryption.SQS_MANAGED, enforce_ssl=True, retention_period=Duration.days(14)
         )
         acknowledge(self.dead_letters, "This queue is itself the dead-letter queue of the sweep schedule.", "SQS3")
+        # A scheduled sweep that could not be started (after the rule's retries) is a missed week.
+        self.schedule_alarm = cloudwatch.Alarm(
+            self, "UnstartedSweeps", alarm_description="The sweep schedule could not start a sweep: see the ScheduleDeadLetters queue",
+            metric=self.dead_letters.metric_approximate_number_of_messages_visible(period=Duration.minutes(5)),
+            threshold=1, evaluation_periods=1, comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
         return events.Rule(
             self, "Schedule", description="Start the benchmark sweep on a schedule",
             schedule=events.Schedule.expression(schedule["expression"]),

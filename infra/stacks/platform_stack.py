@@ -13,6 +13,7 @@ from constructs import Construct
 
 from infra.config import PlatformConfig
 from infra.constructs.abort_cleanup import AbortCleanup
+from infra.constructs.alarm_topic import AlarmTopic
 from infra.constructs.benchmark_sweep import BenchmarkSweep
 from infra.constructs.buckets import Buckets
 from infra.constructs.execution_role import ExecutionRole
@@ -50,7 +51,10 @@ class PlatformStack(Stack):
             max_concurrency=config.sweep_max_concurrency, timeout_h=config.sweep_timeout_h,
             log_retention_days=config.log_retention_days, schedule=config.sweep_schedule, policy=config.policy_for_synthesis(),
         )
+        self.alarms = AlarmTopic(self, "Alarms", email=config.alarm_email)
+        self.alarms.notify_from_every_alarm_in(self)
         self.buckets, self.functions, self.workflow, self.sweep = buckets, functions, workflow, sweep
+        CfnOutput(self, "AlarmTopic", value=self.alarms.topic.topic_arn)
         CfnOutput(self, "DatasetsBucket", value=buckets.datasets.bucket_name)
         CfnOutput(self, "ResultsBucket", value=buckets.results.bucket_name)
         CfnOutput(self, "TrainingRunStateMachine", value=workflow.state_machine.state_machine_arn)

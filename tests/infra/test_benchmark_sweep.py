@@ -101,11 +101,15 @@ def test_the_dashboard_and_the_alarm(scheduled) -> None:
     for metric in ("StepTimeMs", "CostPer1kStepsUsd", "FailedConfigurations"):
         assert metric in body
     assert METRIC_NAMESPACE in body
-    (alarm,) = [alarm for logical_id, alarm in resources(scheduled, "AWS::CloudWatch::Alarm").items() if logical_id.startswith("BenchmarkSweep")]
+    (alarm,) = [alarm for logical_id, alarm in resources(scheduled, "AWS::CloudWatch::Alarm").items() if logical_id.startswith("BenchmarkSweepFailedSweeps")]
     properties = alarm["Properties"]
     assert properties["MetricName"] == "ExecutionsFailed" and properties["Namespace"] == "AWS/States"
     assert properties["Dimensions"] == [{"Name": "StateMachineArn", "Value": {"Ref": state_machine_logical_id(scheduled, "BenchmarkSweep")}}]
     assert properties["Threshold"] == 1 and properties["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    # A schedule that could not start its sweep (events in the dead-letter queue) raises one too.
+    (unstarted,) = [alarm for logical_id, alarm in resources(scheduled, "AWS::CloudWatch::Alarm").items()
+                    if logical_id.startswith("BenchmarkSweepUnstartedSweeps")]
+    assert unstarted["Properties"]["MetricName"] == "ApproximateNumberOfMessagesVisible" and unstarted["Properties"]["AlarmActions"]
 
 
 def test_the_compare_function_may_price_and_publish_only_where_it_must(template_json) -> None:

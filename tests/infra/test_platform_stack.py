@@ -314,3 +314,15 @@ def test_without_vpc_mode_there_is_no_vpc(template_json) -> None:
     assert not resources(template_json, "AWS::EC2::VPC")
     (launch,) = [r for key, r in resources(template_json, "AWS::Lambda::Function").items() if key.startswith("TrainingRunFunctionsLaunchJob")]
     assert "VPC_CONFIG" not in launch["Properties"]["Environment"]["Variables"]
+
+
+def test_every_alarm_notifies_the_encrypted_alarm_topic(template_json) -> None:
+    (topic_id, topic), = resources(template_json, "AWS::SNS::Topic").items()
+    assert "KmsMasterKeyId" in topic["Properties"]
+    (key,) = resources(template_json, "AWS::KMS::Key").values()
+    assert key["Properties"]["EnableKeyRotation"] is True
+    assert "cloudwatch.amazonaws.com" in json.dumps(key["Properties"]["KeyPolicy"])
+    alarms = resources(template_json, "AWS::CloudWatch::Alarm")
+    assert len(alarms) >= 4
+    for alarm in alarms.values():
+        assert alarm["Properties"]["AlarmActions"] == [{"Ref": topic_id}]
