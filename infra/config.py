@@ -4,11 +4,13 @@ dataclass. Everything the stacks vary by lives here, with its default and what i
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lambdas.core.job_spec import SpecPolicy
+from lambdas.core.deadlines import worst_case_run_s
+from lambdas.core.job_spec import BUCKET_NAME, MAX_RUNTIME_S, SpecPolicy
 
 CONTEXT_KEY = "platform"
 
@@ -38,8 +40,10 @@ class PlatformConfig:
     )
     # Seconds between two DescribeTrainingJob polls of a running job.
     poll_interval_s: int = 60
-    # Longest a training run may take end to end: SageMaker's 5-day limit plus launch and collection.
-    run_timeout_h: int = 122
+    # Longest a training run's execution may take end to end. None: the worst case of the longest spec
+    # the platform accepts (5 days of runtime, the start window, grace, relaunches, retries: see
+    # run_timeout_s); a value below that is refused, since a timed-out execution writes no result.
+    run_timeout_h: int | None = None
     # Past a spec's max_runtime_s, how long SageMaker gets to stop the job itself before the state machine
     # stops it and fails the run with RunTimedOut.
     deadline_grace_s: int = 900
@@ -95,6 +99,9 @@ class PlatformConfig:
             raise PlatformConfigError(f"capacity_backoff_s must be in 1..1800, got {self.capacity_backoff_s}")
         if not 0 <= self.capacity_relaunches <= 5:
             raise PlatformConfigError(f"capacity_relaunches must be in 0..5, got {self.capacity_relaunches}")
+        if self.run_timeout_h is not None and self.run_timeout_h * 3600 < self.worst_case_run_s():
+            raise PlatformConfigError(f"run_timeout_h {self.run_timeout_h} is shorter than the longest run the platform accepts "
+                                      f"({self.worst_case_run_s() / 3600:.1f} h): leave it out, or raise it")
         for name in ("run_cost_ceiling_usd", "sweep_cost_ceiling_usd"):
             if not 0 < getattr(self, name) < 10_000_000:
                 raise PlatformConfigError(f"{name} must be a positive number of US dollars, got {getattr(self, name)}")
@@ -111,8 +118,24 @@ class PlatformConfig:
         if unknown:
             raise PlatformConfigError(f"unknown platform settings {unknown}; known: {sorted(item.name for item in fields(cls))}")
         if "input_buckets" in raw:
-            raw["input_buckets"] = tuple(raw["input_buckets"])
+            buckets = raw["input_buckets"]
+            if not isinstance(buckets, list | tuple) or not all(isinstance(b, str) and BUCKET_NAME.fullmatch(b) for b in buckets):
+                raise PlatformConfigError(f"input_buckets must be a list of S3 bucket names, got {buckets!r}")
+            raw["input_buckets"] = tuple(buckets)
+        if "ceiling_prices_usd_per_hour" in raw:  # on top of the defaults, not instead of them
+            raw["ceiling_prices_usd_per_hour"] = dict(cls().ceiling_prices_usd_per_hour) | dict(raw["ceiling_prices_usd_per_hour"])
         return cls(**raw)
+
+    def worst_case_run_s(self) -> int:
+        """The longest run the platform accepts, end to end (lambdas/core/deadlines.py)."""
+        return worst_case_run_s(
+            max_runtime_s=MAX_RUNTIME_S, grace_s=self.deadline_grace_s, poll_interval_s=self.poll_interval_s,
+            start_timeout_s=self.start_timeout_s, relaunches=self.capacity_relaunches, first_backoff_s=self.capacity_backoff_s,
+        )
+
+    @property
+    def run_timeout_s(self) -> int:
+        return self.run_timeout_h * 3600 if self.run_timeout_h else math.ceil(self.worst_case_run_s() / 3600) * 3600
 
     def policy_for_synthesis(self) -> SpecPolicy:
         """The policy a scheduled sweep is checked against at synthesis (bucket names are not known yet)."""

@@ -161,13 +161,11 @@ class TrainingRunFunctions(Construct):
             fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:DescribeTrainingJob"], resources=[jobs_arn]))
         self.reconcile.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTrainingJobs"], resources=["*"]))
         self.reconcile.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTags", "sagemaker:StopTrainingJob"], resources=[jobs_arn]))
-        self.reconcile.add_to_role_policy(
-            iam.PolicyStatement(
-                actions=["states:DescribeExecution"],
-                resources=[stack.format_arn(service="states", resource="execution", resource_name=f"{prefix}-training-run:*",
-                                            arn_format=ArnFormat.COLON_RESOURCE_NAME)],
-            )
-        )
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob"], resources=[jobs_arn]))
+        executions = stack.format_arn(service="states", resource="execution", resource_name=f"{prefix}-training-run:*",
+                                      arn_format=ArnFormat.COLON_RESOURCE_NAME)
+        for fn in (self.reconcile, self.launch):  # the launch checks that its own execution still runs
+            fn.add_to_role_policy(iam.PolicyStatement(actions=["states:DescribeExecution"], resources=[executions]))
         self.stop.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob"], resources=[jobs_arn]))
         results.grant_read(self.collect, "artifacts/*")
         results.grant_put(self.collect, "results/*")
@@ -188,8 +186,9 @@ class TrainingRunFunctions(Construct):
         for fn in (self.launch, self.reconcile):
             acknowledge(fn.role, "sagemaker:ListTrainingJobs has no resource-level permissions (it lists, reading no job's data).",
                         *wildcard_resources("*"))
-        acknowledge(self.reconcile.role, "DescribeExecution is held to the executions of the platform's training-run state machine.",
-                    *wildcard_resources(f"arn:<AWS::Partition>:states:{stack.region}:<AWS::AccountId>:execution:{prefix}-training-run:*"))
+        for fn in (self.reconcile, self.launch):
+            acknowledge(fn.role, "DescribeExecution is held to the executions of the platform's training-run state machine.",
+                        *wildcard_resources(f"arn:<AWS::Partition>:states:{stack.region}:<AWS::AccountId>:execution:{prefix}-training-run:*"))
         acknowledge(
             self.collect.role,
             "Reads job outputs under artifacts/ and writes results under results/ of the results bucket only.",

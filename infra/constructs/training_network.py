@@ -15,7 +15,11 @@ NCCL, our gRPC data service) are reachable by whatever can reach those hosts. In
 * flow logs record every rejected connection.
 
 Images and logs do not travel through the VPC: SageMaker pulls the image and ships the job's logs and
-metrics itself.
+metrics itself. Limits: the gateway endpoint serves buckets of the stack's region only (an allowed input
+bucket elsewhere is unreachable in VPC mode), and one security group serves all the platform's jobs, so
+the hosts of two concurrent runs can reach each other's ports (our gRPC data service checks the job's
+token on every call; tf.data.service, the rendezvous and NCCL do not): the boundary is the platform's
+jobs, not one job.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class TrainingNetwork(Construct):
     def __init__(self, scope: Construct, construct_id: str, *, sagemaker_role: iam.Role, log_retention_days: int) -> None:
         super().__init__(scope, construct_id)
         self.vpc = ec2.Vpc(
-            self, "Vpc", max_azs=2, nat_gateways=0,
+            # Three AZs where the account is known at synthesis (two otherwise): GPU and Trainium
+            # capacity is per AZ, and SageMaker places a job only in its subnets' AZs.
+            self, "Vpc", max_azs=3, nat_gateways=0,
             subnet_configuration=[ec2.SubnetConfiguration(name="training", subnet_type=ec2.SubnetType.PRIVATE_ISOLATED, cidr_mask=20)],
         )
         flow_logs = logs.LogGroup(self, "FlowLogs", retention=retention(log_retention_days), removal_policy=RemovalPolicy.DESTROY)

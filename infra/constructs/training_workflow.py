@@ -6,7 +6,7 @@ transient, cleanup on what fails, and a failure recorded in results/ either way.
         └─any error──▶ Record launch failure ▶ Fail "LaunchFailed"
     Wait (the launch's interval) ▶ Describe job (retried; still failing: "Poll failed", status Unknown)
         ▶ Completed? ─yes─▶ Collect results ▶ figures usable? ▶ Succeed (else Fail "RunFailed": no step timed...)
-          Failed? ─▶ Describe failure ▶ a CapacityError with relaunches left? ─yes─▶ Back off (the launch's,
+          Failed? ─▶ Decide relaunch: a CapacityError, relaunches and start window left? ─yes─▶ Back off (the launch's,
                      doubling) ▶ Relaunch job (the next attempt's job, poll budgets carried over) ▶ Wait
                      otherwise (and Stopped) ─▶ Collect failed run ▶ Fail "TrainingJobFailed"
           not training yet? ─▶ start polls left? ─yes─▶ Count down the start ▶ Wait
@@ -32,19 +32,21 @@ from constructs import Construct
 
 from infra.constructs.functions import TrainingRunFunctions, retention, training_jobs_resource
 from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
+from lambdas.core.deadlines import LAUNCH_RETRIES as LAUNCH_RETRY_SCHEDULE
+from lambdas.core.deadlines import STOP_POLLS
 
 SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
-# After stopping a job: up to STOP_POLLS checks, a poll interval apart, for a terminal status (SageMaker
-# gives the container 120 s after SIGTERM, then uploads its outputs: 12 minutes at the default 60 s).
-STOP_POLLS = 12
 EXECUTION_ARN = sfn.JsonPath.execution_id
 EXECUTION_START = sfn.JsonPath.execution_start_time
 # SageMaker's secondary statuses before a job trains (SecondaryStatus, botocore's model): polls in these
 # count against the start window, not the run's deadline.
 STARTING = ("Pending", "Starting", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading", "DownloadingTrainingImage")
-# How SageMaker reports a capacity shortage: a Failed job whose FailureReason starts "CapacityError: Unable
-# to provision requested ML compute capacity..." (the SageMaker Python SDK looks for the same word).
-CAPACITY_FAILURE = "*CapacityError*"
+# What a launch (and a relaunch) retries: throttling, and capacity or quota errors CreateTrainingJob itself
+# returns (lambdas/core/deadlines.py holds the schedule; the run's timeout allows for it).
+LAUNCH_RETRIES = tuple(
+    {"errors": [error], "interval": Duration.seconds(interval), "backoff_rate": 2, "max_attempts": attempts, "jitter_strategy": sfn.JitterType.FULL}
+    for error, (interval, attempts) in LAUNCH_RETRY_SCHEDULE.items()
+)
 
 
 class TrainingWorkflow(Construct):
@@ -57,7 +59,7 @@ class TrainingWorkflow(Construct):
         functions: TrainingRunFunctions,
         poll_interval_s: int,
         start_timeout_s: int,
-        timeout_h: int,
+        timeout_s: int,
         log_retention_days: int,
     ) -> None:
         super().__init__(scope, construct_id)
@@ -75,10 +77,8 @@ class TrainingWorkflow(Construct):
         )
         launch = invoke("Launch job", functions.launch, {"spec": SPEC, "execution_arn": EXECUTION_ARN, "execution_start": EXECUTION_START},
                         "$.launch")
-        launch.add_retry(errors=["LaunchThrottled"], interval=Duration.seconds(10), backoff_rate=2, max_attempts=6,
-                         jitter_strategy=sfn.JitterType.FULL)
-        launch.add_retry(errors=["CapacityUnavailable"], interval=Duration.minutes(5), backoff_rate=2, max_attempts=4,
-                         jitter_strategy=sfn.JitterType.FULL)
+        for retrier in LAUNCH_RETRIES:
+            launch.add_retry(**retrier)
         # The launch chose the interval (at least poll_interval_s; longer for long runtimes, so that the
         # number of polls, and so the execution's history, stays bounded).
         wait = sfn.Wait(self, "Wait", time=sfn.WaitTime.seconds_path("$.launch.poll_interval_s"))
@@ -171,19 +171,16 @@ class TrainingWorkflow(Construct):
         # Capacity: SageMaker fails a job it cannot find instances for; the launch function creates the
         # next attempt's job after a backoff, up to its relaunch limit. The reason is read only for a
         # Failed job (where SageMaker always gives one).
-        describe_failure = tasks.CallAwsService(
-            self, "Describe failure", service="sagemaker", action="describeTrainingJob",
-            parameters={"TrainingJobName": sfn.JsonPath.string_at("$.launch.job_name")}, iam_resources=[jobs_arn],
-            result_selector={"reason": sfn.JsonPath.string_at("$.FailureReason")}, result_path="$.failure",
-        )
-        describe_failure.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=3,
-                                   jitter_strategy=sfn.JitterType.FULL)
+        # Decided by the launch function (it reads the failed job's FailureReason, which SageMaker's model
+        # does not promise: a state reading a missing field would fail the execution, uncatchably).
+        decide_relaunch = invoke("Decide relaunch", functions.launch,
+                                 {"step": "decide_relaunch", "previous": sfn.JsonPath.object_at("$.launch")}, "$.failure")
         relaunch = invoke("Relaunch job", functions.launch,
                           {"spec": SPEC, "execution_arn": EXECUTION_ARN, "execution_start": EXECUTION_START,
                            "previous": sfn.JsonPath.object_at("$.launch"), "failure_reason": sfn.JsonPath.string_at("$.failure.reason")},
                           "$.launch")
-        relaunch.add_retry(errors=["LaunchThrottled"], interval=Duration.seconds(10), backoff_rate=2, max_attempts=6,
-                           jitter_strategy=sfn.JitterType.FULL)
+        for retrier in LAUNCH_RETRIES:
+            relaunch.add_retry(**retrier)
         # The previous attempt's job has failed; a job this attempt created before failing is the
         # reconciler's (its execution has ended).
         relaunch.add_catch(record_failure, result_path="$.error")
@@ -191,14 +188,13 @@ class TrainingWorkflow(Construct):
         relaunch.next(wait)
         failed_job = collect_failed.next(sfn.Fail(self, "TrainingJobFailed", error="TrainingJobFailed",
                                                   cause="The training job failed or was stopped; see results/<run id>/result.json"))
-        describe_failure.add_catch(failed_job, result_path="$.failure_error")
+        decide_relaunch.add_catch(failed_job, result_path="$.failure_error")
         capacity = (
             sfn.Choice(self, "Capacity to retry?")
-            .when(sfn.Condition.and_(sfn.Condition.string_matches("$.failure.reason", CAPACITY_FAILURE),
-                                     sfn.Condition.number_greater_than("$.launch.relaunches_left", 0)), back_off)
+            .when(sfn.Condition.boolean_equals("$.failure.relaunch", True), back_off)
             .otherwise(failed_job)
         )
-        describe_failure.next(capacity)
+        decide_relaunch.next(capacity)
         # A job that completed but left no usable figures (no step timed, an unreadable summary) is a
         # failed run: result.json says why.
         usable = (
@@ -210,8 +206,12 @@ class TrainingWorkflow(Construct):
         finished = (
             sfn.Choice(self, "Job finished?")
             .when(sfn.Condition.string_equals("$.job.status", "Completed"), collect.next(usable))
-            .when(sfn.Condition.string_equals("$.job.status", "Failed"), describe_failure)
+            .when(sfn.Condition.string_equals("$.job.status", "Failed"), decide_relaunch)
             .when(sfn.Condition.string_equals("$.job.status", "Stopped"), failed_job)
+            # A poll that failed tells nothing of the job: it counts against the start window while any
+            # is left, then against the run's deadline (a job still running past both is stopped).
+            .when(sfn.Condition.and_(sfn.Condition.string_equals("$.job.status", "Unknown"),
+                                     sfn.Condition.number_greater_than("$.launch.polls.start_left", 0)), count_down_start)
             .when(sfn.Condition.and_(sfn.Condition.or_(*(sfn.Condition.string_equals("$.job.secondary", status) for status in STARTING)),
                                      sfn.Condition.number_less_than_equals("$.launch.polls.start_left", 0)), start_timed_out)
             .when(sfn.Condition.or_(*(sfn.Condition.string_equals("$.job.secondary", status) for status in STARTING)), count_down_start)
@@ -226,7 +226,7 @@ class TrainingWorkflow(Construct):
             "StateMachine",
             state_machine_name=f"{prefix}-training-run",
             definition_body=sfn.DefinitionBody.from_chainable(definition),
-            timeout=Duration.hours(timeout_h),
+            timeout=Duration.seconds(timeout_s),
             tracing_enabled=True,
             logs=sfn.LogOptions(destination=self.log_group, level=sfn.LogLevel.ALL, include_execution_data=True),
         )

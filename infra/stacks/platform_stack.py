@@ -43,7 +43,7 @@ class PlatformStack(Stack):
         workflow = TrainingWorkflow(
             self, "TrainingRun", prefix=config.prefix, functions=functions, poll_interval_s=config.poll_interval_s,
             start_timeout_s=config.start_timeout_s,
-            timeout_h=config.run_timeout_h, log_retention_days=config.log_retention_days,
+            timeout_s=config.run_timeout_s, log_retention_days=config.log_retention_days,
         )
         AbortCleanup(self, "AbortCleanup", state_machine=workflow.state_machine, stop=functions.stop, reconcile=functions.reconcile)
         sweep = BenchmarkSweep(

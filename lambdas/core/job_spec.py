@@ -46,6 +46,7 @@ from training.hyperparameters import (
     DATA_CHANNEL,
     PLATFORM_CHANNEL,
     RESUME_CHANNEL,
+    SECRET_SETTINGS,
     HyperparameterError,
     build,
     platform_keys,
@@ -260,7 +261,7 @@ def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
     if not isinstance(raw, Mapping):
         raise JobSpecError("hyperparameters", "must be an object of name → scalar value")
     # SageMaker's limit on HyperParameters counts the platform's settings too.
-    room = limit("HyperParameters").max - len(platform_keys())
+    room = limit("HyperParameters").max - len(platform_keys() - SECRET_SETTINGS)
     if len(raw) > room:
         raise JobSpecError("hyperparameters", f"{len(raw)} given; the platform's settings leave room for {room}")
     for name, value in raw.items():

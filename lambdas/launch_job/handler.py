@@ -25,7 +25,6 @@ whose job is running already is refused (RunNameInUse) before anything is create
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 from dataclasses import replace
@@ -35,6 +34,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
 from lambdas.clients import client, object_size_or_none, put_new_object, recent_running_jobs
+from lambdas.core.deadlines import RELAUNCH_BACKOFF_CAP_S, poll_plan
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, validate_job_spec
 from lambdas.core.results import ResultExistsError
@@ -91,8 +91,28 @@ def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
     )
 
 
+# How SageMaker reports a capacity shortage: a Failed job whose FailureReason starts "CapacityError: Unable
+# to provision requested ML compute capacity..." (the SageMaker Python SDK looks for the same word).
+CAPACITY_FAILURE = "CapacityError"
+
+
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    if event.get("step") == "decide_relaunch":
+        return decide_relaunch(event["previous"])
+    return launch(event)
+
+
+def decide_relaunch(previous: dict[str, Any]) -> dict[str, Any]:
+    """Whether the failed job of ``previous`` is launched again: it failed for want of capacity, and
+    relaunches and start window are left (a relaunch without time to start would be stopped unstarted)."""
+    reason = client("sagemaker").describe_training_job(TrainingJobName=previous["job_name"]).get("FailureReason", "")
+    relaunch = CAPACITY_FAILURE in reason and previous["relaunches_left"] > 0 and previous["polls"]["start_left"] > 0
+    logger.info("failed job", extra={"job_name": previous["job_name"], "reason": reason, "relaunch": relaunch})
+    return {"relaunch": relaunch, "reason": reason}
+
+
+def launch(event: dict[str, Any]) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"], SpecPolicy.from_environment(os.environ))
     if not RUN_ID.fullmatch(run_id(event["execution_arn"])):
         raise RunIdUnsupported(f"execution name {run_id(event['execution_arn'])!r}: start the run under a name of letters, digits, '-' and '_' (≤ 80)")
@@ -125,25 +145,23 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
             return {"job_name": name} | plan
         raise _named(code, message) from None
     logger.info("launched", extra={"job_name": name, "attempt": plan["attempt"], "instance_groups": [g.name for g in spec.instance_groups]})
+    stop_if_execution_ended(sagemaker, event["execution_arn"], name)
     return {"job_name": name} | plan
 
 
-# Polls one run may make, whatever its runtime and however many capacity relaunches: with the worst case
-# of every poll retried and caught (the state machine's own figures, tests/workflows/test_history.py),
-# far below Step Functions' 25,000 events.
-MAX_POLLS = 700
-# The first capacity relaunch waits RELAUNCH_BACKOFF_S (the stack's capacity_backoff_s), each further one
-# twice as long, up to the cap.
-RELAUNCH_BACKOFF_CAP_S = 1800
-
-
-def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int, start_timeout_s: int = 0) -> tuple[int, int, int]:
-    """(seconds between polls, polls once training, polls before it): the configured interval, or a
-    longer one when both windows together would take more than MAX_POLLS. Rounded up: a deadline only
-    ever errs late. Pure."""
-    window = max_runtime_s + grace_s
-    interval = max(poll_interval_s, math.ceil((window + start_timeout_s) / (MAX_POLLS - 1)))
-    return interval, math.ceil(window / interval), math.ceil(start_timeout_s / interval)
+def stop_if_execution_ended(sagemaker: Any, execution_arn: str, name: str) -> bool:
+    """An execution aborted while this launch ran: its cleanup looked for the job before it existed, so
+    the launch stops it itself (else it bills until the reconciler's next round)."""
+    try:
+        status = client("stepfunctions").describe_execution(executionArn=execution_arn)["status"]
+    except ClientError as error:
+        logger.warning("could not check the execution; the reconciler will", extra={"error": error.response["Error"]["Code"]})
+        return False
+    if status == "RUNNING":
+        return False
+    sagemaker.stop_training_job(TrainingJobName=name)
+    logger.info("execution ended during the launch: job stopped", extra={"job_name": name, "execution_status": status})
+    return True
 
 
 def first_attempt(max_runtime_s: int) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
 
 
 def test_the_run_may_poll_for_the_specs_runtime_plus_grace() -> None:
-    from lambdas.launch_job.handler import MAX_POLLS, poll_plan
+    from lambdas.core.deadlines import MAX_POLLS, poll_plan
 
     assert poll_plan(3600, 900, 60, 7200) == (60, 75, 120)
     assert poll_plan(60, 0, 7) == (7, 9, 0)  # rounded up: the deadline only ever errs late
@@ -280,3 +280,37 @@ def test_in_vpc_mode_every_job_gets_the_platforms_subnets_and_security_group(aws
     monkeypatch.setenv("VPC_CONFIG", json.dumps(vpc))  # as the stack sets it in VPC mode
     launched = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
     assert aws.sagemaker.describe_training_job(TrainingJobName=launched["job_name"])["VpcConfig"] == vpc
+
+
+def test_a_launch_whose_execution_ended_meanwhile_stops_the_job_it_created(aws, context) -> None:
+    """Aborted while its launch ran, the execution's cleanup looked for a job not yet created: the launch
+    itself stops the job instead of leaving it to bill until the reconciler's next round."""
+    import boto3
+
+    sfn = boto3.client("stepfunctions", region_name=REGION)
+    machine = sfn.create_state_machine(name="hetero-training-run", roleArn=f"arn:aws:iam::{ACCOUNT}:role/sfn",
+                                       definition=json.dumps({"StartAt": "W", "States": {"W": {"Type": "Wait", "Seconds": 600, "End": True}}}))
+    execution = sfn.start_execution(stateMachineArn=machine["stateMachineArn"], name="run-aborted")["executionArn"]
+    sfn.stop_execution(executionArn=execution)
+    launched = launch({"spec": spec(), "execution_arn": execution, "execution_start": STARTED}, context)
+    assert aws.sagemaker.describe_training_job(TrainingJobName=launched["job_name"])["TrainingJobStatus"] == "Stopping"
+    running = sfn.start_execution(stateMachineArn=machine["stateMachineArn"], name="run-running")["executionArn"]
+    kept = launch({"spec": spec() | {"run_name": "other"}, "execution_arn": running, "execution_start": STARTED}, context)
+    assert aws.sagemaker.describe_training_job(TrainingJobName=kept["job_name"])["TrainingJobStatus"] != "Stopping"
+
+
+def test_a_failed_job_is_relaunched_only_for_capacity_with_relaunches_and_start_window_left(aws, context) -> None:
+    first = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    job = sagemaker_backends[ACCOUNT][REGION].training_jobs[first["job_name"]]
+    job.training_job_status = "Failed"
+
+    def decide(reason: str | None, **changes) -> dict:
+        job.failure_reason = reason  # None: SageMaker gave none (its model does not promise one)
+        return launch({"step": "decide_relaunch", "previous": first | changes}, context)
+
+    capacity = "CapacityError: Unable to provision requested ML compute capacity. Please retry using a different ML instance type."
+    assert decide(capacity) == {"relaunch": True, "reason": capacity}
+    assert decide("AlgorithmError: exit 1")["relaunch"] is False
+    assert decide(None) == {"relaunch": False, "reason": ""}
+    assert decide(capacity, relaunches_left=0)["relaunch"] is False
+    assert decide(capacity, polls={"left": 75, "start_left": 0})["relaunch"] is False  # it would be stopped unstarted

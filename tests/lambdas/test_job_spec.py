@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import JobSpec, JobSpecError, SpecPolicy, role_map, validate_job_spec, worst_case_cost_usd
-from lambdas.core.service_limits import limit, training_instance_types
+from lambdas.core.service_limits import java_length, java_pattern, limit, training_instance_types
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -134,6 +134,9 @@ INVALID: list[tuple[str, Any, str]] = [
     ("S3 URI without a bucket", changed(hetero(), "inputs.train.s3_uri", "s3://"), "inputs.train.s3_uri"),
     ("S3 URI with an uppercase bucket", changed(hetero(), "inputs.train.s3_uri", "s3://Datasets/x/"), "inputs.train.s3_uri"),
     ("S3 URI with a newline", changed(hetero(), "inputs.train.s3_uri", "s3://datasets-bucket/x/\n"), "inputs.train.s3_uri"),
+    ("S3 URI with a line separator Java's '.' refuses", changed(hetero(), "inputs.train.s3_uri", "s3://datasets-bucket/a\u2028b/"), "inputs.train.s3_uri"),
+    ("S3 URI over 1,024 UTF-16 units in fewer characters", changed(hetero(), "inputs.train.s3_uri", "s3://datasets-bucket/" + "\U0001F600" * 600), "inputs.train.s3_uri"),
+    ("hyperparameter value with a carriage return", changed(neuron(), "hyperparameters.model", "bert\rbase"), "hyperparameters.model"),
     ("S3 URI over HTTPS", changed(hetero(), "inputs.train.s3_uri", "https://datasets-bucket.s3.amazonaws.com/x/"), "inputs.train.s3_uri"),
     ("channel with an unknown field", changed(hetero(), "inputs.train.mode", "pipe"), "inputs.train.mode"),
     ("channel naming a group twice", changed(hetero(), "inputs.train.groups", ["data_group", "data_group"]), "inputs.train.groups"),
@@ -287,6 +290,13 @@ def test_the_limits_are_the_service_models() -> None:
 
 def test_the_catalog_is_within_sagemakers_training_instance_types() -> None:
     assert set(CATALOG) <= training_instance_types()
+
+
+def test_java_semantics_carry_over() -> None:
+    assert java_length("\U0001F600") == 2 and java_length("abc") == 3
+    assert java_pattern(".*").fullmatch("a\tb") and not java_pattern(".*").fullmatch("a\u2028b")
+    assert java_pattern("[.]x").fullmatch(".x") and not java_pattern("[.]x").fullmatch("ax")  # a class's "." is literal
+    assert java_pattern("a\\.b").fullmatch("a.b") and not java_pattern("a\\.b").fullmatch("axb")
 
 
 def test_the_models_patterns_we_use_mean_the_same_in_python() -> None:

@@ -247,7 +247,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         except Exception as error:  # noqa: BLE001 - the runtime reports any error by its type
             response_headers["x-amz-function-error"] = "Unhandled"
             return json.dumps({"errorType": type(error).__name__, "errorMessage": str(error)}).encode()
-        if name == "LaunchJob":
+        if name == "LaunchJob" and "job_name" in result:  # a launch, not a relaunch decision
             script_job(result["job_name"])
         return json.dumps(result).encode()
 

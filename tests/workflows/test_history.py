@@ -5,7 +5,7 @@ in moto's interpreter."""
 
 from __future__ import annotations
 
-from lambdas.launch_job.handler import MAX_POLLS, poll_plan
+from lambdas.core.deadlines import MAX_POLLS, poll_plan
 from tests.infra.conftest import state_machine_definition
 from tests.workflows.conftest import SPEC, Scenario
 
@@ -18,7 +18,7 @@ POLL_LOOP = ("Wait", "Describe job", "Poll failed", "Job finished?", "Count down
 START_POLL = "Count down the start"  # instead of "Count down" while the job starts
 STOP_LOOP = ("Wait for stop", "Describe stopping job", "Stopped yet?", "Count down the stop")
 # One capacity relaunch: the failed job's reason, the decision, the backoff, the relaunch.
-RELAUNCH = ("Describe failure", "Capacity to retry?", "Back off", "Relaunch job")
+RELAUNCH = ("Decide relaunch", "Capacity to retry?", "Back off", "Relaunch job")
 RELAUNCHES = 5  # the most infra/config.py allows
 LONGEST_RUNTIME_S = 28 * 24 * 3600  # SageMaker's longest MaxRuntimeInSeconds (the validator allows 5 days)
 
