@@ -103,6 +103,16 @@ def test_an_invalid_spec_fails_naming_the_field_and_launches_nothing(run) -> Non
     assert harness.training_jobs() == []
 
 
+def test_a_spec_over_the_cost_ceiling_fails_with_the_figure_and_launches_nothing(run) -> None:
+    harness = run(Scenario())
+    costly = SPEC | {"max_runtime_s": 5 * 24 * 3600, "instance_groups": [
+        SPEC["instance_groups"][0], SPEC["instance_groups"][1] | {"instance_type": "ml.p4d.24xlarge", "count": 20}]}
+    execution = harness.wait(harness.start(costly, "run-costly"))
+    assert execution["status"] == "FAILED" and execution["error"] == "InvalidJobSpec"
+    assert "may cost $90,671.52, above the ceiling of $1,000.00" in execution["cause"]  # (1.836 + 20 × 37.688) × 120 h
+    assert harness.training_jobs() == []
+
+
 def test_a_job_running_past_the_specs_runtime_is_stopped_and_the_run_fails(run, monkeypatch) -> None:
     monkeypatch.setenv("DEADLINE_GRACE_S", "0")  # no grace: the state machine stops the job at the runtime
     harness = run(Scenario(runs_for_s=600, starts_for_s=3))  # SageMaker never stops it on its own here
