@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from training.data_service.dataset import EmptyChannelError, MissingChannelError, scan_image_folder
-from training.data_service.preprocess import CorruptDatasetError, load_and_augment, make_batch, random_resized_crop
+from training.data_service.preprocess import CorruptDatasetError, crop_box, draft_reduction, load_and_augment, make_batch
 from training.local.images import write_dataset
 from training.trainers.config import AugmentConfig
 
@@ -49,10 +49,39 @@ def test_augmentation_is_random_but_reproducible(images: Path) -> None:
 
 
 def test_random_resized_crop_falls_back_to_a_centre_crop_for_extreme_images() -> None:
-    from PIL import Image
+    assert crop_box(400, 2, np.random.default_rng(0)) == (199, 0, 201, 2)
 
-    strip = Image.new("RGB", (400, 2))
-    assert random_resized_crop(strip, np.random.default_rng(0), 16).size == (16, 16)
+
+def test_a_draft_decode_never_leaves_the_crop_smaller_than_the_output() -> None:
+    """The reduction is the largest that keeps both sides of the crop ≥ the output; a crop smaller than
+    the output is decoded in full (nothing is upscaled that a full decode would have kept sharper)."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        width, height = (int(n) for n in rng.integers(16, 4000, size=2))
+        box = crop_box(width, height, rng)
+        size = int(rng.choice([32, 224, 384]))
+        reduction = draft_reduction(box, size)
+        crop_w, crop_h = box[2] - box[0], box[3] - box[1]
+        if reduction > 1:
+            assert min(crop_w, crop_h) / reduction >= size
+        if reduction < 8 and min(crop_w, crop_h) / (reduction * 2) >= size:
+            raise AssertionError(f"{box} for {size}: a larger reduction than {reduction} would do")
+    assert draft_reduction((0, 0, 1600, 1200), 224) == 4 and draft_reduction((0, 0, 200, 300), 224) == 1
+
+
+@pytest.mark.parametrize("augment", ["standard", "heavy"])
+def test_a_draft_decode_draws_the_same_parameters_and_keeps_the_image(tmp_path: Path, augment: str) -> None:
+    """Same random stream, same crop (chosen from the header); the output differs from a full decode only
+    by the decoder's reduced resolution: close, not equal."""
+    root = write_dataset(tmp_path, classes=1, per_class=3, size=1600)
+    config = AugmentConfig(64, augment)
+    for path in sorted(root.glob("class_00/*.jpg")):
+        full_rng, draft_rng = np.random.default_rng(3), np.random.default_rng(3)
+        full = load_and_augment(str(path), full_rng, config, draft=False)
+        drafted = load_and_augment(str(path), draft_rng, config, draft=True)
+        assert full_rng.random() == draft_rng.random()  # both consumed the same draws
+        assert drafted.shape == full.shape == (3, 64, 64) and drafted.dtype == np.uint8
+        assert np.abs(drafted.astype(int) - full.astype(int)).mean() < 12  # of 255
 
 
 def test_corrupt_files_are_skipped_counted_and_replaced(tmp_path: Path) -> None:
