@@ -24,8 +24,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from training.data_service.augmentation import AugmentConfig  # noqa: E402
 from training.data_service.preprocess import crop_box, load_and_augment  # noqa: E402
-from training.trainers.config import AugmentConfig  # noqa: E402
 
 SOURCES = (320, 500, 1600, 3000)
 

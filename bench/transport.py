@@ -36,11 +36,11 @@ import torch  # noqa: E402
 
 from training.data_service import codec  # noqa: E402
 from training.data_service import data_service_pb2 as pb  # noqa: E402
+from training.data_service.augmentation import AugmentConfig  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
 from training.data_service.dataset import ImageFolder  # noqa: E402
 from training.data_service.server import ReadyBatch, ServerSettings, put_until_stopped, serve  # noqa: E402
 from training.local.cluster import free_port  # noqa: E402
-from training.trainers.config import AugmentConfig  # noqa: E402
 
 TOKEN = "transport-benchmark-token"
 HEADER = struct.Struct("!I")

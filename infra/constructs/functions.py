@@ -35,6 +35,8 @@ LAMBDA_SOURCES = (
     "training/variants.py",
     "training/trainers/__init__.py",
     "training/trainers/config.py",
+    "training/data_service/__init__.py",
+    "training/data_service/augmentation.py",
 )
 RUNTIME = lambda_.Runtime.PYTHON_3_14
 POWERTOOLS_LAYER_PARAMETER = "/aws/service/powertools/python/x86_64/python3.14/latest"

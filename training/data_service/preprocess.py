@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
-from training.trainers.config import AugmentConfig
+from training.data_service.augmentation import AugmentConfig
 
 # What PIL raises for a file that is not a decodable image (truncated, wrong format, garbage).
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)

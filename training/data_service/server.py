@@ -42,10 +42,10 @@ import numpy as np
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
+from training.data_service.augmentation import AugmentConfig
 from training.data_service.auth import TokenAuth
 from training.data_service.dataset import ImageFolder
 from training.data_service.preprocess import CorruptDatasetError, make_batch
-from training.trainers.config import AugmentConfig
 
 log = logging.getLogger(__name__)
 

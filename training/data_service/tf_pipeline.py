@@ -28,8 +28,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from training.data_service.augmentation import AugmentConfig
 from training.data_service.dataset import ImageFolder
-from training.trainers.config import AugmentConfig
 
 # The id the dispatcher host registers the pipeline under and the trainers read it by.
 DATASET_ID = "train"

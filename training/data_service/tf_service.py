@@ -164,9 +164,9 @@ def run_servers(args: argparse.Namespace) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO lines are noise here
     import tensorflow as tf
 
+    from training.data_service.augmentation import AugmentConfig
     from training.data_service.dataset import scan_image_folder
     from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, register, relative_samples
-    from training.trainers.config import AugmentConfig
 
     service = tf.data.experimental.service
     dispatcher = None

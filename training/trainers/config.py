@@ -12,30 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from training.data_service.augmentation import AugmentConfig  # re-exported: the trainers' settings name it
+
 MODELS = ("cnn", "resnet18", "resnet50")
 KERAS_MODELS = ("cnn", "resnet50")
-AUGMENTATIONS = ("standard", "heavy")
 # "auto": bf16 where the GPU has it (Ampere and later), fp16 with loss scaling on older GPUs (V100, i.e.
 # ml.p3), fp32 on CPUs. The others force one, to compare.
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    image_size: int
-    # "standard": random resized crop, flip, colour jitter (ImageNet training recipe).
-    # "heavy": standard plus rotation, blur, sharpness and autocontrast (a preprocessing-bound pipeline).
-    augment: str = "standard"
-
-    def __post_init__(self) -> None:
-        if self.augment not in AUGMENTATIONS:
-            raise ValueError(f"augment must be one of {AUGMENTATIONS}, got {self.augment!r}")
-        if not 8 <= self.image_size <= 1024:
-            raise ValueError(f"image_size must be in 8..1024, got {self.image_size}")
-
-    @property
-    def sample_shape(self) -> tuple[int, int, int]:
-        return (3, self.image_size, self.image_size)
 
 
 def check_limits(config: object) -> None:
