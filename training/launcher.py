@@ -297,8 +297,19 @@ def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:
     source, target = channel_dir(RESUME_CHANNEL, environ), base_dir(environ) / "checkpoints"
     if not source.is_dir() or (target.is_dir() and any(target.iterdir())):
         return 0
-    shutil.copytree(source, target, dirs_exist_ok=True)
-    copied = sum(1 for path in target.rglob("*") if path.is_file())
+    # Copied beside, then moved in file by file (each rename atomic; the folder SageMaker watches stays):
+    # a host that dies mid-copy leaves no half-written checkpoint file that a restart would take for its own.
+    staging = target.parent / f".{target.name}-seeding"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    target.mkdir(parents=True, exist_ok=True)
+    files = sorted(path for path in staging.rglob("*") if path.is_file())
+    for path in files:
+        destination = target / path.relative_to(staging)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        path.replace(destination)
+    shutil.rmtree(staging, ignore_errors=True)
+    copied = len(files)
     log.info("resuming: %d checkpoint files from the %r channel", copied, RESUME_CHANNEL)
     return copied
 

@@ -5,6 +5,7 @@ cdk.json's ``alarm_email`` to be told by mail; subscribe anything else to the to
 
 from __future__ import annotations
 
+from aws_cdk import ArnFormat, RemovalPolicy, Stack
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_cloudwatch_actions as actions
 from aws_cdk import aws_iam as iam
@@ -19,9 +20,26 @@ class AlarmTopic(Construct):
         super().__init__(scope, construct_id)
         # CloudWatch cannot publish to a topic under the AWS-managed aws/sns key (its policy does not let
         # CloudWatch use it): a key of our own, rotated, that CloudWatch may use.
-        key = kms.Key(self, "Key", enable_key_rotation=True, description="Encrypts the platform's alarm topic")
-        key.grant(iam.ServicePrincipal("cloudwatch.amazonaws.com"), "kms:Decrypt", "kms:GenerateDataKey*")
+        stack = Stack.of(self)
+        # Only this account's alarms (no confused deputy: another account's CloudWatch cannot use these).
+        from_our_alarms = {
+            "StringEquals": {"aws:SourceAccount": stack.account},
+            "ArnLike": {"aws:SourceArn": stack.format_arn(service="cloudwatch", resource="alarm", resource_name="*",
+                                                          arn_format=ArnFormat.COLON_RESOURCE_NAME)},
+        }
+        key = kms.Key(self, "Key", enable_key_rotation=True, description="Encrypts the platform's alarm topic",
+                      removal_policy=RemovalPolicy.DESTROY)
+        key.add_to_resource_policy(iam.PolicyStatement(
+            actions=["kms:Decrypt", "kms:GenerateDataKey*"], principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            resources=["*"], conditions=from_our_alarms,  # "*" in a key policy is this key
+        ))
         self.topic = sns.Topic(self, "Topic", master_key=key, enforce_ssl=True, display_name="Training platform alarms")
+        # A topic policy replaces SNS's default one (which let this account's services publish): CloudWatch
+        # must be allowed explicitly, or no alarm is ever delivered.
+        self.topic.add_to_resource_policy(iam.PolicyStatement(
+            actions=["sns:Publish"], principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            resources=[self.topic.topic_arn], conditions=from_our_alarms,
+        ))
         if email:
             self.topic.add_subscription(subscriptions.EmailSubscription(email))
 

@@ -112,7 +112,12 @@ class BenchmarkSweep(Construct):
         self.schedule_rule = self._schedule(schedule) if schedule else None
         self.alarm = cloudwatch.Alarm(
             self, "FailedSweeps", alarm_description="A benchmark sweep execution failed, timed out or was aborted",
-            metric=self.state_machine.metric_failed(period=Duration.hours(1), statistic="Sum"),
+            metric=cloudwatch.MathExpression(
+                expression="FILL(failed, 0) + FILL(timedOut, 0) + FILL(aborted, 0)", period=Duration.hours(1), label="Sweeps ended badly",
+                using_metrics={"failed": self.state_machine.metric_failed(statistic="Sum"),
+                               "timedOut": self.state_machine.metric_timed_out(statistic="Sum"),
+                               "aborted": self.state_machine.metric_aborted(statistic="Sum")},
+            ),
             threshold=1, evaluation_periods=1, comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
         )

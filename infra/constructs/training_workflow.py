@@ -32,8 +32,8 @@ from constructs import Construct
 
 from infra.constructs.functions import TrainingRunFunctions, retention, training_jobs_resource
 from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
+from lambdas.core.deadlines import DECIDE_RELAUNCH_RETRY, POLL_RETRY, STOP_POLL_RETRY, STOP_POLLS, STOP_RETRY, RetrySchedule
 from lambdas.core.deadlines import LAUNCH_RETRIES as LAUNCH_RETRY_SCHEDULE
-from lambdas.core.deadlines import STOP_POLLS
 
 SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
 EXECUTION_ARN = sfn.JsonPath.execution_id
@@ -41,12 +41,20 @@ EXECUTION_START = sfn.JsonPath.execution_start_time
 # SageMaker's secondary statuses before a job trains (SecondaryStatus, botocore's model): polls in these
 # count against the start window, not the run's deadline.
 STARTING = ("Pending", "Starting", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading", "DownloadingTrainingImage")
+
+
+def retrier(schedule: RetrySchedule) -> dict:
+    """A Retry of the definition from its schedule in lambdas/core/deadlines.py (which the run's timeout
+    adds up), with full jitter."""
+    return {"errors": list(schedule.errors), "interval": Duration.seconds(schedule.interval_s), "backoff_rate": 2,
+            "max_attempts": schedule.attempts, "jitter_strategy": sfn.JitterType.FULL,
+            **({"max_delay": Duration.seconds(schedule.max_delay_s)} if schedule.max_delay_s else {})}
+
+
 # What a launch (and a relaunch) retries: throttling, and capacity or quota errors CreateTrainingJob itself
-# returns (lambdas/core/deadlines.py holds the schedule; the run's timeout allows for it).
-LAUNCH_RETRIES = tuple(
-    {"errors": [error], "interval": Duration.seconds(interval), "backoff_rate": 2, "max_attempts": attempts, "jitter_strategy": sfn.JitterType.FULL}
-    for error, (interval, attempts) in LAUNCH_RETRY_SCHEDULE.items()
-)
+# returns.
+LAUNCH_RETRIES = tuple(retrier(schedule) for schedule in LAUNCH_RETRY_SCHEDULE)
+DECIDE_RETRY = retrier(DECIDE_RELAUNCH_RETRY)
 
 
 class TrainingWorkflow(Construct):
@@ -77,8 +85,8 @@ class TrainingWorkflow(Construct):
         )
         launch = invoke("Launch job", functions.launch, {"spec": SPEC, "execution_arn": EXECUTION_ARN, "execution_start": EXECUTION_START},
                         "$.launch")
-        for retrier in LAUNCH_RETRIES:
-            launch.add_retry(**retrier)
+        for launch_retry in LAUNCH_RETRIES:
+            launch.add_retry(**launch_retry)
         # The launch chose the interval (at least poll_interval_s; longer for long runtimes, so that the
         # number of polls, and so the execution's history, stays bounded).
         wait = sfn.Wait(self, "Wait", time=sfn.WaitTime.seconds_path("$.launch.poll_interval_s"))
@@ -96,8 +104,7 @@ class TrainingWorkflow(Construct):
         describe = describe_job("Describe job")
         # A poll that fails is retried, then simply counted as a poll: it never stops a healthy job (the
         # run's deadline still bounds it). Few retries: each costs history events (see MAX_POLLS).
-        describe.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=3,
-                           max_delay=Duration.seconds(60), jitter_strategy=sfn.JitterType.FULL)
+        describe.add_retry(**retrier(POLL_RETRY))
         job = {"spec": SPEC, "execution_arn": EXECUTION_ARN, "job_name": sfn.JsonPath.string_at("$.launch.job_name"),
                "attempts": sfn.JsonPath.list_at("$.launch.attempts")}
         collect = invoke("Collect results", functions.collect, job, "$.result")
@@ -105,8 +112,7 @@ class TrainingWorkflow(Construct):
         stop = invoke("Stop job", functions.stop, {"job_name": sfn.JsonPath.string_at("$.launch.job_name")}, None)
         # Briefly: a run that fails anyway ends FAILED; the abort rule's stop (two asynchronous retries, then
         # the on-failure queue and its alarm) and the reconciler, every 15 minutes, follow up.
-        stop.add_retry(errors=["States.ALL"], interval=Duration.seconds(2), backoff_rate=2, max_attempts=4,
-                       max_delay=Duration.seconds(30), jitter_strategy=sfn.JitterType.FULL)
+        stop.add_retry(**retrier(STOP_RETRY))
         record_failure = invoke("Record failure", functions.collect, job | {"failure": sfn.JsonPath.object_at("$.error")}, None)
         record_launch_failure = invoke(
             "Record launch failure", functions.collect,
@@ -122,8 +128,7 @@ class TrainingWorkflow(Construct):
         begin_stop_wait = sfn.Pass(self, "Await stop", parameters={"polls_left": STOP_POLLS}, result_path="$.stopping")
         stop_wait = sfn.Wait(self, "Wait for stop", time=sfn.WaitTime.duration(Duration.seconds(poll_interval_s)))
         describe_stopping = describe_job("Describe stopping job")
-        describe_stopping.add_retry(errors=["States.ALL"], interval=Duration.seconds(5), backoff_rate=2, max_attempts=2,
-                                    jitter_strategy=sfn.JitterType.FULL)
+        describe_stopping.add_retry(**retrier(STOP_POLL_RETRY))
         describe_stopping.add_catch(record_failure, result_path="$.stop_error")
         stop_countdown = sfn.Pass(
             self, "Count down the stop",
@@ -175,12 +180,14 @@ class TrainingWorkflow(Construct):
         # does not promise: a state reading a missing field would fail the execution, uncatchably).
         decide_relaunch = invoke("Decide relaunch", functions.launch,
                                  {"step": "decide_relaunch", "previous": sfn.JsonPath.object_at("$.launch")}, "$.failure")
+        # It only reads: retried on any error (a throttled Describe must not forfeit a relaunch).
+        decide_relaunch.add_retry(**DECIDE_RETRY)
         relaunch = invoke("Relaunch job", functions.launch,
                           {"spec": SPEC, "execution_arn": EXECUTION_ARN, "execution_start": EXECUTION_START,
                            "previous": sfn.JsonPath.object_at("$.launch"), "failure_reason": sfn.JsonPath.string_at("$.failure.reason")},
                           "$.launch")
-        for retrier in LAUNCH_RETRIES:
-            relaunch.add_retry(**retrier)
+        for launch_retry in LAUNCH_RETRIES:
+            relaunch.add_retry(**launch_retry)
         # The previous attempt's job has failed; a job this attempt created before failing is the
         # reconciler's (its execution has ended).
         relaunch.add_catch(record_failure, result_path="$.error")

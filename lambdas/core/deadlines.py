@@ -14,22 +14,57 @@ must not cut short a run the platform accepts (its timed-out execution would wri
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # Polls one run may make, whatever its runtime and however many capacity relaunches: with the worst case
 # of every poll retried and caught (tests/workflows/test_history.py), far below 25,000 events.
 MAX_POLLS = 700
 # Each capacity relaunch waits twice as long as the one before, up to this.
 RELAUNCH_BACKOFF_CAP_S = 1800
-# What a launch (and a relaunch) retries, by error: (first interval in seconds, attempts), doubling.
-LAUNCH_RETRIES = {"LaunchThrottled": (10, 6), "CapacityUnavailable": (300, 4)}
+
+
+@dataclass(frozen=True)
+class RetrySchedule:
+    """A state's Retry (infra/constructs/training_workflow.py builds it from this), doubling each time."""
+
+    errors: tuple[str, ...]
+    interval_s: int
+    attempts: int
+    max_delay_s: int = 0  # 0: no cap
+
+    def longest_wait_s(self) -> int:
+        """All the waits of a state that fails every retried attempt."""
+        waits = (self.interval_s * 2**attempt for attempt in range(self.attempts))
+        return sum(min(wait, self.max_delay_s) if self.max_delay_s else wait for wait in waits)
+
+
+# A launch (and a relaunch) retries throttling, and the capacity or quota errors CreateTrainingJob returns.
+LAUNCH_RETRIES = (RetrySchedule(("LaunchThrottled",), 10, 6), RetrySchedule(("CapacityUnavailable",), 300, 4))
+# A poll retries anything, briefly (each attempt costs history events), then counts as a failed poll.
+POLL_RETRY = RetrySchedule(("States.ALL",), 5, 3, max_delay_s=60)
+STOP_RETRY = RetrySchedule(("States.ALL",), 2, 4, max_delay_s=30)
+STOP_POLL_RETRY = RetrySchedule(("States.ALL",), 5, 2)
+DECIDE_RELAUNCH_RETRY = RetrySchedule(("States.ALL",), 5, 3, max_delay_s=60)
 # After stopping a job: up to STOP_POLLS checks, a poll interval apart, for a terminal status (SageMaker
 # gives the container 120 s after SIGTERM, then uploads its outputs: 12 minutes at the default 60 s).
 STOP_POLLS = 12
+# Every Lambda task of the run: the longest function timeout (collect's) and the Lambda service-error
+# retries CDK adds to each (2 s doubling, 6 attempts: 126 s of waits, 7 invocations).
+LAMBDA_TIMEOUT_S = 60
+LAMBDA_SERVICE_RETRY = RetrySchedule(("Lambda.ServiceException",), 2, 6)
+# A Task's own call (DescribeTrainingJob, a Lambda invoke), at most.
+CALL_S = 10
+
+
+def lambda_task_s(attempts: int = 1) -> int:
+    """The longest a Lambda task state takes, over ``attempts`` of its own Retry's attempts."""
+    return attempts * ((1 + LAMBDA_SERVICE_RETRY.attempts) * LAMBDA_TIMEOUT_S + LAMBDA_SERVICE_RETRY.longest_wait_s())
 
 
 def launch_retry_s() -> int:
-    """The longest one launch's retries wait, all of them failing but the last."""
-    return sum(interval * (2**attempts - 1) for interval, attempts in LAUNCH_RETRIES.values())
+    """The longest one launch takes, every retried attempt failing but the last."""
+    attempts = 1 + sum(schedule.attempts for schedule in LAUNCH_RETRIES)
+    return sum(schedule.longest_wait_s() for schedule in LAUNCH_RETRIES) + lambda_task_s(attempts)
 
 
 def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int, start_timeout_s: int = 0) -> tuple[int, int, int]:
@@ -48,12 +83,16 @@ def relaunch_backoffs_s(first_backoff_s: int, relaunches: int) -> list[int]:
 
 def worst_case_run_s(
     *, max_runtime_s: int, grace_s: int, poll_interval_s: int, start_timeout_s: int, relaunches: int, first_backoff_s: int,
-    tasks_s: int = 1800,
 ) -> int:
-    """The longest a run can take end to end: every poll of both budgets (plus, per launch, the poll that
-    finds its job failed), every relaunch's backoff, every launch's retries, the wait for a stopped job,
-    and ``tasks_s`` for the Lambda tasks and their retries."""
+    """The longest a run can take end to end, every retry of every state taken to its last attempt: every
+    poll of both budgets (plus, per launch, the poll that finds its job failed) with its retries, every
+    relaunch's decision and backoff, every launch's retries, validation, the stop and the wait for the
+    stopped job, and the collect."""
     interval, polls, start_polls = poll_plan(max_runtime_s, grace_s, poll_interval_s, start_timeout_s)
-    polling = (polls + start_polls + 1 + relaunches) * interval
-    return (polling + sum(relaunch_backoffs_s(first_backoff_s, relaunches)) + launch_retry_s() * (1 + relaunches)
-            + (STOP_POLLS + 1) * poll_interval_s + tasks_s)
+    poll_s = interval + CALL_S * POLL_RETRY.attempts + POLL_RETRY.longest_wait_s() + CALL_S
+    polling = (polls + start_polls + 1 + relaunches) * poll_s
+    deciding = relaunches * (lambda_task_s(1 + DECIDE_RELAUNCH_RETRY.attempts) + DECIDE_RELAUNCH_RETRY.longest_wait_s())
+    stopping = (lambda_task_s(1 + STOP_RETRY.attempts) + STOP_RETRY.longest_wait_s()
+                + (STOP_POLLS + 1) * (poll_interval_s + CALL_S * (1 + STOP_POLL_RETRY.attempts) + STOP_POLL_RETRY.longest_wait_s()))
+    return (lambda_task_s() + polling + deciding + sum(relaunch_backoffs_s(first_backoff_s, relaunches))
+            + launch_retry_s() * (1 + relaunches) + stopping + lambda_task_s())

@@ -157,17 +157,23 @@ def _resources(spec: JobSpec, volume_size_gb: int) -> dict[str, Any]:
     }
 
 
+def _routed(spec: JobSpec) -> bool:
+    """Whether the request assigns channels to groups: SageMaker takes all channels assigned, or none. A
+    resuming run's checkpoints go to the DNN group alone, so then every channel is assigned (one the spec
+    leaves unassigned, to every group)."""
+    return spec.is_heterogeneous and (bool(spec.resume_from) or any(channel.groups for channel in spec.inputs))
+
+
 def _platform_channel(spec: JobSpec, name: str, uri: str, groups: Any) -> dict[str, Any]:
-    """A channel the platform adds, for ``groups`` when the user's channels are assigned to groups
-    (SageMaker takes all channels assigned, or none; unassigned, every host gets it)."""
+    """A channel the platform adds, for ``groups`` (every host when no channel is routed)."""
     source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
-    if spec.is_heterogeneous and any(channel.groups for channel in spec.inputs):
+    if _routed(spec):
         source["InstanceGroupNames"] = [group.name for group in groups]
     return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
 
 
 def _channel(spec: JobSpec, channel: Any) -> dict[str, Any]:
     source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": channel.s3_uri, "S3DataDistributionType": "FullyReplicated"}
-    if spec.is_heterogeneous and channel.groups:
-        source["InstanceGroupNames"] = list(channel.groups)
+    if _routed(spec):
+        source["InstanceGroupNames"] = list(spec.group_names_for(channel))
     return {"ChannelName": channel.name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}

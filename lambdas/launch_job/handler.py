@@ -157,9 +157,13 @@ def stop_if_execution_ended(sagemaker: Any, execution_arn: str, name: str) -> bo
     except ClientError as error:
         logger.warning("could not check the execution; the reconciler will", extra={"error": error.response["Error"]["Code"]})
         return False
-    if status == "RUNNING":
+    if status == "RUNNING":  # eventually consistent: a very recent abort may still read RUNNING (the reconciler follows up)
         return False
-    sagemaker.stop_training_job(TrainingJobName=name)
+    try:
+        sagemaker.stop_training_job(TrainingJobName=name)
+    except ClientError as error:  # the abort cleanup stopped it first, or it ended already
+        logger.info("job not stopped here", extra={"job_name": name, "error": error.response["Error"]["Code"]})
+        return False
     logger.info("execution ended during the launch: job stopped", extra={"job_name": name, "execution_status": status})
     return True
 

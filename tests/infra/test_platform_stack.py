@@ -176,7 +176,7 @@ def test_the_state_machine_graph(template_json) -> None:
     assert capacity == {"Variable": "$.failure.relaunch", "BooleanEquals": True, "Next": "Back off"}
     assert states["Capacity to retry?"]["Default"] == "Collect failed run"
     assert {e for r in states["Relaunch job"]["Retry"] for e in r["ErrorEquals"]} >= {"LaunchThrottled", "CapacityUnavailable"}
-    assert definition["TimeoutSeconds"] == 130 * 3600  # the longest accepted run's worst case (tests/infra/test_config.py)
+    assert definition["TimeoutSeconds"] == 154 * 3600  # the longest accepted run's worst case (tests/infra/test_config.py)
     assert states["Back off"]["SecondsPath"] == "$.launch.backoff_s" and states["Back off"]["Next"] == "Relaunch job"
     assert states["Relaunch job"]["Next"] == "Wait" and states["Relaunch job"]["ResultPath"] == "$.launch"
     assert states["Relaunch job"]["Catch"][0]["Next"] == "Record failure"
@@ -324,6 +324,14 @@ def test_every_alarm_notifies_the_encrypted_alarm_topic(template_json) -> None:
     (key,) = resources(template_json, "AWS::KMS::Key").values()
     assert key["Properties"]["EnableKeyRotation"] is True
     assert "cloudwatch.amazonaws.com" in json.dumps(key["Properties"]["KeyPolicy"])
+    # The topic policy (which replaces SNS's default) lets this account's CloudWatch alarms publish.
+    (policy,) = resources(template_json, "AWS::SNS::TopicPolicy").values()
+    (publish,) = [s for s in policy["Properties"]["PolicyDocument"]["Statement"] if s["Effect"] == "Allow"]
+    assert publish["Action"] == "sns:Publish" and publish["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
+    assert set(publish["Condition"]) == {"StringEquals", "ArnLike"} and "aws:SourceAccount" in publish["Condition"]["StringEquals"]
+    key_statements = key["Properties"]["KeyPolicy"]["Statement"]
+    (cloudwatch_use,) = [s for s in key_statements if s.get("Principal") == {"Service": "cloudwatch.amazonaws.com"}]
+    assert cloudwatch_use["Condition"] == publish["Condition"]
     alarms = resources(template_json, "AWS::CloudWatch::Alarm")
     assert len(alarms) >= 4
     for alarm in alarms.values():

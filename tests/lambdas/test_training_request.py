@@ -85,6 +85,15 @@ def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
     assert carried_on["CheckpointConfig"]["S3Uri"] == checkpoint_uri(SETTINGS, "run-0001")  # writes only its own
     (resume,) = [c for c in carried_on["InputDataConfig"] if c["ChannelName"] == "resume"]
     assert resume["DataSource"]["S3DataSource"]["S3Uri"] == "s3://results-bucket/checkpoints/run-0000/"
+    # Only the DNN group downloads the checkpoints, even when the spec routes no channel: then every
+    # channel is routed (SageMaker takes all or none), the unrouted ones to every group.
+    unrouted = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    unrouted["inputs"] = {"train": {"s3_uri": "s3://datasets-bucket/images/"}}
+    unrouted["instance_groups"][0]["role"], unrouted["instance_groups"][1]["role"] = "data", "dnn"
+    routed = create_training_job_request(validate_job_spec(unrouted | {"resume_from": "run-0000"}), SETTINGS, name="hetero-x-ab12cd34ef",
+                                         run_id="run-0001")
+    routes = {c["ChannelName"]: c["DataSource"]["S3DataSource"].get("InstanceGroupNames") for c in routed["InputDataConfig"]}
+    assert routes == {"train": ["data_group", "dnn_group"], "platform": ["data_group", "dnn_group"], "resume": ["dnn_group"]}
     assert request["TrainingJobName"] == "hetero-vision-hetero-ab12cd34ef"
     assert len(job_name("platform10", "a" * 40, "x" * 10)) == 62
     with pytest.raises(RequestError):
