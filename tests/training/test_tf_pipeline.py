@@ -60,3 +60,27 @@ def test_the_same_seed_gives_the_same_order_and_augmentation() -> None:
     assert np.array_equal(autocontrast(flat).numpy(), flat.numpy())  # a flat channel is left alone
     stretched = autocontrast(tf.constant([[[10.0], [20.0]]]))
     assert np.allclose(stretched.numpy().ravel(), [0.0, 255.0])
+
+
+def test_a_jpeg_crop_decodes_only_its_window_and_equals_the_full_decode_cropped(tmp_path: Path) -> None:
+    """decode_and_crop_jpeg of the window the header gave is the pixels of the whole file decoded and
+    sliced (to the chroma upsampling at the window's edges); a PNG takes the full decode; both come out
+    size × size float32."""
+    from PIL import Image
+
+    from training.data_service.tf_pipeline import decode_random_crop
+
+    rng = np.random.default_rng(0)
+    pixels = np.clip(rng.normal(128, 40, size=(300, 400, 3)), 0, 255).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "a.jpg", quality=90)
+    Image.fromarray(pixels).save(tmp_path / "a.png")
+    jpeg = tf.io.read_file(str(tmp_path / "a.jpg"))
+    assert tf.io.extract_jpeg_shape(jpeg).numpy().tolist() == [300, 400, 3]
+    window = tf.constant([30, 50, 120, 200])
+    whole = tf.io.decode_jpeg(jpeg, channels=3)
+    cropped = tf.image.decode_and_crop_jpeg(jpeg, window, channels=3).numpy().astype(int)
+    difference = np.abs(cropped - whole[30:150, 50:250].numpy().astype(int))
+    assert cropped.shape == (120, 200, 3) and difference.mean() < 0.5 and np.median(difference) == 0
+    for name in ("a.jpg", "a.png"):
+        crop = decode_random_crop(tf.io.read_file(str(tmp_path / name)), 64)
+        assert crop.shape == (64, 64, 3) and crop.dtype == tf.float32 and float(tf.math.reduce_std(crop)) > 5

@@ -130,8 +130,7 @@ def augmentation_pipeline(
 def load_and_augment(path: tf.Tensor, config: AugmentConfig) -> tf.Tensor:
     """One sample: decode, random resized crop, flip, colour jitter (and for "heavy": rotation, blur,
     sharpening, autocontrast); uint8 (size, size, 3)."""
-    image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
-    image = random_resized_crop(image, config.image_size)
+    image = decode_random_crop(tf.io.read_file(path), config.image_size)
     image = tf.image.random_flip_left_right(image)
     image = colour_jitter(image, strength=0.4)
     if config.augment == "heavy":
@@ -143,18 +142,36 @@ def load_and_augment(path: tf.Tensor, config: AugmentConfig) -> tf.Tensor:
     return tf.ensure_shape(image, (config.image_size, config.image_size, 3))  # the static shape trainers expect
 
 
-def random_resized_crop(image: tf.Tensor, size: int) -> tf.Tensor:
-    """Inception-style crop (area 8–100 %, aspect 3/4–4/3, ten tries, else the whole image), resized to
-    size × size; float32 out."""
+def crop_box(shape: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Inception-style crop of an image of ``shape`` (height, width, channels): area 8–100 %, aspect
+    3/4–4/3, ten tries, else the whole image. (begin, size), as tf.slice takes them."""
     begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
-        tf.shape(image),
+        shape,
         bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
         area_range=(0.08, 1.0),
         aspect_ratio_range=(3 / 4, 4 / 3),
         max_attempts=10,
         use_image_if_no_bounding_boxes=True,
     )
-    crop = tf.slice(image, begin, crop_size)
+    return begin, crop_size
+
+
+def decode_random_crop(data: tf.Tensor, size: int) -> tf.Tensor:
+    """The random resized crop of an encoded image, size × size, float32. A JPEG's crop is chosen from
+    its header (extract_jpeg_shape) and only that window is decoded (decode_and_crop_jpeg, TensorFlow's
+    own ImageNet recipe): the rows and blocks outside it are skipped. Other formats decode in full."""
+
+    def jpeg() -> tf.Tensor:
+        begin, crop_size = crop_box(tf.io.extract_jpeg_shape(data))
+        window = tf.stack([begin[0], begin[1], crop_size[0], crop_size[1]])
+        return tf.image.decode_and_crop_jpeg(data, window, channels=3)
+
+    def other() -> tf.Tensor:
+        image = tf.io.decode_image(data, channels=3, expand_animations=False)
+        begin, crop_size = crop_box(tf.shape(image))
+        return tf.slice(image, begin, crop_size)
+
+    crop = tf.cond(tf.io.is_jpeg(data), jpeg, other)
     return tf.image.resize(crop, (size, size), method="bilinear", antialias=True)
 
 
