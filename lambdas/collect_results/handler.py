@@ -16,7 +16,7 @@ from aws_lambda_powertools import Logger
 
 from lambdas.clients import client, object_size_or_none, put_new_object, read_object_or_none
 from lambdas.core.execution import run_id
-from lambdas.core.job_spec import validate_job_spec
+from lambdas.core.job_spec import split_s3_uri, validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.results import (
     MAX_ARCHIVE_BYTES,
@@ -70,7 +70,7 @@ def _summary(describe: dict[str, Any]) -> tuple[dict[str, Any] | None, str | Non
     output = describe.get("OutputDataConfig", {}).get("S3OutputPath", "").rstrip("/")
     if not output.startswith("s3://"):
         return None, None
-    bucket, _, prefix = output[len("s3://"):].partition("/")
+    bucket, prefix = split_s3_uri(output)
     key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
     size = object_size_or_none(bucket, key)
     if size is None:

@@ -76,9 +76,17 @@ def poll_plan(max_runtime_s: int, grace_s: int, poll_interval_s: int, start_time
     return interval, math.ceil(window / interval), math.ceil(start_timeout_s / interval)
 
 
+def next_backoff_s(backoff_s: int) -> int:
+    """The wait before the relaunch after one that waited ``backoff_s``."""
+    return min(backoff_s * 2, RELAUNCH_BACKOFF_CAP_S)
+
+
 def relaunch_backoffs_s(first_backoff_s: int, relaunches: int) -> list[int]:
     """The wait before each capacity relaunch."""
-    return [min(first_backoff_s * 2**attempt, RELAUNCH_BACKOFF_CAP_S) for attempt in range(relaunches)]
+    waits = [first_backoff_s] if relaunches else []
+    while len(waits) < relaunches:
+        waits.append(next_backoff_s(waits[-1]))
+    return waits
 
 
 def worst_case_run_s(

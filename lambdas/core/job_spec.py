@@ -206,7 +206,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
         spec_version=SPEC_VERSION,
         resume_from=resume_from,
-        max_cost_usd=_max_cost(raw.get("max_cost_usd")),
+        max_cost_usd=positive_usd(raw.get("max_cost_usd")),
     )
 
 
@@ -266,7 +266,7 @@ def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
         raise JobSpecError("hyperparameters", f"{len(raw)} given; the platform's settings leave room for {room}")
     for name, value in raw.items():
         where = f"hyperparameters.{name}"
-        if not HYPERPARAMETER_NAME.fullmatch(name) or (problem := limit("HyperParameterKey").problem(name)):
+        if not HYPERPARAMETER_NAME.fullmatch(name) or limit("HyperParameterKey").problem(name):
             raise JobSpecError(where, "names are letters, digits and '_', not starting with a digit, ≤ 256 characters")
         if value is None or not isinstance(value, str | int | float | bool):
             raise JobSpecError(where, f"{value!r} must be a string, number or boolean")
@@ -322,15 +322,21 @@ def _check_s3_uri(where: str, uri: Any) -> None:
         raise JobSpecError(where, f"{uri!r} must be an s3://<bucket>/<prefix> URI")
     if problem := limit("S3Uri").problem(uri):
         raise JobSpecError(where, problem)
-    bucket = uri[len("s3://"):].split("/", 1)[0]
+    bucket = bucket_of(uri)
     if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
         raise JobSpecError(where, f"{bucket!r} is not an S3 bucket name (3–63 lowercase letters, digits, '.', '-')")
     if any(ord(character) < 32 for character in uri):
         raise JobSpecError(where, "must not contain control characters")
 
 
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, key or prefix) of an s3:// URI."""
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
 def bucket_of(uri: str) -> str:
-    return uri[len("s3://"):].split("/", 1)[0]
+    return split_s3_uri(uri)[0]
 
 
 def _resume_from(value: Any) -> str:
@@ -339,7 +345,8 @@ def _resume_from(value: Any) -> str:
     return value
 
 
-def _max_cost(value: Any) -> float | None:
+def positive_usd(value: Any) -> float | None:
+    """A spec's or sweep's own ``max_cost_usd``, or None when it sets none."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -395,16 +402,20 @@ def worst_case_cost_usd(spec: JobSpec, policy: SpecPolicy) -> float:
     return total * spec.max_runtime_s / 3600
 
 
-def cost_ceiling_usd(spec: JobSpec, policy: SpecPolicy) -> float | None:
-    """The lower of the deployment's ceiling and the spec's own, or None when neither is set."""
-    ceilings = [value for value in (policy.run_cost_ceiling_usd, spec.max_cost_usd) if value is not None]
+def ceiling_usd(own: float | None, platform: float | None, ceiling: str = "ceiling", who: str = "a spec") -> float | None:
+    """The ceiling that applies: the platform's, lowered by a spec's (or sweep's) own, which may not raise
+    it; None when neither is set."""
+    if own is not None and platform is not None and own > platform:
+        raise JobSpecError("max_cost_usd", f"${own:,.2f} is above the platform's {ceiling} of ${platform:,.2f}; {who} can only lower it")
+    ceilings = [value for value in (platform, own) if value is not None]
     return min(ceilings) if ceilings else None
 
 
+def cost_ceiling_usd(spec: JobSpec, policy: SpecPolicy) -> float | None:
+    return ceiling_usd(spec.max_cost_usd, policy.run_cost_ceiling_usd)
+
+
 def _check_cost(spec: JobSpec, policy: SpecPolicy) -> None:
-    if policy.run_cost_ceiling_usd is not None and spec.max_cost_usd is not None and spec.max_cost_usd > policy.run_cost_ceiling_usd:
-        raise JobSpecError("max_cost_usd", f"${spec.max_cost_usd:,.2f} is above the platform's ceiling of "
-                                           f"${policy.run_cost_ceiling_usd:,.2f}; a spec can only lower it")
     ceiling = cost_ceiling_usd(spec, policy)
     if ceiling is None:
         return

@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lambdas.core.catalog import instance_type
-from lambdas.core.job_spec import NO_POLICY, JobSpecError, SpecPolicy, validate_job_spec, worst_case_cost_usd
+from lambdas.core.job_spec import (
+    NO_POLICY,
+    JobSpecError,
+    SpecPolicy,
+    ceiling_usd,
+    positive_usd,
+    validate_job_spec,
+    worst_case_cost_usd,
+)
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
 from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed
 
@@ -119,22 +127,19 @@ def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
 
 
 def _check_total_cost(own_ceiling: Any, specs: Sequence[Any], policy: SpecPolicy) -> None:
-    if own_ceiling is not None and (isinstance(own_ceiling, bool) or not isinstance(own_ceiling, int | float)
-                                    or not 0 < own_ceiling < float("inf")):
-        raise SweepSpecError("max_cost_usd", f"{own_ceiling!r} must be a positive number of US dollars")
-    if own_ceiling is not None and policy.sweep_cost_ceiling_usd is not None and own_ceiling > policy.sweep_cost_ceiling_usd:
-        raise SweepSpecError("max_cost_usd", f"${own_ceiling:,.2f} is above the platform's sweep ceiling of "
-                                             f"${policy.sweep_cost_ceiling_usd:,.2f}; a sweep can only lower it")
-    ceilings = [value for value in (policy.sweep_cost_ceiling_usd, own_ceiling) if value is not None]
-    if not ceilings:
+    try:
+        ceiling = ceiling_usd(positive_usd(own_ceiling), policy.sweep_cost_ceiling_usd, "sweep ceiling", "a sweep")
+    except JobSpecError as error:
+        raise SweepSpecError(error.field, error.problem) from None
+    if ceiling is None:
         return
     try:
         total = sum(worst_case_cost_usd(spec, policy) for spec in specs)
     except JobSpecError as error:
         raise SweepSpecError(f"configurations.{error.field}", error.problem) from None
-    if total > min(ceilings):
+    if total > ceiling:
         raise SweepSpecError("configurations", f"the {len(specs)} configurations may cost ${total:,.2f} together (each for its whole "
-                                               f"max_runtime_s), above the sweep ceiling of ${min(ceilings):,.2f}: fewer "
+                                               f"max_runtime_s), above the sweep ceiling of ${ceiling:,.2f}: fewer "
                                                "configurations or shorter runtimes")
 
 

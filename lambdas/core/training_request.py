@@ -166,14 +166,16 @@ def _routed(spec: JobSpec) -> bool:
 
 def _platform_channel(spec: JobSpec, name: str, uri: str, groups: Any) -> dict[str, Any]:
     """A channel the platform adds, for ``groups`` (every host when no channel is routed)."""
-    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
-    if _routed(spec):
-        source["InstanceGroupNames"] = [group.name for group in groups]
-    return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
+    return _s3_channel(spec, name, uri, [group.name for group in groups])
 
 
 def _channel(spec: JobSpec, channel: Any) -> dict[str, Any]:
-    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": channel.s3_uri, "S3DataDistributionType": "FullyReplicated"}
+    return _s3_channel(spec, channel.name, channel.s3_uri, list(spec.group_names_for(channel)))
+
+
+def _s3_channel(spec: JobSpec, name: str, uri: str, group_names: list[str]) -> dict[str, Any]:
+    """One InputDataConfig entry: File mode, every host of its groups gets the whole prefix."""
+    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
     if _routed(spec):
-        source["InstanceGroupNames"] = list(spec.group_names_for(channel))
-    return {"ChannelName": channel.name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
+        source["InstanceGroupNames"] = group_names
+    return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}

@@ -34,9 +34,9 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
 from lambdas.clients import client, object_size_or_none, put_new_object, recent_running_jobs
-from lambdas.core.deadlines import RELAUNCH_BACKOFF_CAP_S, poll_plan
+from lambdas.core.deadlines import next_backoff_s, poll_plan
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
-from lambdas.core.job_spec import RUN_ID, SpecPolicy, validate_job_spec
+from lambdas.core.job_spec import RUN_ID, SpecPolicy, split_s3_uri, validate_job_spec
 from lambdas.core.results import ResultExistsError
 from lambdas.core.training_request import LaunchSettings, checkpoint_uri, create_training_job_request, token_uri
 from training.hyperparameters import TOKEN_FILE
@@ -114,8 +114,9 @@ def decide_relaunch(previous: dict[str, Any]) -> dict[str, Any]:
 
 def launch(event: dict[str, Any]) -> dict[str, Any]:
     spec = validate_job_spec(event["spec"], SpecPolicy.from_environment(os.environ))
-    if not RUN_ID.fullmatch(run_id(event["execution_arn"])):
-        raise RunIdUnsupported(f"execution name {run_id(event['execution_arn'])!r}: start the run under a name of letters, digits, '-' and '_' (≤ 80)")
+    run = run_id(event["execution_arn"])
+    if not RUN_ID.fullmatch(run):
+        raise RunIdUnsupported(f"execution name {run!r}: start the run under a name of letters, digits, '-' and '_' (≤ 80)")
     previous = event.get("previous")
     plan = next_attempt(previous, event.get("failure_reason", "")) if previous else first_attempt(spec.max_runtime_s)
     prefix = os.environ["JOB_NAME_PREFIX"]
@@ -123,11 +124,11 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     settings = settings_from_environment(dict(os.environ))
     # The reconciler (lambdas/reconcile_jobs) finds the execution of a running job by this tag.
     settings = replace(settings, tags=dict(settings.tags) | {EXECUTION_TAG: event["execution_arn"]})
-    request = create_training_job_request(spec, settings, name=name, run_id=run_id(event["execution_arn"]))
+    request = create_training_job_request(spec, settings, name=name, run_id=run)
     if spec.resume_from and not _has_checkpoints(checkpoint_uri(settings, spec.resume_from)):
         raise NothingToResume(f"run {spec.resume_from!r} left no checkpoints ({checkpoint_uri(settings, spec.resume_from)}): "
                               "name a run that wrote some, or leave resume_from out to start afresh")
-    result_key = f"results/{run_id(event['execution_arn'])}/result.json"
+    result_key = f"results/{run}/result.json"
     if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
         raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")
     sagemaker = client("sagemaker")
@@ -188,19 +189,19 @@ def next_attempt(previous: dict[str, Any], failure_reason: str) -> dict[str, Any
         "polls": dict(previous["polls"]),
         "attempt": previous["attempt"] + 1,
         "relaunches_left": previous["relaunches_left"] - 1,
-        "backoff_s": min(previous["backoff_s"] * 2, RELAUNCH_BACKOFF_CAP_S),
+        "backoff_s": next_backoff_s(previous["backoff_s"]),
         "attempts": [*previous["attempts"], {"job_name": previous["job_name"], "failure_reason": failure_reason}],
     }
 
 
 def _has_checkpoints(prefix_uri: str) -> bool:
-    bucket, _, prefix = prefix_uri[len("s3://"):].partition("/")
+    bucket, prefix = split_s3_uri(prefix_uri)
     return client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
 
 def _write_token(prefix_uri: str) -> None:
     """The job's shutdown token, once: a retried launch keeps the one its job may have read already."""
-    bucket, _, prefix = prefix_uri[len("s3://"):].partition("/")
+    bucket, prefix = split_s3_uri(prefix_uri)
     try:
         put_new_object(bucket, f"{prefix}{TOKEN_FILE}", secrets.token_urlsafe(32).encode(), "text/plain")
     except ResultExistsError:

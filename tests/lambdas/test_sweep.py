@@ -55,6 +55,8 @@ BAD: list[tuple[str, Any, str]] = [
      "configurations[0].instance_groups[0].instance_type"),
     ("target not positive", {"sweep_name": "s", "configurations": [TF], "step_time_target_ms": 0}, "step_time_target_ms"),
     ("too many", {"sweep_name": "s", "base": TF, "data_hosts": list(range(17))}, "configurations"),
+    ("negative sweep ceiling", {"sweep_name": "s", "configurations": [TF], "max_cost_usd": -5}, "max_cost_usd"),
+    ("infinite sweep ceiling", {"sweep_name": "s", "configurations": [TF], "max_cost_usd": float("inf")}, "max_cost_usd"),
 ]
 
 
