@@ -29,6 +29,10 @@ class EmptyChannelError(ChannelError):
     pass
 
 
+class CorruptDatasetError(RuntimeError):
+    """So many files failed to decode that a batch could not be filled."""
+
+
 @dataclass(frozen=True)
 class ImageFolder:
     root: Path

@@ -5,66 +5,182 @@ trainer's own DataLoader workers, so both configurations do identical work per s
 uint8 (channels, height, width): normalisation to float happens later on the trainer's device, which keeps
 the bytes on the wire at one per pixel and channel.
 
-Decoding is most of the cost for photos larger than the output (a 1600 px JPEG takes ~25 ms to decode
-in full on one core here). The crop is chosen from the file's header first (its size is all the random
-crop needs), then the JPEG is decoded at the largest DCT reduction (1/2, 1/4, 1/8: PIL's draft mode)
-that still leaves the crop at least as large as the output, so nothing is upscaled that a full decode
-would have kept sharper, and the random parameters are drawn exactly as before.
+Where the time goes, and what is done about it (bench/preprocess.py measures each against PIL):
 
-Only PIL and numpy are imported here (no torch): spawned worker processes start in a fraction of a second.
+- Decoding is most of the cost for photos larger than the output (a 1600 px JPEG takes ~10 ms to decode
+  in full on one core here). The crop is chosen from the file's header first (its size is all the random
+  crop needs), then the JPEG is decoded at the largest DCT reduction (1/2, 1/4, 1/8) that still leaves
+  the crop at least as large as the output, so nothing is upscaled that a full decode would have kept
+  sharper. What remains is the entropy decoding of the whole file, which no reduction skips.
+- Every operation after the decode works on uint8 arrays with OpenCV, several times PIL's speed for the
+  same operation: the affine warp of the rotation and the Gaussian blur most of all. Point operations
+  (brightness, contrast, autocontrast) are one table lookup each. There is no float image anywhere.
+- Each operation keeps PIL's definition (training/data_service/pil_reference.py states it as code; the
+  tests hold each operation to it), and the random parameters are drawn in the same order from the same
+  generator as there.
+
+Only OpenCV, PIL (for the header, and for files OpenCV's path does not take) and numpy are imported
+here, no torch: spawned worker processes start in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 
+import cv2
 import numpy as np
-from PIL import Image, ImageEnhance, ImageFilter, ImageOps
+from PIL import Image
 
 from training.data_service.augmentation import AugmentConfig
+from training.data_service.dataset import CorruptDatasetError
 
-# What PIL raises for a file that is not a decodable image (truncated, wrong format, garbage).
+# One worker process per vCPU does the parallelism: OpenCV's own thread pool would only oversubscribe
+# the cores (and its threads do not survive a fork).
+cv2.setNumThreads(1)
+
+# What decoding raises for a file that is not a decodable image (truncated, wrong format, garbage).
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
-
-class CorruptDatasetError(RuntimeError):
-    """So many files failed to decode that a batch could not be filled."""
-
+# The augmentation's parameter ranges (the same in pil_reference.py and the TensorFlow pipeline).
+JITTER_STRENGTH = 0.4  # brightness, contrast, saturation factors in [0.6, 1.4]
+ROTATION_DEGREES = 15.0
+BLUR_RADIUS = (0.1, 1.5)  # the Gaussian's standard deviation, pixels
+SHARPNESS = (0.5, 2.0)
+AUTOCONTRAST_CUTOFF = 1  # percent of pixels clipped at each end of each channel's histogram
 
 # JPEG decoders scale by 1/1, 1/2, 1/4 or 1/8 while decoding (the DCT's own reductions).
 DRAFT_REDUCTIONS = (8, 4, 2, 1)
-REDUCING_GAP = 3.0
+_OPENCV_READ = {
+    reduction: flag | cv2.IMREAD_IGNORE_ORIENTATION  # like PIL: the EXIF orientation is not applied
+    for reduction, flag in ((1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2),
+                            (4, cv2.IMREAD_REDUCED_COLOR_4), (8, cv2.IMREAD_REDUCED_COLOR_8))
+}
+# PIL's SMOOTH filter: what ImageEnhance.Sharpness blends against.
+_SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], dtype=np.float32) / 13
 
 
 def load_and_augment(path: str, rng: np.random.Generator, config: AugmentConfig, draft: bool = True) -> np.ndarray:
     """One training sample: decode, augment, return uint8 (3, size, size). Raises a DECODE_ERRORS error
-    for a file that is not a decodable image. ``draft=False`` decodes every file in full (the reference
-    the benchmark compares against: bench/preprocess.py)."""
-    with Image.open(path) as source:
-        width, height = source.size  # from the header: nothing is decoded yet
+    for a file that is not a decodable image. ``draft=False`` decodes every file in full (to show that the
+    reduced decode keeps the image: tests/training/test_preprocess.py)."""
+    image = decode_crop(path, rng, config.image_size, draft)
+    if rng.random() < 0.5:
+        image = cv2.flip(image, 1)
+    image = colour_jitter(image, rng, JITTER_STRENGTH)
+    if config.augment == "heavy":
+        image = rotate(image, float(rng.uniform(-ROTATION_DEGREES, ROTATION_DEGREES)))
+        image = gaussian_blur(image, float(rng.uniform(*BLUR_RADIUS)))
+        image = sharpness(image, float(rng.uniform(*SHARPNESS)))
+        image = autocontrast(image, AUTOCONTRAST_CUTOFF)
+    return np.stack(cv2.split(image))  # (height, width, 3) → (3, height, width), one copy
+
+
+def decode_crop(path: str, rng: np.random.Generator, size: int, draft: bool = True) -> np.ndarray:
+    """The random crop of the image at ``path``, resized to size × size: RGB uint8 (size, size, 3)."""
+    data = np.fromfile(path, dtype=np.uint8)
+    header = jpeg_size(data)
+    if header is None:  # another format, or a JPEG OpenCV's path does not take: PIL decodes it
+        return decode_crop_pil(data, rng, size, draft)
+    width, height = header
+    if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:  # PIL's own refusal
+        raise Image.DecompressionBombError(f"{path}: {width}×{height} pixels is over twice Image.MAX_IMAGE_PIXELS")
+    box = crop_box(width, height, rng)  # from the header: nothing is decoded yet
+    reduction = draft_reduction(box, size) if draft else 1
+    try:
+        bgr = cv2.imdecode(data, _OPENCV_READ[reduction])
+    except cv2.error as error:
+        raise ValueError(f"{path}: {error}") from None
+    if bgr is None:
+        raise ValueError(f"{path}: not a decodable JPEG")
+    # OpenCV decodes to BGR: the channels are swapped after the resize, on the fewest pixels.
+    return cv2.cvtColor(resize_box(bgr, box, width, height, size), cv2.COLOR_BGR2RGB)
+
+
+def decode_crop_pil(data: np.ndarray, rng: np.random.Generator, size: int, draft: bool) -> np.ndarray:
+    """decode_crop for what OpenCV's path does not take: PIL reads the header, decodes (a JPEG at a DCT
+    reduction, as OpenCV would) and refuses what is not a whole image."""
+    with Image.open(io.BytesIO(data)) as source:
+        width, height = source.size
         box = crop_box(width, height, rng)
-        reduction = draft_reduction(box, config.image_size) if draft else 1
+        reduction = draft_reduction(box, size) if draft else 1
         if reduction > 1:  # a no-op for formats without DCT scaling (PNG, ...)
             source.draft("RGB", (math.ceil(width / reduction), math.ceil(height / reduction)))
-        image = source.convert("RGB")
-    # The crop box in the decoded image's pixels (the decoder rounds reduced sizes up).
-    scale_x, scale_y = image.width / width, image.height / height
-    left, top, right, bottom = box
-    # reducing_gap: a large region is first shrunk by an integer factor (box averaging, cheap), leaving
-    # bilinear at most 3× to go: PIL's own advice for results indistinguishable from a direct resize.
-    image = image.resize((config.image_size, config.image_size), Image.Resampling.BILINEAR,
-                         box=(left * scale_x, top * scale_y, right * scale_x, bottom * scale_y),
-                         reducing_gap=REDUCING_GAP if draft else None)
-    if rng.random() < 0.5:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    image = colour_jitter(image, rng, strength=0.4)
-    if config.augment == "heavy":
-        image = image.rotate(float(rng.uniform(-15, 15)), resample=Image.Resampling.BILINEAR)
-        image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.1, 1.5))))
-        image = ImageEnhance.Sharpness(image).enhance(float(rng.uniform(0.5, 2.0)))
-        image = ImageOps.autocontrast(image, cutoff=1)
-    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+        pixels = np.asarray(source.convert("RGB"))
+    return resize_box(pixels, box, width, height, size)
+
+
+def jpeg_size(data: np.ndarray) -> tuple[int, int] | None:
+    """(width, height) of a JPEG that OpenCV decodes as PIL would: grey or YCbCr (not CMYK), whole (it
+    ends with the end-of-image marker: libjpeg fills a truncated file's missing rows with grey and says
+    nothing, where PIL refuses the file). None for anything else. Reads the markers up to the frame
+    header, as PIL's JPEG plugin does, without PIL's per-file cost. Pure."""
+    if data.size < 4 or data[0] != 0xFF or data[1] != 0xD8 or data[-2] != 0xFF or data[-1] != 0xD9:
+        return None
+    position = 2
+    while position + 9 < data.size:
+        if data[position] != 0xFF:
+            return None
+        marker = int(data[position + 1])
+        if marker == 0xFF:  # fill byte before a marker
+            position += 1
+            continue
+        length = int(data[position + 2]) << 8 | int(data[position + 3])
+        if marker in _FRAME_MARKERS:
+            height = int(data[position + 5]) << 8 | int(data[position + 6])
+            width = int(data[position + 7]) << 8 | int(data[position + 8])
+            components = int(data[position + 9])
+            return (width, height) if components in (1, 3) and width and height else None
+        if marker in (0xD9, 0xDA):  # end of image or start of scan before any frame header
+            return None
+        position += 2 + length
+    return None
+
+
+# Start-of-frame markers (baseline, extended, progressive, lossless; Huffman or arithmetic), not DHT (C4),
+# JPG (C8) or DAC (CC).
+_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def resize_box(pixels: np.ndarray, box: tuple[int, int, int, int], width: int, height: int, size: int) -> np.ndarray:
+    """The region ``box`` (in the full image's pixels, ``width`` × ``height``) of ``pixels`` (the image
+    decoded at some reduction) resized to size × size, as PIL's antialiased bilinear resize does it: the
+    low-pass filter reads past the box's edges where the image goes on, and a box that falls between
+    the reduced image's pixels is sampled where it lies (half a pixel off moves fine detail visibly)."""
+    scale_x, scale_y = pixels.shape[1] / width, pixels.shape[0] / height
+    left, top, right, bottom = box[0] * scale_x, box[1] * scale_y, box[2] * scale_x, box[3] * scale_y
+    shrink_x, shrink_y = (right - left) / size, (bottom - top) / size
+    sigma_x, sigma_y = antialias_sigma(shrink_x), antialias_sigma(shrink_y)
+    kernel_x, kernel_y = _kernel_size(sigma_x), _kernel_size(sigma_y)
+    # The pixels the output reads: the box, and the blur's and the interpolation's reach around it.
+    x0, y0 = max(0, math.floor(left) - kernel_x // 2 - 1), max(0, math.floor(top) - kernel_y // 2 - 1)
+    x1 = min(pixels.shape[1], math.ceil(right) + kernel_x // 2 + 1)
+    y1 = min(pixels.shape[0], math.ceil(bottom) + kernel_y // 2 + 1)
+    region = pixels[y0:y1, x0:x1]
+    if sigma_x or sigma_y:
+        region = cv2.GaussianBlur(region, (kernel_x, kernel_y), sigmaX=sigma_x, sigmaY=sigma_y, borderType=cv2.BORDER_REPLICATE)
+    if all(float(edge).is_integer() for edge in (left, top, right, bottom)):  # a full decode: a plain resize
+        return cv2.resize(region[int(top) - y0:int(bottom) - y0, int(left) - x0:int(right) - x0], (size, size),
+                          interpolation=cv2.INTER_LINEAR)
+    # Output pixel centre x + 0.5 lies at left + (x + 0.5) × shrink in the source (centre convention).
+    matrix = np.array([[shrink_x, 0.0, left - x0 + 0.5 * shrink_x - 0.5], [0.0, shrink_y, top - y0 + 0.5 * shrink_y - 0.5]])
+    return cv2.warpAffine(region, matrix, (size, size), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                          borderMode=cv2.BORDER_REPLICATE)
+
+
+def antialias_sigma(shrink: float) -> float:
+    """The Gaussian to apply before OpenCV's bilinear resize shrinks by ``shrink`` so that the two
+    together low-pass as PIL's bilinear resize does. PIL widens its triangle filter to ``shrink``
+    pixels (variance shrink²/6); bilinear sampling is itself a one-pixel triangle (variance 1/6); the
+    Gaussian supplies the difference. Bilinear alone would alias (stripes at the output's Nyquist
+    frequency came out 12-18 levels off PIL's, of 255; with this, under 1), and OpenCV's area averaging
+    costs three times as much and is 2-5 levels off. 0 when nothing shrinks. Pure."""
+    return math.sqrt((shrink * shrink - 1) / 6) if shrink > 1 else 0.0
+
+
+def _kernel_size(sigma: float) -> int:
+    return 2 * math.ceil(3 * sigma) + 1 if sigma else 1  # 1: no blur along this axis
 
 
 def crop_box(
@@ -99,13 +215,85 @@ def draft_reduction(box: tuple[int, int, int, int], size: int) -> int:
     return next(reduction for reduction in DRAFT_REDUCTIONS if reduction == 1 or min(crop_w, crop_h) / reduction >= size)
 
 
-def colour_jitter(image: Image.Image, rng: np.random.Generator, strength: float) -> Image.Image:
+# Each operation below takes and returns RGB uint8 (height, width, 3) and computes what the PIL
+# operation named in its docstring computes (pil_reference.py), to within rounding.
+
+def colour_jitter(image: np.ndarray, rng: np.random.Generator, strength: float) -> np.ndarray:
     """Brightness, contrast and saturation, each by a factor in [1 - strength, 1 + strength], in random
-    order."""
-    enhancers = [ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color]
-    for index in rng.permutation(len(enhancers)):
-        image = enhancers[index](image).enhance(float(rng.uniform(1 - strength, 1 + strength)))
+    order (as ImageEnhance's Brightness, Contrast and Color)."""
+    for index in rng.permutation(3):
+        image = _JITTERS[index](image, float(rng.uniform(1 - strength, 1 + strength)))
     return image
+
+
+def brightness(image: np.ndarray, factor: float) -> np.ndarray:
+    """ImageEnhance.Brightness: a blend towards black (rounded where PIL truncates)."""
+    return cv2.convertScaleAbs(image, alpha=factor)
+
+
+def contrast(image: np.ndarray, factor: float) -> np.ndarray:
+    """ImageEnhance.Contrast: a blend towards the grey of the image's mean luminance (ITU-R 601 weights,
+    as PIL's "L"; rounded where PIL truncates)."""
+    red, green, blue, _ = cv2.mean(image)
+    mean = int(0.299 * red + 0.587 * green + 0.114 * blue + 0.5)
+    return cv2.addWeighted(image, factor, image, 0.0, (1.0 - factor) * mean)
+
+
+def saturation(image: np.ndarray, factor: float) -> np.ndarray:
+    """ImageEnhance.Color: a blend towards the image's own luminance."""
+    grey = cv2.cvtColor(cv2.cvtColor(image, cv2.COLOR_RGB2GRAY), cv2.COLOR_GRAY2RGB)
+    return cv2.addWeighted(image, factor, grey, 1.0 - factor, 0.0)
+
+
+_JITTERS = (brightness, contrast, saturation)  # the order pil_reference.colour_jitter_pil draws from
+
+
+def rotate(image: np.ndarray, degrees: float) -> np.ndarray:
+    """Image.rotate(degrees, BILINEAR): counter-clockwise about the centre, same size. As in PIL, a pixel
+    whose source point falls outside the image is black and one inside is interpolated from the image
+    alone (its edge extended), so the corners' edge is sharp: OpenCV's constant border would blend the
+    edge with black, and the extra dark pixels would move autocontrast's 1% cut."""
+    height, width = image.shape[:2]
+    matrix = cv2.getRotationMatrix2D(((width - 1) / 2, (height - 1) / 2), degrees, 1.0)
+    rotated = cv2.warpAffine(image, matrix, (width, height), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+    # Nearest-neighbour rounding keeps exactly the source points within PIL's bounds [0, size).
+    inside = cv2.warpAffine(np.full((height, width), 255, dtype=np.uint8), matrix, (width, height), flags=cv2.INTER_NEAREST,
+                            borderMode=cv2.BORDER_CONSTANT, borderValue=0)
+    return cv2.bitwise_and(rotated, rotated, mask=inside)
+
+
+def gaussian_blur(image: np.ndarray, radius: float) -> np.ndarray:
+    """ImageFilter.GaussianBlur(radius): radius is the Gaussian's standard deviation; edges extended."""
+    return cv2.GaussianBlur(image, (0, 0), sigmaX=radius, borderType=cv2.BORDER_REPLICATE)
+
+
+def sharpness(image: np.ndarray, factor: float) -> np.ndarray:
+    """ImageEnhance.Sharpness: a blend away from (factor > 1) or towards the SMOOTH-filtered image, whose
+    one-pixel border PIL leaves as it was."""
+    smooth = cv2.filter2D(image, -1, _SMOOTH, borderType=cv2.BORDER_REPLICATE)
+    smooth[0], smooth[-1], smooth[:, 0], smooth[:, -1] = image[0], image[-1], image[:, 0], image[:, -1]
+    return cv2.addWeighted(image, factor, smooth, 1.0 - factor, 0.0)
+
+
+def autocontrast(image: np.ndarray, cutoff: float) -> np.ndarray:
+    """ImageOps.autocontrast(cutoff): each channel stretched linearly so that, after ``cutoff`` percent of
+    its pixels are clipped at each end, it spans 0..255; one lookup for all three channels."""
+    tables = [_autocontrast_table(cv2.calcHist([image], [channel], None, [256], [0, 256]).ravel(), cutoff)
+              for channel in range(image.shape[2])]
+    return cv2.LUT(image, np.stack(tables, axis=-1).reshape(256, 1, image.shape[2]))
+
+
+def _autocontrast_table(histogram: np.ndarray, cutoff: float) -> np.ndarray:
+    """One channel's table, as PIL computes it: the lowest and highest values left once int(n × cutoff
+    // 100) pixels are removed from each end; the identity when nothing is left between them. Pure."""
+    counts = histogram.astype(np.int64)
+    cut = int(counts.sum() * cutoff // 100)
+    low = int(np.argmax(np.cumsum(counts) > cut))
+    high = 255 - int(np.argmax(np.cumsum(counts[::-1]) > cut))
+    if high <= low:
+        return np.arange(256, dtype=np.uint8)
+    scale = 255.0 / (high - low)
+    return np.clip(np.trunc(np.arange(256) * scale - low * scale), 0, 255).astype(np.uint8)
 
 
 def make_batch(

@@ -44,8 +44,7 @@ from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.augmentation import AugmentConfig
 from training.data_service.auth import TokenAuth
-from training.data_service.dataset import ImageFolder
-from training.data_service.preprocess import CorruptDatasetError, make_batch
+from training.data_service.dataset import CorruptDatasetError, ImageFolder
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +265,10 @@ def _init_worker(samples: Sequence[tuple[str, int]], augment: AugmentConfig) -> 
 
 def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]) -> tuple[bytes, int]:
     """Decode, augment and serialise one batch: the wire bytes are made here, off the gRPC process's CPU."""
+    # Imported here, in the worker: the preprocessing needs OpenCV, which only the PyTorch image has, and
+    # the launcher imports this module in every image.
+    from training.data_service.preprocess import make_batch
+
     assert _worker_augment is not None, "worker not initialised"
     images, labels, skipped = make_batch(_worker_samples, indices, spares, _worker_augment, seed)
     return codec.encode_batch(images, labels, skipped), skipped

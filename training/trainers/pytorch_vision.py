@@ -50,8 +50,8 @@ from torch.utils.data import DataLoader, Dataset
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe
-from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
-from training.data_service.preprocess import DECODE_ERRORS, CorruptDatasetError, load_and_augment
+from training.data_service.dataset import ChannelError, CorruptDatasetError, ImageFolder, channel_dir, scan_image_folder
+from training.data_service.preprocess import DECODE_ERRORS, load_and_augment
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers import host_collectives
