@@ -8,8 +8,9 @@ A sweep's input (the "benchmark sweep" state machine's execution input, or the s
     {"sweep_name": "resnet-weekly",
      "base": <job spec>,                                  # its dnn group and hyperparameters
      "data_hosts": [0, 1, 2, 4],                          # one configuration per data-group size, or
-     "advisor": {"preprocess_ms_per_batch_per_vcpu": 900,  # sizes around the sizing advisor's prediction
-                 "train_ms_per_step": 80},                 #   (lambdas/core/sizing.py)
+     "advisor": {"images_per_s_per_vcpu": 150,            # sizes around the sizing advisor's prediction
+                 "train_ms_per_step": 80},                 #   (lambdas/core/sizing.py); or, instead of
+                                                           #   images/s, "preprocess_ms_per_batch_per_vcpu"
      "data_instance_type": "ml.c5.9xlarge",               # default: the base's data group type, else this
      "extra": [<job spec>, ...],                          # e.g. Trainium configurations
      "step_time_target_ms": 150,                          # optional: only configurations this fast qualify
@@ -25,6 +26,7 @@ per step among those that succeeded within the step-time target.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +43,8 @@ from lambdas.core.job_spec import (
     worst_case_cost_usd,
 )
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
-from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed
+from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed, ms_per_batch_per_vcpu
+from training.variants import VARIANTS
 
 # Where each sweep's figures go in CloudWatch (the dashboard reads them there).
 METRIC_NAMESPACE = "HeterogeneousTraining/Sweeps"
@@ -151,7 +154,7 @@ def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
     instance = raw.get("data_instance_type") or (data_groups[0].get("instance_type") if data_groups else DEFAULT_DATA_INSTANCE_TYPE)
     if ("data_hosts" in raw) == ("advisor" in raw):
         raise SweepSpecError("data_hosts", "with 'base', give either 'data_hosts' (sizes) or 'advisor' (a profile to size from)")
-    counts = _advised_sizes(raw["advisor"], instance) if "advisor" in raw else raw.get("data_hosts")
+    counts = _advised_sizes(raw["advisor"], instance, _batch_size(base)) if "advisor" in raw else raw.get("data_hosts")
     if not isinstance(counts, list) or not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 20 for n in counts):
         raise SweepSpecError("data_hosts", f"must be a non-empty list of data-group sizes 0–20, got {counts!r}")
     if len(set(counts)) != len(counts):
@@ -159,18 +162,39 @@ def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [with_data_hosts(base, count, instance) for count in counts]
 
 
-def _advised_sizes(advisor: Any, data_instance_type: str) -> list[int]:
-    """None, and the sizes around the advisor's prediction for this data instance type."""
-    fields = {"preprocess_ms_per_batch_per_vcpu", "train_ms_per_step", "dnn_spare_vcpus", "efficiency"}
+def _advised_sizes(advisor: Any, data_instance_type: str, batch_size: int) -> list[int]:
+    """None, and the sizes around the advisor's prediction for this data instance type. The
+    preprocessing figure comes per batch, or per image (images/s per vCPU, as bench/preprocess.py
+    measures it), then costed at the base's batch size."""
+    fields = {"preprocess_ms_per_batch_per_vcpu", "images_per_s_per_vcpu", "train_ms_per_step", "dnn_spare_vcpus", "efficiency"}
     if not isinstance(advisor, dict) or set(advisor) - fields:
         raise SweepSpecError("advisor", f"must be an object with {sorted(fields)}, got {advisor!r}")
+    if ("images_per_s_per_vcpu" in advisor) == ("preprocess_ms_per_batch_per_vcpu" in advisor):
+        raise SweepSpecError("advisor", "give the preprocessing cost once: images_per_s_per_vcpu or preprocess_ms_per_batch_per_vcpu")
     try:
-        profile = SizingProfile(**{key: float(value) for key, value in advisor.items()})
+        figures = {key: float(value) for key, value in advisor.items()}
+        if "images_per_s_per_vcpu" in figures:
+            figures["preprocess_ms_per_batch_per_vcpu"] = ms_per_batch_per_vcpu(figures.pop("images_per_s_per_vcpu"), batch_size)
+        profile = SizingProfile(**figures)
         vcpus = instance_type(data_instance_type).vcpus
     except (SizingError, TypeError, ValueError, KeyError) as error:
         raise SweepSpecError("advisor", str(error).strip("'\"")) from None
     needed = data_hosts_needed(profile, vcpus)
     return sorted({0, max(needed - 1, 0), needed, needed + 1})
+
+
+def _batch_size(base: Mapping[str, Any]) -> int:
+    """The base's batch size per trainer process: its hyperparameter, else its trainer's default."""
+    hyperparameters = base.get("hyperparameters") if isinstance(base.get("hyperparameters"), dict) else {}
+    if "batch_size" in hyperparameters:
+        value = hyperparameters["batch_size"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SweepSpecError("base.hyperparameters.batch_size", f"must be a positive integer, got {value!r}")
+        return value
+    variant = VARIANTS.get(base.get("variant"))  # type: ignore[arg-type]
+    if variant is None:
+        raise SweepSpecError("base.variant", f"must be one of {sorted(VARIANTS)}, got {base.get('variant')!r}")
+    return next(field.default for field in dataclasses.fields(variant.config) if field.name == "batch_size")
 
 
 # Comparison -------------------------------------------------------------------------------------------

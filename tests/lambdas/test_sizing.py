@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from lambdas.core.price_performance import FALLBACK_PRICES
-from lambdas.core.sizing import SizingError, SizingProfile, advise, data_hosts_needed, predicted_step_ms
-from lambdas.core.sweep import SweepSpecError, plan_sweep
+from lambdas.core.sizing import SizingError, SizingProfile, advise, data_hosts_needed, ms_per_batch_per_vcpu, predicted_step_ms
+from lambdas.core.sweep import SweepSpecError, data_host_count, plan_sweep
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -70,3 +70,38 @@ def test_a_sweep_can_start_from_the_prediction() -> None:
     with pytest.raises(SweepSpecError) as both:
         plan_sweep({"sweep_name": "advised", "base": base, "data_hosts": [1], "advisor": {"preprocess_ms_per_batch_per_vcpu": 1, "train_ms_per_step": 1}})
     assert both.value.field == "data_hosts"
+
+
+def test_the_advisor_takes_images_per_second_per_vcpu_at_the_bases_batch_size() -> None:
+    """bench/preprocess.py reports images/s per vCPU; the advisor costs a batch from it at the base's
+    batch size (its hyperparameter, else the trainer's default), and the sizes match the per-batch form."""
+    base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())  # batch_size 64
+    per_image = plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"images_per_s_per_vcpu": 64 / 9.544, "train_ms_per_step": 184}})
+    per_batch = plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"preprocess_ms_per_batch_per_vcpu": 9544, "train_ms_per_step": 184}})
+    assert [data_host_count(spec) for spec in per_image.configurations] == [data_host_count(spec) for spec in per_batch.configurations] == [0, 1, 2, 3]
+    assert ms_per_batch_per_vcpu(150, 64) == pytest.approx(426.67, abs=0.01)
+    default_batch = {**base, "hyperparameters": {key: value for key, value in base["hyperparameters"].items() if key != "batch_size"}}
+    # The PyTorch trainer's default batch (32) halves the cost of a batch: fewer data hosts.
+    halved = plan_sweep({"sweep_name": "advised", "base": default_batch, "advisor": {"images_per_s_per_vcpu": 64 / 9.544, "train_ms_per_step": 184}})
+    assert max(data_host_count(spec) for spec in halved.configurations) == 2
+
+
+@pytest.mark.parametrize(("advisor", "field", "message"), [
+    ({"images_per_s_per_vcpu": 100, "preprocess_ms_per_batch_per_vcpu": 9, "train_ms_per_step": 1}, "advisor", "once"),
+    ({"images_per_s_per_vcpu": 0, "train_ms_per_step": 184}, "advisor", "positive"),
+    ({"images_per_s_per_vcpu": float("inf"), "train_ms_per_step": 184}, "advisor", "positive"),
+    ({"images_per_s_per_vcpu": "fast", "train_ms_per_step": 184}, "advisor", "could not convert"),
+])
+def test_a_bad_images_per_second_figure_is_refused_by_name(advisor: dict, field: str, message: str) -> None:
+    base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    with pytest.raises(SweepSpecError, match=message) as refused:
+        plan_sweep({"sweep_name": "advised", "base": base, "advisor": advisor})
+    assert refused.value.field == field
+
+
+def test_a_base_with_a_bad_batch_size_is_refused_before_sizing() -> None:
+    base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    base["hyperparameters"]["batch_size"] = "64"
+    with pytest.raises(SweepSpecError) as refused:
+        plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"images_per_s_per_vcpu": 100, "train_ms_per_step": 184}})
+    assert refused.value.field == "base.hyperparameters.batch_size"

@@ -178,7 +178,9 @@ def render(comparison: Comparison) -> str:
     saving = 1 - comparison.heterogeneous.cost_per_1k_steps / base.cost_per_1k_steps
     rows += [
         "",
-        f"profile: preprocessing {comparison.profile.preprocess_ms_per_batch:.1f} ms/batch on one data-host CPU, "
+        f"profile: preprocessing {comparison.profile.preprocess_ms_per_batch:.1f} ms/batch on one data-host CPU "
+        f"({images_per_s(base.spec, comparison.profile.preprocess_ms_per_batch):.0f} images/s per vCPU: the sizing advisor's "
+        f"images_per_s_per_vcpu), "
         f"training {comparison.profile.train_ms_per_step:.1f} ms/step with input in memory",
         f"ideal = (preprocess + train) / max(train, preprocess / data hosts) with {comparison.data_capacity:g} data hosts' "
         f"worth of CPUs here; "
@@ -187,6 +189,11 @@ def render(comparison: Comparison) -> str:
         f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
     ]
     return "\n".join(rows)
+
+
+def images_per_s(spec: JobSpec, ms_per_batch: float) -> float:
+    """Images per second from one batch's milliseconds, at the spec's batch size. Pure."""
+    return int(spec.hyperparameters.get("batch_size", 32)) * 1000 / ms_per_batch
 
 
 def emulated_prices() -> Prices:

@@ -41,6 +41,8 @@ def test_comparison_figures_and_table() -> None:
     assert "homogeneous: 1× ml.p3.2xlarge" in table and "1× ml.c5.9xlarge + 1× ml.p3.2xlarge" in table
     assert "7% lower cost per step" in table and "EMULATED" in table
     assert "heterogeneous step / ideal step = 1.050" in table
+    # 60 ms for the example's batch of 64: what the sizing advisor takes as images_per_s_per_vcpu.
+    assert "(1067 images/s per vCPU" in table
 
 
 def test_the_demo_writes_the_sweep_report_with_emulated_prices(tmp_path: Path) -> None:
