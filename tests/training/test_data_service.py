@@ -360,3 +360,23 @@ def test_a_host_slow_to_send_its_first_batch_is_not_dropped_by_the_batch_deadlin
     with fake_data_host(slow_start, "127.0.78.11") as target:
         dataset = DataServiceDataset([target], 8, TOKEN, "test", batch_timeout_s=0.5, connect_timeout_s=30)
         assert len(take(dataset, 5)) == 5 and dataset.stats.lost_hosts == []
+
+
+def test_an_unexpected_error_in_preprocessing_stops_the_host_by_name(tmp_path: Path) -> None:
+    """Not a decode error (those are skipped and counted): anything else a worker raises ends the
+    producer, and the host stops at once with the error's name, not silently at its idle timeout."""
+    from training.data_service.dataset import ImageFolder
+    from training.data_service.server import BatchProducer
+    from training.local.images import write_dataset
+
+    root = write_dataset(tmp_path, classes=1, per_class=4, size=32)
+    samples = tuple((str(path), "not a class index") for path in sorted(root.glob("class_00/*.jpg")))
+    producer = BatchProducer(ImageFolder(root, ("class_00",), samples), batch_size=2, augment=AugmentConfig(16), workers=1)
+    producer.start()
+    try:
+        deadline = time.monotonic() + 120
+        while producer.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        producer.stop()
+    assert producer.failure is not None and producer.failure.startswith("preprocessing stopped: ValueError")

@@ -52,7 +52,39 @@ def decode(message: pb.Tensor) -> np.ndarray:
 
 
 def encode_batch(images: np.ndarray, labels: np.ndarray, skipped_samples: int = 0) -> bytes:
-    return pb.Batch(images=encode(images), labels=encode(labels), skipped_samples=skipped_samples).SerializeToString()
+    """A serialised Batch, byte for byte what protobuf's serializer writes (tests/training/test_codec.py),
+    written here with one copy of the image bytes: protobuf's Python API copies them into the message and
+    again into the serialised string, which took 18 ms of a 32 × 224² batch's ~90 ms on a data-host core."""
+    parts = [*_length_delimited(2, _tensor_parts(images)), *_length_delimited(3, _tensor_parts(labels))]
+    if skipped_samples:
+        parts += [_varint_bytes(4 << 3 | VARINT), _varint_bytes(skipped_samples)]
+    return b"".join(parts)
+
+
+def _tensor_parts(array: np.ndarray) -> list[bytes | memoryview]:
+    """A Tensor message's fields in field order (proto3 leaves out an empty shape and empty data)."""
+    if array.dtype.name not in ALLOWED_DTYPES:
+        raise TensorFormatError(f"dtype {array.dtype.name} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+    array = np.ascontiguousarray(array)
+    parts = _length_delimited(1, [array.dtype.name.encode()])
+    if array.ndim:
+        parts += _length_delimited(2, [b"".join(_varint_bytes(dimension) for dimension in array.shape)])  # packed
+    if array.nbytes:
+        parts += _length_delimited(3, [memoryview(array).cast("B")])
+    return parts
+
+
+def _length_delimited(number: int, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    return [_varint_bytes(number << 3 | LENGTH_DELIMITED), _varint_bytes(sum(len(part) for part in parts)), *parts]
+
+
+def _varint_bytes(value: int) -> bytes:
+    encoded = bytearray()
+    while value > 0x7F:
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
 
 
 def end_of_stream(reason: str) -> bytes:

@@ -252,6 +252,9 @@ class BatchProducer:
             # RuntimeError: the pool was shut down under us while stopping.
             if not self._stop.is_set():
                 self.failure = f"preprocessing workers failed: {error}"
+        except Exception as error:  # noqa: BLE001 — any other error must stop the host by name: a producer
+            # thread that died quietly would leave the host serving nothing until its idle timeout.
+            self.failure = f"preprocessing stopped: {type(error).__name__}: {error}"
 
 
 _worker_samples: Sequence[tuple[str, int]] = ()
