@@ -61,6 +61,8 @@ deploy: venv node
 bench: venv
 	$(PY) bench/transport.py
 	$(PY) bench/offload.py
+	$(PY) bench/preprocess.py
+	$(PY) bench/loader.py --train-steps 400
 	$(PY) -m training.local.sizing
 	$(PY) bench/faults.py
 
