@@ -9,8 +9,9 @@ vCPUs each, preprocessing keeps up once it makes a batch per step:
     predicted step(n) = max(train, preprocess per vCPU / (spare DNN vCPUs + n × v × efficiency))
     data hosts needed = the smallest n with preprocess per vCPU / (spare + n × v × efficiency) ≤ train
 
-The first figure is also what bench/preprocess.py reports per vCPU, in images per second: a batch of ``b``
-images costs b × 1000 / (images/s per vCPU) vCPU-milliseconds (``ms_per_batch_per_vcpu``).
+"One batch" is one training step's input: the batch of every trainer process together. The first figure
+also comes from what bench/preprocess.py reports, images per second per vCPU: a step of ``b`` images costs
+b × 1000 / (images/s per vCPU) vCPU-milliseconds (``ms_per_batch_per_vcpu``).
 
 ``efficiency`` (≤ 1) discounts the data service's own overhead (measured: bench/offload.py); the DNN
 host's spare vCPUs count for the homogeneous configuration (n = 0), where its own CPUs preprocess.
@@ -44,12 +45,12 @@ class SizingProfile:
             raise SizingError(f"efficiency must be in (0, 1] and spare vCPUs ≥ 0, got {self.efficiency}, {self.dnn_spare_vcpus}")
 
 
-def ms_per_batch_per_vcpu(images_per_s_per_vcpu: float, batch_size: int) -> float:
-    """The vCPU-milliseconds one batch's preprocessing costs, from the images per second one vCPU
+def ms_per_batch_per_vcpu(images_per_s_per_vcpu: float, images_per_step: int) -> float:
+    """The vCPU-milliseconds one step's input costs to preprocess, from the images per second one vCPU
     prepares (bench/preprocess.py's figure). Pure."""
-    if not 0 < images_per_s_per_vcpu < float("inf") or batch_size < 1:
-        raise SizingError(f"images per second per vCPU must be positive and the batch at least 1, got {images_per_s_per_vcpu}, {batch_size}")
-    return batch_size * 1000 / images_per_s_per_vcpu
+    if not 0 < images_per_s_per_vcpu < float("inf") or images_per_step < 1:
+        raise SizingError(f"images per second per vCPU must be positive and a step at least 1 image, got {images_per_s_per_vcpu}, {images_per_step}")
+    return images_per_step * 1000 / images_per_s_per_vcpu
 
 
 def predicted_step_ms(profile: SizingProfile, data_hosts: int, vcpus_per_data_host: float) -> float:

@@ -26,7 +26,6 @@ per step among those that succeeded within the step-time target.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from lambdas.core.job_spec import (
 )
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
 from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed, ms_per_batch_per_vcpu
+from training.hyperparameters import build, to_hyperparameter_string
 from training.variants import VARIANTS
 
 # Where each sweep's figures go in CloudWatch (the dashboard reads them there).
@@ -154,7 +154,7 @@ def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
     instance = raw.get("data_instance_type") or (data_groups[0].get("instance_type") if data_groups else DEFAULT_DATA_INSTANCE_TYPE)
     if ("data_hosts" in raw) == ("advisor" in raw):
         raise SweepSpecError("data_hosts", "with 'base', give either 'data_hosts' (sizes) or 'advisor' (a profile to size from)")
-    counts = _advised_sizes(raw["advisor"], instance, _batch_size(base)) if "advisor" in raw else raw.get("data_hosts")
+    counts = _advised_sizes(raw["advisor"], instance, base) if "advisor" in raw else raw.get("data_hosts")
     if not isinstance(counts, list) or not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 20 for n in counts):
         raise SweepSpecError("data_hosts", f"must be a non-empty list of data-group sizes 0–20, got {counts!r}")
     if len(set(counts)) != len(counts):
@@ -162,19 +162,20 @@ def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [with_data_hosts(base, count, instance) for count in counts]
 
 
-def _advised_sizes(advisor: Any, data_instance_type: str, batch_size: int) -> list[int]:
+def _advised_sizes(advisor: Any, data_instance_type: str, base: Mapping[str, Any]) -> list[int]:
     """None, and the sizes around the advisor's prediction for this data instance type. The
-    preprocessing figure comes per batch, or per image (images/s per vCPU, as bench/preprocess.py
-    measures it), then costed at the base's batch size."""
+    preprocessing figure comes per step, or per image (images/s per vCPU, as bench/preprocess.py
+    measures it), then costed at the images the base's step takes."""
     fields = {"preprocess_ms_per_batch_per_vcpu", "images_per_s_per_vcpu", "train_ms_per_step", "dnn_spare_vcpus", "efficiency"}
     if not isinstance(advisor, dict) or set(advisor) - fields:
         raise SweepSpecError("advisor", f"must be an object with {sorted(fields)}, got {advisor!r}")
     if ("images_per_s_per_vcpu" in advisor) == ("preprocess_ms_per_batch_per_vcpu" in advisor):
         raise SweepSpecError("advisor", "give the preprocessing cost once: images_per_s_per_vcpu or preprocess_ms_per_batch_per_vcpu")
+    images = images_per_step(base) if "images_per_s_per_vcpu" in advisor else 0  # a bad base is named as the base
     try:
         figures = {key: float(value) for key, value in advisor.items()}
         if "images_per_s_per_vcpu" in figures:
-            figures["preprocess_ms_per_batch_per_vcpu"] = ms_per_batch_per_vcpu(figures.pop("images_per_s_per_vcpu"), batch_size)
+            figures["preprocess_ms_per_batch_per_vcpu"] = ms_per_batch_per_vcpu(figures.pop("images_per_s_per_vcpu"), images)
         profile = SizingProfile(**figures)
         vcpus = instance_type(data_instance_type).vcpus
     except (SizingError, TypeError, ValueError, KeyError) as error:
@@ -183,18 +184,17 @@ def _advised_sizes(advisor: Any, data_instance_type: str, batch_size: int) -> li
     return sorted({0, max(needed - 1, 0), needed, needed + 1})
 
 
-def _batch_size(base: Mapping[str, Any]) -> int:
-    """The base's batch size per trainer process: its hyperparameter, else its trainer's default."""
-    hyperparameters = base.get("hyperparameters") if isinstance(base.get("hyperparameters"), dict) else {}
-    if "batch_size" in hyperparameters:
-        value = hyperparameters["batch_size"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SweepSpecError("base.hyperparameters.batch_size", f"must be a positive integer, got {value!r}")
-        return value
-    variant = VARIANTS.get(base.get("variant"))  # type: ignore[arg-type]
-    if variant is None:
-        raise SweepSpecError("base.variant", f"must be one of {sorted(VARIANTS)}, got {base.get('variant')!r}")
-    return next(field.default for field in dataclasses.fields(variant.config) if field.name == "batch_size")
+def images_per_step(base: Mapping[str, Any]) -> int:
+    """The images one training step of the base takes from its data hosts: the batch of each trainer
+    process (its hyperparameter as the trainer reads it, else its default) × the trainer processes (one
+    per GPU or NeuronCore of every DNN host, one on a CPU host), as the launcher starts them."""
+    try:
+        spec = validate_job_spec(base)
+    except JobSpecError as error:
+        raise SweepSpecError(f"base.{error.field}", error.problem) from None
+    config = build(VARIANTS[spec.variant].config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()})
+    dnn = instance_type(spec.dnn_group.instance_type)
+    return config.batch_size * spec.dnn_group.count * (dnn.neuron_cores or dnn.accelerators or 1)
 
 
 # Comparison -------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.sizing import SizingError, SizingProfile, advise, data_hosts_needed, ms_per_batch_per_vcpu, predicted_step_ms
-from lambdas.core.sweep import SweepSpecError, data_host_count, plan_sweep
+from lambdas.core.sweep import SweepSpecError, data_host_count, images_per_step, plan_sweep
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -99,9 +99,29 @@ def test_a_bad_images_per_second_figure_is_refused_by_name(advisor: dict, field:
     assert refused.value.field == field
 
 
-def test_a_base_with_a_bad_batch_size_is_refused_before_sizing() -> None:
+def test_a_base_with_a_bad_batch_size_is_refused_by_name_and_a_string_one_is_read_as_the_trainer_reads_it() -> None:
     base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
-    base["hyperparameters"]["batch_size"] = "64"
+    base["hyperparameters"]["batch_size"] = "sixty-four"
     with pytest.raises(SweepSpecError) as refused:
         plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"images_per_s_per_vcpu": 100, "train_ms_per_step": 184}})
-    assert refused.value.field == "base.hyperparameters.batch_size"
+    assert refused.value.field.startswith("base.hyperparameters")
+    base["hyperparameters"]["batch_size"] = "64"  # what the trainer accepts, the advisor accepts
+    assert images_per_step(base) == 64
+    # A per-step figure needs no batch size at all.
+    plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"preprocess_ms_per_batch_per_vcpu": 9544, "train_ms_per_step": 184}})
+
+
+def test_a_step_takes_a_batch_from_every_trainer_process() -> None:
+    """One process per GPU (or NeuronCore) of every DNN host: 8 on a p4d, 32 on a trn1.32xlarge. The
+    same images/s per vCPU must then advise more data hosts for more GPUs."""
+    base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())  # 1× ml.p3.2xlarge, batch 64
+    assert images_per_step(base) == 64
+    dnn = next(group for group in base["instance_groups"] if group["role"] == "dnn")
+    dnn.update(instance_type="ml.p4d.24xlarge", count=2)
+    assert images_per_step(base) == 64 * 8 * 2
+    advised = plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"images_per_s_per_vcpu": 50, "train_ms_per_step": 100}})
+    # 1024 images per 100 ms step at 50 images/s per vCPU: 204.8 vCPUs, 6 ml.c5.9xlarge of 36.
+    assert sorted(data_host_count(spec) for spec in advised.configurations) == [0, 5, 6, 7]
+    neuron = json.loads((EXAMPLES / "neuron-trn1-32xlarge.json").read_text())
+    cores = 32 * next(group["count"] for group in neuron["instance_groups"] if group["role"] == "dnn")
+    assert images_per_step(neuron) == cores * int(neuron["hyperparameters"].get("batch_size", 32))
