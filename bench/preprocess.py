@@ -6,10 +6,11 @@ One process, one core (what one data-host vCPU does), ``--size``² output, ``sta
 augmentation, from JPEGs of 320, 500, 1600 and 3000 px (written here as photos are: 4:3, quality 90,
 ≈0.38 bytes per pixel). Each round times, back to back on the same files and the same random streams:
 
-- PIL: the pipeline as the platform shipped it before (training/data_service/pil_reference.py: every
-  file decoded in full, every operation in PIL);
-- fast: training/data_service/preprocess.py (crop chosen from the header, reduced JPEG decode, OpenCV
-  operations on uint8 arrays).
+- PIL full: the platform's first pipeline (training/data_service/pil_reference.py: every file decoded
+  in full, every operation in PIL);
+- PIL draft: the same with JPEGs decoded at a DCT reduction by PIL's draft mode (its second);
+- fast: training/data_service/preprocess.py (crop chosen from the header, reduced libjpeg-turbo decode,
+  OpenCV operations on uint8 arrays).
 
 The machine is shared and noisy, so each round's ratio is taken and the median reported. The last
 columns show that both make the same sample: every file's random draws are the same in both (the
@@ -20,6 +21,7 @@ statistics the draws give.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -65,8 +67,8 @@ def images_per_s(paths: list[str], config: AugmentConfig, pipeline: Pipeline, se
 
 
 def agreement(paths: list[str], config: AugmentConfig) -> tuple[int, float]:
-    """How many files drew the same parameters in both pipelines, and the mean |difference| of the
-    two outputs (of 255)."""
+    """How many files drew the same parameters in the fast and the PIL (full decode) pipelines, and the
+    mean |difference| of the two outputs (of 255)."""
     same, differences = 0, []
     for index, path in enumerate(paths):
         fast_rng, pil_rng = np.random.default_rng(index), np.random.default_rng(index)
@@ -95,20 +97,24 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="preprocess-"))
     photos = {side: write_photos(folder, side, args.images, seed=side) for side in SOURCES}
     print(f"one core, {args.size}² output, {args.images} JPEGs per source size, {args.rounds} rounds (median of per-round ratios)\n")
-    print("| augment | source px | PIL img/s | fast img/s | speed-up | same draws | mean abs diff (of 255) | mean crop area | mean aspect |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| augment | source px | PIL full img/s | PIL draft img/s | fast img/s | fast / PIL full | fast / PIL draft "
+          "| same draws | mean abs diff (of 255) | mean crop area | mean aspect |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    pipelines = {"full": load_and_augment_pil, "draft": functools.partial(load_and_augment_pil, draft=True), "fast": load_and_augment}
     for augment in ("standard", "heavy"):
         config = AugmentConfig(args.size, augment)
         for side in SOURCES:
-            pil, fast = [], []
+            rates: dict[str, list[float]] = {name: [] for name in pipelines}
             for round_ in range(args.rounds):
-                pil.append(images_per_s(photos[side], config, load_and_augment_pil, seed=round_))
-                fast.append(images_per_s(photos[side], config, load_and_augment, seed=round_))
-            ratio = statistics.median(f / p for f, p in zip(fast, pil, strict=True))
+                for name, pipeline in pipelines.items():
+                    rates[name].append(images_per_s(photos[side], config, pipeline, seed=round_))
+            over_full = statistics.median(f / p for f, p in zip(rates["fast"], rates["full"], strict=True))
+            over_draft = statistics.median(f / p for f, p in zip(rates["fast"], rates["draft"], strict=True))
             same, difference = agreement(photos[side], config)
             area, aspect = crop_stats(side)
-            print(f"| {augment} | {side} | {statistics.median(pil):.0f} | {statistics.median(fast):.0f} | {ratio:.2f}× | "
-                  f"{same}/{len(photos[side])} | {difference:.2f} | {area:.3f} | {aspect:.3f} |")
+            print(f"| {augment} | {side} | {statistics.median(rates['full']):.0f} | {statistics.median(rates['draft']):.0f} | "
+                  f"{statistics.median(rates['fast']):.0f} | {over_full:.2f}× | {over_draft:.2f}× | "
+                  f"{same}/{len(photos[side])} | {difference:.2f} | {area:.3f} | {aspect:.3f} |", flush=True)
     return 0
 
 

@@ -52,3 +52,10 @@ def test_the_tensorflow_image_installs_the_tests_tensorflow_release() -> None:
     # No TensorFlow DLC carries the tests' release: the image installs it (framework.txt) over the DLC.
     assert pin("training/images/tensorflow/framework.txt", "tensorflow") == pin("requirements/dlc-tensorflow.txt", "tensorflow-cpu")
     assert "framework.txt" in (REPO / "training" / "images" / "Dockerfile").read_text()
+
+
+def test_the_pytorch_image_checks_it_has_the_opencv_release_the_tests_run() -> None:
+    # The DLC carries opencv-python; the tests install the headless build of the same release.
+    release = pin("requirements/dlc-pytorch.txt", "opencv-python-headless").rsplit(".", 1)[0]  # 4.11.0.86 → 4.11.0
+    dockerfile = (REPO / "training" / "images" / "Dockerfile").read_text()
+    assert f"cv2.__version__ != '{release}'" in dockerfile

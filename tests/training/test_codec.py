@@ -96,3 +96,15 @@ def test_truncated_batches_are_refused(cut: int) -> None:
     payload = codec.encode_batch(np.ones((2, 3, 4, 4), dtype=np.uint8), np.arange(2, dtype=np.int64))
     with pytest.raises(codec.TensorFormatError):
         codec.decode_batch(payload[:cut])
+
+
+def test_the_batch_writer_keeps_values_shapes_and_its_field_range() -> None:
+    """Values, not bytes: a big-endian array arrives with its values (the dtype name means little-endian
+    to the reader); a 0-d array keeps its shape; a count past uint32 is refused, as protobuf refuses it."""
+    big_endian = np.arange(6, dtype=">i4").reshape(2, 3)
+    decoded = codec.decode_batch(codec.encode_batch(big_endian, np.array(7, dtype=np.int64)))
+    assert np.array_equal(decoded.images, big_endian) and decoded.labels.shape == () and int(decoded.labels) == 7
+    with pytest.raises(codec.TensorFormatError, match="uint32"):
+        codec.encode_batch(np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64), 2**32)
+    with pytest.raises(ValueError):  # protobuf's own refusal of the same count
+        pb.Batch(skipped_samples=2**32)

@@ -267,7 +267,8 @@ def test_a_truncated_jpeg_is_refused_as_pil_refuses_it_and_trailing_data_is_not(
 
 def test_a_jpeg_with_a_header_and_no_image_is_a_decode_error(tmp_path: Path) -> None:
     """The header parses (so OpenCV's path takes the file), the scan is missing: refused like PIL refuses
-    it. (Corrupt bytes inside a scan are decoded by libjpeg with a warning, in PIL as in OpenCV.)"""
+    it. (Damaged bytes inside a whole scan are decoded with libjpeg's damage, as TensorFlow and
+    torchvision.io decode them; PIL refuses some of those: README, "The data pipeline".)"""
     data = jpeg(photo(64, 48))
     path = tmp_path / "no-scan.jpg"
     path.write_bytes(data[: data.index(b"\xff\xda")] + b"\xff\xd9")

@@ -1,12 +1,13 @@
 """The augmentation as PIL defines it: the executable statement of what preprocess.py must compute.
 
-This is the pipeline the platform shipped before it moved to OpenCV (PIL throughout, every file decoded
-in full). It is not on any training path. It stays for two readers:
+This is the platform's earlier pipeline, PIL throughout: every file decoded in full (``draft=False``,
+as it began), or JPEGs decoded at a DCT reduction with PIL's draft mode (``draft=True``, the step before
+OpenCV). It is not on any training path. It stays for two readers:
 
 - tests/training/test_preprocess.py holds each fast operation to its PIL counterpart here (same random
   draws, same parameter ranges, pixels within a small tolerance);
-- bench/preprocess.py measures the fast pipeline's images per second per vCPU against this one, side by
-  side in one run.
+- bench/preprocess.py measures the fast pipeline's images per second per vCPU against both forms, side
+  by side in one run.
 
 Both pipelines draw their random parameters in the same order from the same generator, so a sample made
 by either from the same seed has the same crop, flip, jitter and heavy parameters.
@@ -14,19 +15,29 @@ by either from the same seed has the same crop, flip, jitter and heavy parameter
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.preprocess import JITTER_STRENGTH, crop_box
+from training.data_service.preprocess import JITTER_STRENGTH, crop_box, draft_reduction
 
 
-def load_and_augment_pil(path: str, rng: np.random.Generator, config: AugmentConfig) -> np.ndarray:
-    """One sample, uint8 (3, size, size), the PIL way: full decode, then each operation on a PIL image."""
+def load_and_augment_pil(path: str, rng: np.random.Generator, config: AugmentConfig, draft: bool = False) -> np.ndarray:
+    """One sample, uint8 (3, size, size), the PIL way: decode (in full, or with ``draft`` at the
+    reduction preprocess.draft_reduction picks), then each operation on a PIL image."""
     with Image.open(path) as source:
+        width, height = source.size
+        box = crop_box(width, height, rng)
+        reduction = draft_reduction(box, config.image_size) if draft else 1
+        if reduction > 1:
+            source.draft("RGB", (math.ceil(width / reduction), math.ceil(height / reduction)))
         image = source.convert("RGB")
-    box = crop_box(image.width, image.height, rng)
-    image = image.resize((config.image_size, config.image_size), Image.Resampling.BILINEAR, box=box)
+    scale_x, scale_y = image.width / width, image.height / height
+    image = image.resize((config.image_size, config.image_size), Image.Resampling.BILINEAR,
+                         box=(box[0] * scale_x, box[1] * scale_y, box[2] * scale_x, box[3] * scale_y),
+                         reducing_gap=3.0 if draft else None)
     if rng.random() < 0.5:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     image = colour_jitter_pil(image, rng, JITTER_STRENGTH)
