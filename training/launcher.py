@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, base_dir, host_addresses, load_cluster
-from training.data_service.dataset import ChannelError, channel_dir, scan_csv_channel, scan_image_folder
+from training.data_service.dataset import ChannelError, channel_dir, channel_is_sharded, scan_csv_channel, scan_image_folder
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
 from training.failure import RANK_FAILURE_ENV, failure_path, write_failure
@@ -241,6 +241,9 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         start_deadline_s=settings.data_start_deadline_s,
         workers=default_workers(),
         seed=data_seed(config.seed, settings.shutdown_token),
+        # The data hosts split a replicated channel's epochs between them; a sharded one, each serves its own.
+        hosts=len(data_hosts),
+        sharded=channel_is_sharded(settings.data_channel),
     )
     source = None
     if variant.data_service == "tf.data.service":

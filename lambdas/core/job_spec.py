@@ -133,11 +133,19 @@ class GroupSpec:
     count: int
 
 
+# How a channel reaches its hosts (InputDataConfig's InputMode and S3DataDistributionType). "pipe" streams a
+# channel as a FIFO of concatenated records: no trainer here reads that, so it is refused by name.
+INPUT_MODES = {"file": "File", "fastfile": "FastFile"}
+DISTRIBUTIONS = {"replicated": "FullyReplicated", "sharded": "ShardedByS3Key"}
+
+
 @dataclass(frozen=True)
 class ChannelSpec:
     name: str
     s3_uri: str
     groups: tuple[str, ...]  # empty: every host gets the channel
+    input_mode: str = "file"  # file: copied to the host before training; fastfile: streamed from S3 as read
+    distribution: str = "replicated"  # replicated: every host gets every object; sharded: ~1/n of them each
 
 
 @dataclass(frozen=True)
@@ -293,9 +301,17 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> 
             raise JobSpecError(where, f"{name!r} is a channel the platform adds itself: pick another name")
         if not isinstance(item, Mapping):
             raise JobSpecError(where, "must be an object {s3_uri, groups}")
-        extra = sorted(set(item) - {"s3_uri", "groups"})
+        extra = sorted(set(item) - {"s3_uri", "groups", "input_mode", "distribution"})
         if extra:
-            raise JobSpecError(f"{where}.{extra[0]}", "unknown field; a channel has s3_uri and groups")
+            raise JobSpecError(f"{where}.{extra[0]}", "unknown field; a channel has s3_uri, groups, input_mode and distribution")
+        input_mode, distribution = item.get("input_mode", "file"), item.get("distribution", "replicated")
+        if input_mode == "pipe":
+            raise JobSpecError(f"{where}.input_mode", "pipe streams the channel as one FIFO of records, which no trainer "
+                                                      "here reads: use file (copied before training) or fastfile (read from S3 as needed)")
+        if input_mode not in INPUT_MODES:
+            raise JobSpecError(f"{where}.input_mode", f"must be one of {sorted(INPUT_MODES)}, got {input_mode!r}")
+        if distribution not in DISTRIBUTIONS:
+            raise JobSpecError(f"{where}.distribution", f"must be one of {sorted(DISTRIBUTIONS)}, got {distribution!r}")
         _check_s3_uri(f"{where}.s3_uri", item.get("s3_uri"))
         channel_groups = item.get("groups", [])
         if not isinstance(channel_groups, list) or not all(isinstance(group, str) for group in channel_groups):
@@ -305,7 +321,7 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> 
         missing = sorted(set(channel_groups) - names)
         if missing:
             raise JobSpecError(f"{where}.groups", f"{missing} are not instance groups of this spec: {sorted(names)}")
-        channels.append(ChannelSpec(name, item["s3_uri"], tuple(channel_groups)))
+        channels.append(ChannelSpec(name, item["s3_uri"], tuple(channel_groups), input_mode, distribution))
     assigned = [channel.name for channel in channels if channel.groups]
     if assigned and len(assigned) != len(channels):
         unassigned = sorted({channel.name for channel in channels} - set(assigned))
@@ -452,6 +468,22 @@ def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
             raise JobSpecError(f"inputs.{channel.name}.groups", f"data groups {missing} preprocess this channel: add them")
         if not data_groups and spec.dnn_group.name not in spec.group_names_for(channel):
             raise JobSpecError(f"inputs.{channel.name}.groups", f"without data groups the dnn group {spec.dnn_group.name!r} reads it: add it")
+        if channel.distribution == "sharded":
+            _check_sharded(spec, channel)
+
+
+def _check_sharded(spec: JobSpec, channel: ChannelSpec) -> None:
+    """A sharded channel gives each host ~1/n of the objects: only a reader that serves what it has can
+    take one. The gRPC data hosts can (each serves its shard); the DNN group's ranks cannot (every
+    trainer splits the whole channel among its ranks, and the text trainer tokenises it once per node),
+    and tf.data.service's workers cannot (the dispatcher hands every worker names from its own listing)."""
+    where = f"inputs.{channel.name}.distribution"
+    if spec.dnn_group.name in spec.group_names_for(channel):
+        raise JobSpecError(where, f"the dnn group {spec.dnn_group.name!r} reads this channel, and its ranks split the whole "
+                                  "channel among themselves: use replicated, or let only data groups read it sharded")
+    if VARIANTS[spec.variant].data_service != "grpc":
+        raise JobSpecError(where, "tf.data.service hands every data host file names from one listing, so each must hold "
+                                  "every file: use replicated (each file is still read once per epoch across hosts)")
 
 
 def _check_hyperparameters(spec: JobSpec, config: type) -> None:

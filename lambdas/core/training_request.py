@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lambdas.core.catalog import CATALOG
-from lambdas.core.job_spec import JobSpec, role_map
+from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec, role_map
 from lambdas.core.service_limits import limit
 from training.hyperparameters import PLATFORM_CHANNEL, RESUME_CHANNEL, PlatformSettings, to_hyperparameter_string
 from training.metrics import METRIC_DEFINITIONS
@@ -170,12 +170,15 @@ def _platform_channel(spec: JobSpec, name: str, uri: str, groups: Any) -> dict[s
 
 
 def _channel(spec: JobSpec, channel: Any) -> dict[str, Any]:
-    return _s3_channel(spec, channel.name, channel.s3_uri, list(spec.group_names_for(channel)))
+    return _s3_channel(spec, channel.name, channel.s3_uri, list(spec.group_names_for(channel)),
+                       INPUT_MODES[channel.input_mode], DISTRIBUTIONS[channel.distribution])
 
 
-def _s3_channel(spec: JobSpec, name: str, uri: str, group_names: list[str]) -> dict[str, Any]:
-    """One InputDataConfig entry: File mode, every host of its groups gets the whole prefix."""
-    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}
+def _s3_channel(spec: JobSpec, name: str, uri: str, group_names: list[str], input_mode: str = "File",
+                distribution: str = "FullyReplicated") -> dict[str, Any]:
+    """One InputDataConfig entry: its hosts get the whole prefix (FullyReplicated) or ~1/n of its objects
+    each (ShardedByS3Key), copied before training (File) or read from S3 as needed (FastFile)."""
+    source: dict[str, Any] = {"S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": distribution}
     if _routed(spec):
         source["InstanceGroupNames"] = group_names
-    return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": "File"}
+    return {"ChannelName": name, "DataSource": {"S3DataSource": source}, "InputMode": input_mode}

@@ -109,6 +109,14 @@ INVALID: list[tuple[str, Any, str]] = [
     ("channel assigned to an unknown group", changed(hetero(), "inputs.train.groups", ["gpu_group"]), "inputs.train.groups"),
     ("channel groups not a list", changed(hetero(), "inputs.train.groups", "data_group"), "inputs.train.groups"),
     ("channel assigned only to the dnn group", changed(hetero(), "inputs.train.groups", ["dnn_group"]), "inputs.train.groups"),
+    ("channel in pipe mode", changed(hetero(), "inputs.train.input_mode", "pipe"), "inputs.train.input_mode"),
+    ("channel in an unknown mode", changed(hetero(), "inputs.train.input_mode", "File"), "inputs.train.input_mode"),
+    ("channel with an unknown distribution", changed(hetero(), "inputs.train.distribution", "ShardedByS3Key"), "inputs.train.distribution"),
+    ("sharded channel read by the dnn group too", changed(changed(hetero(), "inputs.train.distribution", "sharded"), "inputs.train.groups",
+                                                          ["data_group", "dnn_group"]), "inputs.train.distribution"),
+    ("sharded channel of a homogeneous job", changed(homogeneous(), "inputs.train.distribution", "sharded"), "inputs.train.distribution"),
+    ("sharded channel of a text job", changed(neuron(), "inputs.train.distribution", "sharded"), "inputs.train.distribution"),
+    ("sharded channel for tf.data.service", changed(tensorflow(), "inputs.train.distribution", "sharded"), "inputs.train.distribution"),
     (
         "one channel assigned, one not",
         changed(hetero(), "inputs.validation", {"s3_uri": "s3://datasets-bucket/validation/"}),
@@ -304,3 +312,12 @@ def test_the_models_patterns_we_use_mean_the_same_in_python() -> None:
     for shape in ("TrainingJobName", "ChannelName", "S3Uri", "HyperParameterKey", "HyperParameterValue"):
         pattern = limit(shape).pattern
         assert pattern is None or "\\p{" not in pattern.pattern, shape
+
+
+def test_a_channel_says_how_it_reaches_its_hosts() -> None:
+    default = validate_job_spec(hetero()).inputs[0]
+    assert (default.input_mode, default.distribution) == ("file", "replicated")
+    streamed = validate_job_spec(changed(changed(hetero(), "inputs.train.input_mode", "fastfile"), "inputs.train.distribution", "sharded"))
+    assert (streamed.inputs[0].input_mode, streamed.inputs[0].distribution) == ("fastfile", "sharded")
+    # fastfile suits every reader, the DNN group's ranks included.
+    assert validate_job_spec(changed(homogeneous(), "inputs.train.input_mode", "fastfile")).inputs[0].input_mode == "fastfile"

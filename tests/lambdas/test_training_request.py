@@ -147,3 +147,24 @@ def test_trainium_requests_run_one_process_per_neuroncore_with_a_shared_compile_
 def test_gpu_requests_leave_the_process_count_to_the_host() -> None:
     hyperparameters = request_for("pytorch-heterogeneous.json")["HyperParameters"]
     assert hyperparameters["processes_per_host"] == "0" and hyperparameters["neuron_compile_cache_uri"] == ""
+
+
+@pytest.mark.parametrize(("input_mode", "distribution", "mode", "s3_distribution"), [
+    ("file", "replicated", "File", "FullyReplicated"),
+    ("fastfile", "replicated", "FastFile", "FullyReplicated"),
+    ("file", "sharded", "File", "ShardedByS3Key"),
+    ("fastfile", "sharded", "FastFile", "ShardedByS3Key"),
+])
+def test_each_input_mode_and_distribution_reaches_the_request_and_passes_botocore(
+    input_mode: str, distribution: str, mode: str, s3_distribution: str
+) -> None:
+    raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    raw["inputs"]["train"] |= {"input_mode": input_mode, "distribution": distribution}
+    spec = validate_job_spec(raw)
+    request = create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), run_id="run-0001")
+    train = next(channel for channel in request["InputDataConfig"] if channel["ChannelName"] == "train")
+    assert train["InputMode"] == mode and train["DataSource"]["S3DataSource"]["S3DataDistributionType"] == s3_distribution
+    platform = next(channel for channel in request["InputDataConfig"] if channel["ChannelName"] == "platform")
+    assert platform["InputMode"] == "File" and platform["DataSource"]["S3DataSource"]["S3DataDistributionType"] == "FullyReplicated"
+    with mock_aws():
+        boto3.client("sagemaker", region_name="us-east-1").create_training_job(**request)  # botocore validates it

@@ -201,11 +201,39 @@ def test_stop_verdict(activity: Activity, now: float, expected: StopReason | Non
     assert stop_verdict(activity, now, idle_timeout_s=3, start_deadline_s=10) == expected
 
 
-def test_sample_order_is_a_fresh_permutation_each_epoch_and_differs_per_host() -> None:
+def test_sample_order_is_a_fresh_permutation_each_epoch() -> None:
     first = list(itertools.islice(sample_order(10, seed=0, host_index=0), 20))
     assert sorted(first[:10]) == sorted(first[10:]) == list(range(10))
     assert first[:10] != first[10:]
-    assert first != list(itertools.islice(sample_order(10, seed=0, host_index=1), 20))
+
+
+@pytest.mark.parametrize(("samples", "hosts"), [(10, 2), (11, 3), (96, 4), (5, 5)])
+def test_a_replicated_channels_data_hosts_send_every_sample_exactly_once_per_epoch(samples: int, hosts: int) -> None:
+    """Each host holds every file; together they serve each epoch once, not once per host."""
+    for epoch in range(3):
+        shares = []
+        for host in range(hosts):
+            per_epoch = len(range(host, samples, hosts))
+            order = list(itertools.islice(sample_order(samples, seed=7, host_index=host, hosts=hosts), per_epoch * 3))
+            shares.append(order[epoch * per_epoch:(epoch + 1) * per_epoch])
+        served = [index for share in shares for index in share]
+        assert sorted(served) == list(range(samples)), f"epoch {epoch}"
+
+
+def test_a_sharded_channels_host_serves_all_of_its_own_shard_in_its_own_order() -> None:
+    first = list(itertools.islice(sample_order(10, seed=0, host_index=0, hosts=2, sharded=True), 10))
+    second = list(itertools.islice(sample_order(10, seed=0, host_index=1, hosts=2, sharded=True), 10))
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+
+
+def test_fewer_samples_than_data_hosts_is_refused_before_anything_starts(images: Path) -> None:
+    from training.data_service.dataset import ImageFolder
+    from training.data_service.server import BatchProducer, DataHostError
+
+    folder = scan_image_folder(images, "train", "data_group")
+    tiny = ImageFolder(folder.root, folder.classes, folder.samples[:2])
+    with pytest.raises(DataHostError, match="fewer than its 3 data hosts"):
+        BatchProducer(tiny, batch_size=1, augment=AugmentConfig(16), workers=1, hosts=3)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ that says how to fix the job spec.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +47,17 @@ class ImageFolder:
 
 def channel_dir(channel: str, environ: Mapping[str, str] = os.environ) -> Path:
     return base_dir(environ) / "input" / "data" / channel
+
+
+def channel_is_sharded(channel: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether SageMaker gave this host a ShardedByS3Key share of the channel (inputdataconfig.json, which
+    it writes on every host; the emulated cluster writes it too), not every object of it."""
+    path = base_dir(environ) / "input" / "config" / "inputdataconfig.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    return config.get(channel, {}).get("S3DistributionType") == "ShardedByS3Key"
 
 
 def _require_channel(root: Path, channel: str, group: str) -> None:

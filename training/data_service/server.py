@@ -107,9 +107,12 @@ class ServerSettings:
     idle_timeout_s: float
     start_deadline_s: float
     workers: int
-    seed: int = 0
+    seed: int = 0  # the job's, the same on every data host
     # Finished batches waiting for a client; with `workers` more in flight.
     queue_depth: int = 8
+    # The data hosts that share the channel's epochs (sample_order), and whether each holds its own shard.
+    hosts: int = 1
+    sharded: bool = False
     # After SIGTERM, serve on this long at most (SageMaker sends SIGKILL 120 s after its SIGTERM).
     stop_grace_s: float = 110.0
 
@@ -153,11 +156,29 @@ def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_de
     return None
 
 
-def sample_order(num_samples: int, seed: int, host_index: int) -> Iterator[int]:
-    """An endless stream of sample indices, one fresh permutation per epoch; each data host shuffles
-    differently so that hosts serving the same replicated channel do not send the same batches."""
+def sample_order(num_samples: int, seed: int, host_index: int, hosts: int = 1, sharded: bool = False) -> Iterator[int]:
+    """An endless stream of sample indices, one epoch after another.
+
+    A replicated channel (every data host holds every file): the hosts draw one permutation per epoch
+    together (the seed is the job's, the same on every host) and host ``host_index`` of ``hosts`` takes
+    every hosts-th index of it, so that across the hosts every sample goes out exactly once per epoch.
+    A sharded channel (each host holds its own ~1/n of the files): each host serves all of its own
+    files, in a permutation of its own.
+    """
+    if sharded:
+        for epoch in itertools.count():
+            yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
+    check_share(num_samples, hosts)
     for epoch in itertools.count():
-        yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
+        yield from np.random.default_rng([seed, epoch]).permutation(num_samples)[host_index::hosts].tolist()
+
+
+def check_share(num_samples: int, hosts: int) -> None:
+    """A replicated channel's hosts split each epoch: each must get at least one sample (an empty share
+    would spin forever)."""
+    if num_samples < hosts:
+        raise DataHostError(f"the channel holds {num_samples} samples, fewer than its {hosts} data hosts: each needs at "
+                            "least one per epoch (fewer data hosts, or more data)")
 
 
 class BatchSource(Protocol):
@@ -188,8 +209,13 @@ class BatchProducer:
         seed: int = 0,
         host_index: int = 0,
         queue_depth: int = 8,
+        hosts: int = 1,
+        sharded: bool = False,
     ) -> None:
         self._folder = folder
+        if not sharded:
+            check_share(len(folder), hosts)  # now, before any worker starts
+        self._order = sample_order(len(folder), seed, host_index, hosts, sharded)
         self._batch_size = batch_size
         self._workers = workers
         self._seed = seed
@@ -227,7 +253,7 @@ class BatchProducer:
 
     def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int]]]:
         batch_size = self._batch_size
-        order = sample_order(len(self._folder), self._seed, self._host_index)
+        order = self._order
         spare_rng = np.random.default_rng([self._seed, self._host_index, 1 << 20])
         for number in itertools.count():
             indices = list(itertools.islice(order, batch_size))
@@ -396,6 +422,8 @@ def serve(
         seed=settings.seed,
         host_index=host_index,
         queue_depth=settings.queue_depth,
+        hosts=settings.hosts,
+        sharded=settings.sharded,
     )
     servicer = DataServiceServicer(settings, folder, producer)
     server = grpc.server(

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lambdas.core.catalog import CATALOG
-from lambdas.core.job_spec import JobSpec
+from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
@@ -236,6 +236,22 @@ def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tu
     return container_hyperparameters(spec, platform)
 
 
+def shard_keys(keys: list[str], index: int, hosts: int) -> list[str]:
+    """The objects host ``index`` of ``hosts`` gets of a ShardedByS3Key channel, as the emulation deals
+    them: round-robin over the sorted keys (SageMaker promises about 1/n each, not which). Pure."""
+    return sorted(keys)[index::hosts]
+
+
+def write_shard(source: Path, folder: Path, index: int, hosts: int) -> None:
+    """A host's copy of a sharded channel: links to its share of the files under ``source``, at the
+    same relative paths (the class folders stay)."""
+    keys = [str(path.relative_to(source)) for path in source.rglob("*") if path.is_file()]
+    folder.mkdir(parents=True)
+    for key in shard_keys(keys, index, hosts):
+        (folder / key).parent.mkdir(parents=True, exist_ok=True)
+        (folder / key).symlink_to(source / key)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -317,15 +333,22 @@ class EmulatedCluster:
             (config / "resourceconfig.json").write_text(json.dumps(resource_config(host, self.hosts), indent=2))
             (config / "hyperparameters.json").write_text(json.dumps(self.hyperparameters, indent=2))
             assigned = self._channels_of(host)
-            (config / "inputdataconfig.json").write_text(
-                json.dumps({name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"} for name in [*assigned, PLATFORM_CHANNEL]},
-                           indent=2)
-            )
+            channels = {channel.name: channel for channel in self.spec.inputs}
+            (config / "inputdataconfig.json").write_text(json.dumps(
+                {**{name: {"TrainingInputMode": INPUT_MODES[channels[name].input_mode],
+                           "S3DistributionType": DISTRIBUTIONS[channels[name].distribution]} for name in assigned},
+                 PLATFORM_CHANNEL: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"}}, indent=2))
             for name in assigned:
-                link = host.base_dir / "input" / "data" / name
-                link.parent.mkdir(parents=True, exist_ok=True)
-                if not link.is_symlink():
-                    link.symlink_to(self.options.channels[name].resolve(), target_is_directory=True)
+                folder = host.base_dir / "input" / "data" / name
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                if folder.exists() or folder.is_symlink():
+                    continue
+                source = self.options.channels[name].resolve()
+                if channels[name].distribution == "sharded":
+                    receivers = [other.name for other in self.hosts if name in self._channels_of(other)]
+                    write_shard(source, folder, receivers.index(host.name), len(receivers))
+                else:
+                    folder.symlink_to(source, target_is_directory=True)
             for folder in ("model", "output/data", "checkpoints"):
                 (host.base_dir / folder).mkdir(parents=True, exist_ok=True)
 

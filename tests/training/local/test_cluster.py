@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lambdas.core.job_spec import validate_job_spec
-from training.cluster import parse_resource_config
+from training.cluster import BASE_DIR_ENV, parse_resource_config
 from training.local.cluster import (
     EmulatedCluster,
     EmulationError,
@@ -210,3 +210,50 @@ def test_the_cli_refuses_a_bad_spec_with_a_named_error(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2 and "JobSpecError: instance_groups: must be a non-empty list" in result.stderr
+
+
+# Channels ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("distribution", ["replicated", "sharded"])
+def test_each_data_host_gets_the_channel_as_its_distribution_says(tmp_path: Path, images: Path, distribution: str) -> None:
+    """Replicated: every host gets every file. Sharded: each host only its share, the shares disjoint and
+    together the dataset, and the host learns which it has from inputdataconfig.json, as on SageMaker."""
+    from training.data_service.dataset import channel_is_sharded, scan_image_folder
+
+    raw = spec(data_hosts=2)
+    raw["inputs"]["train"] |= {"distribution": distribution, "input_mode": "fastfile"}
+    cluster = EmulatedCluster(validate_job_spec(raw), EmulationOptions(workdir=tmp_path, channels={"train": images}))
+    cluster.prepare()
+    every = {str(path.relative_to(images)) for path in images.rglob("*.jpg")}
+    shares = []
+    for host in cluster.hosts_with_role("data"):
+        root = host.base_dir / "input" / "data" / "train"
+        shares.append({str(Path(path).relative_to(root)) for path, _ in scan_image_folder(root, "train", "data_group").samples})
+        config = json.loads((host.base_dir / "input" / "config" / "inputdataconfig.json").read_text())
+        assert config["train"]["TrainingInputMode"] == "FastFile"
+        assert channel_is_sharded("train", {BASE_DIR_ENV: str(host.base_dir)}) == (distribution == "sharded")
+    if distribution == "replicated":
+        assert shares[0] == shares[1] == every
+    else:
+        assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == every
+        assert abs(len(shares[0]) - len(shares[1])) <= 1
+    assert not (cluster.hosts_with_role("dnn")[0].base_dir / "input" / "data" / "train").exists()  # routed to the data group
+
+
+@pytest.mark.cluster
+def test_two_data_hosts_each_serving_its_own_shard_train_the_job(tmp_path: Path, images: Path) -> None:
+    """The launcher reads the shard from inputdataconfig.json and serves what it holds: both hosts serve,
+    and each says it serves its share of the 96 images."""
+    raw = spec(data_hosts=2, steps=12)
+    raw["inputs"]["train"]["distribution"] = "sharded"
+    cluster, watcher = start(raw, tmp_path, images)
+    try:
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert result.ok, result.report()
+    summary = cluster.summary()
+    assert summary["steps"] == 12 and all(count > 0 for count in summary["batches_per_data_host"].values())
+    served = [re.search(r"serving channel 'train' \((\d+) images", "\n".join(watcher.of(host))) for host in ("algo-1", "algo-2")]
+    assert all(served) and sum(int(match.group(1)) for match in served) == 96
