@@ -86,8 +86,10 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
         raise SweepSpecError("base.instance_groups", "needs exactly one group with role 'dnn' to build configurations from")
     spec["run_name"] = f"{spec.get('run_name', 'sweep')}-d{count}"[:40]
     if count == 0:
+        # The DNN group reads the channels itself, and its ranks need every file: a sharded channel is
+        # replicated in this configuration (job_spec refuses a DNN group reading a sharded one).
         spec["instance_groups"] = dnn
-        spec["inputs"] = {name: {key: value for key, value in channel.items() if key != "groups"}
+        spec["inputs"] = {name: {key: value for key, value in channel.items() if key not in ("groups", "distribution")}
                           for name, channel in dict(spec.get("inputs", {})).items()}
     else:
         spec["instance_groups"] = [{"name": "data_group", "role": "data", "instance_type": data_instance_type, "count": count}, *dnn]

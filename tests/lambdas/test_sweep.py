@@ -147,3 +147,13 @@ def test_the_chart_is_a_png_with_a_bar_per_configuration(tmp_path: Path) -> None
     shortest = min(y for y in range(480) if image.getpixel((best[0], y)) == BEST)
     assert tallest < shortest
     (tmp_path / "chart.png").write_bytes(png)
+
+
+def test_a_sharded_base_channel_is_replicated_for_the_dnn_group_alone() -> None:
+    """Data hosts serve their shards; without them the DNN group's ranks need every file."""
+    base = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    base["inputs"]["train"] |= {"distribution": "sharded", "input_mode": "fastfile"}
+    plan = plan_sweep({"sweep_name": "sharded", "base": base, "data_hosts": [0, 2]})
+    alone, with_hosts = plan.configurations
+    assert "distribution" not in alone["inputs"]["train"] and alone["inputs"]["train"]["input_mode"] == "fastfile"
+    assert with_hosts["inputs"]["train"]["distribution"] == "sharded"
