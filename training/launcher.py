@@ -52,7 +52,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, base_dir, host_addresses, load_cluster
-from training.data_service.dataset import ChannelError, channel_dir, channel_is_sharded, scan_csv_channel, scan_image_folder
+from training.data_service.dataset import (
+    ChannelError,
+    EmptyChannelError,
+    channel_dir,
+    channel_is_sharded,
+    scan_csv_channel,
+    scan_image_folder,
+)
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
 from training.failure import RANK_FAILURE_ENV, failure_path, write_failure
@@ -224,7 +231,14 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     from training.data_service.server import ServerSettings, default_workers, serve
 
     root = channel_dir(settings.data_channel)
-    folder = scan_image_folder(root, settings.data_channel, cluster.current_group)
+    sharded = channel_is_sharded(settings.data_channel)
+    try:
+        folder = scan_image_folder(root, settings.data_channel, cluster.current_group)
+    except ChannelError as error:
+        if not sharded:
+            raise
+        raise EmptyChannelError(f"this host's share of the sharded channel {settings.data_channel!r} holds no images ({error}): "
+                                "S3 gives each host about 1/n of the objects, and this one got none of the images") from None
     data_hosts = settings.data_hosts(cluster)
     host_index = data_hosts.index(cluster.current_host)
     addresses = host_addresses()
@@ -243,7 +257,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         seed=data_seed(config.seed, settings.shutdown_token),
         # The data hosts split a replicated channel's epochs between them; a sharded one, each serves its own.
         hosts=len(data_hosts),
-        sharded=channel_is_sharded(settings.data_channel),
+        sharded=sharded,
     )
     source = None
     if variant.data_service == "tf.data.service":

@@ -305,6 +305,9 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> 
         if extra:
             raise JobSpecError(f"{where}.{extra[0]}", "unknown field; a channel has s3_uri, groups, input_mode and distribution")
         input_mode, distribution = item.get("input_mode", "file"), item.get("distribution", "replicated")
+        for key, value in (("input_mode", input_mode), ("distribution", distribution)):
+            if not isinstance(value, str):
+                raise JobSpecError(f"{where}.{key}", f"must be a string, got {value!r}")
         if input_mode == "pipe":
             raise JobSpecError(f"{where}.input_mode", "pipe streams the channel as one FIFO of records, which no trainer "
                                                       "here reads: use file (copied before training) or fastfile (read from S3 as needed)")
@@ -312,6 +315,9 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> 
             raise JobSpecError(f"{where}.input_mode", f"must be one of {sorted(INPUT_MODES)}, got {input_mode!r}")
         if distribution not in DISTRIBUTIONS:
             raise JobSpecError(f"{where}.distribution", f"must be one of {sorted(DISTRIBUTIONS)}, got {distribution!r}")
+        if input_mode == "fastfile" and isinstance(item.get("s3_uri"), str) and not item["s3_uri"].endswith("/"):
+            # SageMaker: a FastFile prefix must not be a partial folder name.
+            raise JobSpecError(f"{where}.s3_uri", "a fastfile channel's prefix must be a whole folder: end it with '/'")
         _check_s3_uri(f"{where}.s3_uri", item.get("s3_uri"))
         channel_groups = item.get("groups", [])
         if not isinstance(channel_groups, list) or not all(isinstance(group, str) for group in channel_groups):
@@ -481,6 +487,9 @@ def _check_sharded(spec: JobSpec, channel: ChannelSpec) -> None:
     if spec.dnn_group.name in spec.group_names_for(channel):
         raise JobSpecError(where, f"the dnn group {spec.dnn_group.name!r} reads this channel, and its ranks split the whole "
                                   "channel among themselves: use replicated, or let only data groups read it sharded")
+    if len({group.instance_type for group in spec.data_groups}) > 1:
+        raise JobSpecError(where, "the trainers take batches as they arrive, so a faster data host's shard would be seen "
+                                  "more often all run long: shard only across data groups of one instance type, or use replicated")
     if VARIANTS[spec.variant].data_service != "grpc":
         raise JobSpecError(where, "tf.data.service hands every data host file names from one listing, so each must hold "
                                   "every file: use replicated (each file is still read once per epoch across hosts)")

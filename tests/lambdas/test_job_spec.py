@@ -116,6 +116,14 @@ INVALID: list[tuple[str, Any, str]] = [
                                                           ["data_group", "dnn_group"]), "inputs.train.distribution"),
     ("sharded channel of a homogeneous job", changed(homogeneous(), "inputs.train.distribution", "sharded"), "inputs.train.distribution"),
     ("sharded channel of a text job", changed(neuron(), "inputs.train.distribution", "sharded"), "inputs.train.distribution"),
+    ("channel mode not a string", changed(hetero(), "inputs.train.input_mode", ["file"]), "inputs.train.input_mode"),
+    ("channel distribution not a string", changed(hetero(), "inputs.train.distribution", {"sharded": True}), "inputs.train.distribution"),
+    ("fastfile prefix that is a partial folder name", changed(changed(hetero(), "inputs.train.input_mode", "fastfile"), "inputs.train.s3_uri",
+                                                             "s3://datasets-bucket/demo-images"), "inputs.train.s3_uri"),
+    ("sharded across data hosts of different speeds", changed(changed(changed(hetero(), "inputs.train.distribution", "sharded"),
+                                                                      "instance_groups", [GROUP, dict(GROUP, name="small", instance_type="ml.c5.xlarge"),
+                                                                                          hetero()["instance_groups"][1]]),
+                                                              "inputs.train.groups", ["data_group", "small"]), "inputs.train.distribution"),
     ("sharded channel for tf.data.service", changed(tensorflow(), "inputs.train.distribution", "sharded"), "inputs.train.distribution"),
     (
         "one channel assigned, one not",
@@ -210,7 +218,8 @@ PATHS = st.sampled_from(
     ["run_name", "variant", "workload", "distribution", "instance_groups", "instance_groups.0", "instance_groups.0.count",
      "instance_groups.1.instance_type", "instance_groups.0.role", "hyperparameters", "hyperparameters.steps",
      "hyperparameters.batch_size", "hyperparameters.learning_rate", "hyperparameters.momentum", "hyperparameters.image_size",
-     "inputs", "inputs.train", "inputs.train.groups", "inputs.train.s3_uri", "max_runtime_s", "spec_version", "max_cost_usd",
+     "inputs", "inputs.train", "inputs.train.groups", "inputs.train.s3_uri", "inputs.train.input_mode", "inputs.train.distribution",
+     "max_runtime_s", "spec_version", "max_cost_usd",
      "resume_from"]
 )
 

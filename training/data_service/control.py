@@ -70,6 +70,13 @@ def describe(addresses: list[str], token: str, timeout_s: float) -> pb.DatasetIn
     raise DataServiceUnavailableError(f"no data host answered within {timeout_s:.0f} s: {errors}")
 
 
+def describe_every(addresses: list[str], token: str, timeout_s: float) -> list[pb.DatasetInfo]:
+    """DatasetInfo from every data host, each within ``timeout_s`` (DataServiceUnavailableError names
+    the hosts that did not answer)."""
+    deadline = time.monotonic() + timeout_s
+    return [describe([address], token, max(0.0, deadline - time.monotonic())) for address in addresses]
+
+
 def wait_for_port(address: str, timeout_s: float, what: str = "the tf.data.service dispatcher") -> None:
     """Wait until something listens on host:port. tf.data.service's own client retries an unreachable
     dispatcher for up to an hour; this bounds the wait and names what is missing."""

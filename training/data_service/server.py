@@ -336,6 +336,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             batch_size=self._settings.batch_size,
             host=self._settings.host,
             workers=self._settings.workers,
+            sharded=self._settings.sharded,
         )
 
     def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset
-from training.data_service.control import DataServiceError, describe
+from training.data_service.control import DataServiceError, describe, describe_every
 from training.data_service.dataset import ChannelError, CorruptDatasetError, ImageFolder, channel_dir, scan_image_folder
 from training.data_service.preprocess import DECODE_ERRORS, load_and_augment
 from training.failure import write_failure
@@ -402,6 +402,8 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
                 f"data host {info.host} makes batches of {info.batch_size} × {tuple(info.sample_shape)}, "
                 f"this trainer expects {config.batch_size} × {config.augment_config.sample_shape}"
             )
+        if info.sharded:
+            check_shards_agree(describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s))
         service = DataServiceDataset(
             addresses,
             config.batch_size,
@@ -414,6 +416,19 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
         return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service, **common)
     folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     return VisionTrainer(config, paths, classes=list(folder.classes), source="local", local_folder=folder, **common)
+
+
+def check_shards_agree(infos: list[Any]) -> None:
+    """Data hosts of a sharded channel label by the class folders of their own share: they must all hold
+    the same ones, or a label would mean different classes from different hosts. S3 deals a sharded
+    channel's objects without regard to folders (about 1/n of them to each host), so a class with fewer
+    files than hosts, or keys dealt in ranges, leaves a host without some class."""
+    classes = {info.host: tuple(info.classes) for info in infos}
+    if len(set(classes.values())) > 1:
+        every = sorted({name for names in classes.values() for name in names})
+        missing = {host: sorted(set(every) - set(names)) for host, names in classes.items() if set(names) != set(every)}
+        raise ChannelError(f"the data hosts' shards of a sharded channel hold different class folders (missing: {missing}), "
+                           "so their labels would disagree: use a replicated channel")
 
 
 def main() -> int:

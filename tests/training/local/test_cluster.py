@@ -242,6 +242,28 @@ def test_each_data_host_gets_the_channel_as_its_distribution_says(tmp_path: Path
 
 
 @pytest.mark.cluster
+def test_shards_that_hold_different_classes_fail_the_job_by_name_before_training(tmp_path: Path) -> None:
+    """A class with fewer files than data hosts leaves one host's shard without it: its labels would
+    mean other classes. The trainer compares every data host's classes and refuses."""
+    from training.local.images import write_dataset
+
+    images = write_dataset(tmp_path / "images", classes=3, per_class=4, size=32)
+    for extra in sorted((images / "class_00").glob("*.jpg"))[1:]:
+        extra.unlink()  # class_00 keeps one file: only one of the two hosts gets it
+    raw = spec(data_hosts=2, steps=4)
+    raw["inputs"]["train"]["distribution"] = "sharded"
+    cluster, watcher = start(raw, tmp_path / "run", images)
+    try:
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    assert not result.ok
+    trainer = "\n".join(watcher.of("algo-3"))
+    assert "shards of a sharded channel hold different class folders" in trainer and "class_00" in trainer
+    assert not any(line.startswith("step=") for line in watcher.of("algo-3"))
+
+
+@pytest.mark.cluster
 def test_two_data_hosts_each_serving_its_own_shard_train_the_job(tmp_path: Path, images: Path) -> None:
     """The launcher reads the shard from inputdataconfig.json and serves what it holds: both hosts serve,
     and each says it serves its share of the 96 images."""
