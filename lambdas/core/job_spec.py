@@ -315,10 +315,10 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> 
             raise JobSpecError(f"{where}.input_mode", f"must be one of {sorted(INPUT_MODES)}, got {input_mode!r}")
         if distribution not in DISTRIBUTIONS:
             raise JobSpecError(f"{where}.distribution", f"must be one of {sorted(DISTRIBUTIONS)}, got {distribution!r}")
-        if input_mode == "fastfile" and isinstance(item.get("s3_uri"), str) and not item["s3_uri"].endswith("/"):
+        _check_s3_uri(f"{where}.s3_uri", item.get("s3_uri"))
+        if input_mode == "fastfile" and not item["s3_uri"].endswith("/"):
             # SageMaker: a FastFile prefix must not be a partial folder name.
             raise JobSpecError(f"{where}.s3_uri", "a fastfile channel's prefix must be a whole folder: end it with '/'")
-        _check_s3_uri(f"{where}.s3_uri", item.get("s3_uri"))
         channel_groups = item.get("groups", [])
         if not isinstance(channel_groups, list) or not all(isinstance(group, str) for group in channel_groups):
             raise JobSpecError(f"{where}.groups", "must be a list of instance group names")
@@ -405,7 +405,7 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
     if spec.data_groups and not variant.has_data_service:
         raise JobSpecError("instance_groups", f"variant {variant.name!r} has no data service: remove the data groups")
     _check_channels(spec, policy)
-    _check_hyperparameters(spec, variant.config)
+    _check_hyperparameters(spec)
     _check_cost(spec, policy)
     return spec
 
@@ -495,7 +495,14 @@ def _check_sharded(spec: JobSpec, channel: ChannelSpec) -> None:
                                   "every file: use replicated (each file is still read once per epoch across hosts)")
 
 
-def _check_hyperparameters(spec: JobSpec, config: type) -> None:
+def trainer_config(spec: JobSpec, strict: bool = False) -> Any:
+    """The trainer's settings as the trainer itself reads this spec's hyperparameters (its config
+    dataclass; defaults for what the spec leaves out). Raises HyperparameterError."""
+    return build(VARIANTS[spec.variant].config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()},
+                 strict=strict)
+
+
+def _check_hyperparameters(spec: JobSpec) -> None:
     reserved = sorted(set(spec.hyperparameters) & (platform_keys() | {"variant", "distribution"}))
     if reserved:
         raise JobSpecError(f"hyperparameters.{reserved[0]}", "is set by the platform; use the spec's own fields instead")
@@ -503,7 +510,7 @@ def _check_hyperparameters(spec: JobSpec, config: type) -> None:
     if sagemaker:
         raise JobSpecError(f"hyperparameters.{sagemaker[0]}", "the sagemaker_ prefix belongs to the SageMaker toolkit")
     try:
-        trainer = build(config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}, strict=True)
+        trainer = trainer_config(spec, strict=True)
     except HyperparameterError as error:
         raise JobSpecError("hyperparameters", str(error)) from None
     # Channels the trainer reads by name must be inputs of this job (the text trainer's; its one group

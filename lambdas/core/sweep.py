@@ -38,13 +38,12 @@ from lambdas.core.job_spec import (
     SpecPolicy,
     ceiling_usd,
     positive_usd,
+    trainer_config,
     validate_job_spec,
     worst_case_cost_usd,
 )
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
 from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed, ms_per_batch_per_vcpu
-from training.hyperparameters import build, to_hyperparameter_string
-from training.variants import VARIANTS
 
 # Where each sweep's figures go in CloudWatch (the dashboard reads them there).
 METRIC_NAMESPACE = "HeterogeneousTraining/Sweeps"
@@ -194,9 +193,8 @@ def images_per_step(base: Mapping[str, Any]) -> int:
         spec = validate_job_spec(base)
     except JobSpecError as error:
         raise SweepSpecError(f"base.{error.field}", error.problem) from None
-    config = build(VARIANTS[spec.variant].config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()})
     dnn = instance_type(spec.dnn_group.instance_type)
-    return config.batch_size * spec.dnn_group.count * (dnn.neuron_cores or dnn.accelerators or 1)
+    return trainer_config(spec).batch_size * spec.dnn_group.count * (dnn.neuron_cores or dnn.accelerators or 1)
 
 
 # Comparison -------------------------------------------------------------------------------------------

@@ -21,7 +21,14 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.preprocess import JITTER_STRENGTH, crop_box, draft_reduction
+from training.data_service.preprocess import (
+    AUTOCONTRAST_CUTOFF,
+    BLUR_RADIUS,
+    JITTER_STRENGTH,
+    ROTATION_DEGREES,
+    SHARPNESS,
+    plan_crop,
+)
 
 
 def load_and_augment_pil(path: str, rng: np.random.Generator, config: AugmentConfig, draft: bool = False) -> np.ndarray:
@@ -29,8 +36,7 @@ def load_and_augment_pil(path: str, rng: np.random.Generator, config: AugmentCon
     reduction preprocess.draft_reduction picks), then each operation on a PIL image."""
     with Image.open(path) as source:
         width, height = source.size
-        box = crop_box(width, height, rng)
-        reduction = draft_reduction(box, config.image_size) if draft else 1
+        box, reduction = plan_crop(width, height, rng, config.image_size, draft)
         if reduction > 1:
             source.draft("RGB", (math.ceil(width / reduction), math.ceil(height / reduction)))
         image = source.convert("RGB")
@@ -42,10 +48,10 @@ def load_and_augment_pil(path: str, rng: np.random.Generator, config: AugmentCon
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     image = colour_jitter_pil(image, rng, JITTER_STRENGTH)
     if config.augment == "heavy":
-        image = image.rotate(float(rng.uniform(-15, 15)), resample=Image.Resampling.BILINEAR)
-        image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.1, 1.5))))
-        image = ImageEnhance.Sharpness(image).enhance(float(rng.uniform(0.5, 2.0)))
-        image = ImageOps.autocontrast(image, cutoff=1)
+        image = image.rotate(float(rng.uniform(-ROTATION_DEGREES, ROTATION_DEGREES)), resample=Image.Resampling.BILINEAR)
+        image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(*BLUR_RADIUS))))
+        image = ImageEnhance.Sharpness(image).enhance(float(rng.uniform(*SHARPNESS)))
+        image = ImageOps.autocontrast(image, cutoff=AUTOCONTRAST_CUTOFF)
     return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
 
 

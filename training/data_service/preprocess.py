@@ -13,8 +13,9 @@ Where the time goes, and what is done about it (bench/preprocess.py measures eac
   the crop at least as large as the output, so nothing is upscaled that a full decode would have kept
   sharper. What remains is the entropy decoding of the whole file, which no reduction skips.
 - Every operation after the decode works on uint8 arrays with OpenCV, several times PIL's speed for the
-  same operation: the affine warp of the rotation and the Gaussian blur most of all. Point operations
-  (brightness, contrast, autocontrast) are one table lookup each. There is no float image anywhere.
+  same operation: the affine warp of the rotation and the Gaussian blur most of all. Brightness,
+  contrast and saturation are one saturating multiply-add each, autocontrast one table lookup. There is
+  no float image anywhere.
 - Each operation keeps PIL's definition (training/data_service/pil_reference.py states it as code; the
   tests hold each operation to it), and the random parameters are drawn in the same order from the same
   generator as there.
@@ -105,8 +106,7 @@ def decode_for_crop(path: str, rng: np.random.Generator, size: int, draft: bool 
     width, height = header
     if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:  # PIL's own refusal
         raise Image.DecompressionBombError(f"{path}: {width}×{height} pixels is over twice Image.MAX_IMAGE_PIXELS")
-    box = crop_box(width, height, rng)  # from the header: nothing is decoded yet
-    reduction = draft_reduction(box, size) if draft else 1
+    box, reduction = plan_crop(width, height, rng, size, draft)  # from the header: nothing is decoded yet
     try:
         bgr = cv2.imdecode(data, _OPENCV_READ[reduction])
     except cv2.error as error:
@@ -121,8 +121,7 @@ def decode_for_crop_pil(data: np.ndarray, rng: np.random.Generator, size: int, d
     DCT reduction, as OpenCV would) and refuses what is not a whole image."""
     with Image.open(io.BytesIO(data)) as source:
         width, height = source.size
-        box = crop_box(width, height, rng)
-        reduction = draft_reduction(box, size) if draft else 1
+        box, reduction = plan_crop(width, height, rng, size, draft)
         if reduction > 1:  # a no-op for formats without DCT scaling (PNG, ...)
             # PIL takes the largest scale with width // (requested width) at least it: floor, not ceil.
             source.draft("RGB", (width // reduction, height // reduction))
@@ -271,6 +270,12 @@ def crop_box(
     side = min(width, height)
     left, top = (width - side) // 2, (height - side) // 2
     return left, top, left + side, top + side
+
+
+def plan_crop(width: int, height: int, rng: np.random.Generator, size: int, draft: bool = True) -> tuple[tuple[int, int, int, int], int]:
+    """The random crop of a width × height image and the decode reduction for it (1 without ``draft``)."""
+    box = crop_box(width, height, rng)
+    return box, draft_reduction(box, size) if draft else 1
 
 
 def draft_reduction(box: tuple[int, int, int, int], size: int) -> int:

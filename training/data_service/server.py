@@ -165,20 +165,18 @@ def sample_order(num_samples: int, seed: int, host_index: int, hosts: int = 1, s
     A sharded channel (each host holds its own ~1/n of the files): each host serves all of its own
     files, in a permutation of its own.
     """
-    if sharded:
-        for epoch in itertools.count():
-            yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
-    check_share(num_samples, hosts)
-    for epoch in itertools.count():
-        yield from np.random.default_rng([seed, epoch]).permutation(num_samples)[host_index::hosts].tolist()
-
-
-def check_share(num_samples: int, hosts: int) -> None:
-    """A replicated channel's hosts split each epoch: each must get at least one sample (an empty share
-    would spin forever)."""
-    if num_samples < hosts:
+    if not sharded and num_samples < hosts:  # checked now, not when the first index is read: an empty share would spin forever
         raise DataHostError(f"the channel holds {num_samples} samples, fewer than its {hosts} data hosts: each needs at "
                             "least one per epoch (fewer data hosts, or more data)")
+    return _epochs(num_samples, seed, host_index, hosts, sharded)
+
+
+def _epochs(num_samples: int, seed: int, host_index: int, hosts: int, sharded: bool) -> Iterator[int]:
+    for epoch in itertools.count():
+        if sharded:
+            yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
+        else:
+            yield from np.random.default_rng([seed, epoch]).permutation(num_samples)[host_index::hosts].tolist()
 
 
 class BatchSource(Protocol):
@@ -213,9 +211,7 @@ class BatchProducer:
         sharded: bool = False,
     ) -> None:
         self._folder = folder
-        if not sharded:
-            check_share(len(folder), hosts)  # now, before any worker starts
-        self._order = sample_order(len(folder), seed, host_index, hosts, sharded)
+        self._order = sample_order(len(folder), seed, host_index, hosts, sharded)  # refuses too few samples, before any worker starts
         self._batch_size = batch_size
         self._workers = workers
         self._seed = seed

@@ -323,6 +323,7 @@ class EmulatedCluster:
             self.hyperparameters = emulated_hyperparameters(self.spec, self.options, ports, tf_ports)
             # The job's token reaches every host as a file of its platform channel, as on SageMaker.
             self.shutdown_token = secrets.token_urlsafe(24)
+        channels = {channel.name: channel for channel in self.spec.inputs}
         for host in self.hosts:
             token = host.base_dir / "input" / "data" / PLATFORM_CHANNEL / TOKEN_FILE
             token.parent.mkdir(parents=True, exist_ok=True)
@@ -333,7 +334,6 @@ class EmulatedCluster:
             (config / "resourceconfig.json").write_text(json.dumps(resource_config(host, self.hosts), indent=2))
             (config / "hyperparameters.json").write_text(json.dumps(self.hyperparameters, indent=2))
             assigned = self._channels_of(host)
-            channels = {channel.name: channel for channel in self.spec.inputs}
             (config / "inputdataconfig.json").write_text(json.dumps(
                 {**{name: {"TrainingInputMode": INPUT_MODES[channels[name].input_mode],
                            "S3DistributionType": DISTRIBUTIONS[channels[name].distribution]} for name in assigned},

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lambdas.core.chart import render_chart
-from lambdas.core.job_spec import JobSpec, validate_job_spec
+from lambdas.core.job_spec import JobSpec, trainer_config, validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_steps, hourly_cost
 from lambdas.core.sweep import compare, render_markdown
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions
@@ -192,8 +192,8 @@ def render(comparison: Comparison) -> str:
 
 
 def images_per_s(spec: JobSpec, ms_per_batch: float) -> float:
-    """Images per second from one batch's milliseconds, at the spec's batch size. Pure."""
-    return int(spec.hyperparameters.get("batch_size", 32)) * 1000 / ms_per_batch
+    """Images per second from one batch's milliseconds, at the batch size the spec's trainer uses. Pure."""
+    return trainer_config(spec).batch_size * 1000 / ms_per_batch
 
 
 def emulated_prices() -> Prices:
