@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from training.data_service.augmentation import AugmentConfig  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
-from training.data_service.dataset import scan_image_folder  # noqa: E402
+from training.data_service.dataset import scan_images  # noqa: E402
 from training.data_service.server import ServerSettings, serve  # noqa: E402
 from training.local.cluster import EmulatedCluster, EmulationOptions, free_port  # noqa: E402
 from training.local.demo import LOCAL_OVERRIDES, load_spec, quiet  # noqa: E402
@@ -69,7 +69,7 @@ def data_host(channel: str, augment: AugmentConfig, workers: int, cpus: set[int]
         host="bench", bind_address="127.0.92.2", port=port, channel="train", batch_size=BATCH_SIZE, augment=augment,
         shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=120, workers=workers,
     )
-    serve(settings, scan_image_folder(Path(channel), "train", "bench"), 0, threading.Event())
+    serve(settings, scan_images(Path(channel), "train", "bench"), 0, threading.Event())
 
 
 def measure_data_host(channel: Path, augment: AugmentConfig, workers: int, cpus: set[int], count: int) -> list[float]:
@@ -90,7 +90,7 @@ def measure_data_host(channel: Path, augment: AugmentConfig, workers: int, cpus:
 
 
 def measure_dataloader(channel: Path, augment: AugmentConfig, workers: int, cpus: set[int], consumer: set[int], count: int) -> list[float]:
-    dataset = LocalImages(scan_image_folder(channel, "train", "bench"), augment)
+    dataset = LocalImages(scan_images(channel, "train", "bench"), augment)
     loader = local_loader(dataset, batch_size=BATCH_SIZE, rank=0, world_size=1, seed=0, start=0, workers=workers,
                           pin_memory=False, collate_fn=collate_skipping)
     os.sched_setaffinity(0, cpus)  # the workers start with the iterator and keep this affinity

@@ -38,7 +38,7 @@ from training.data_service import codec  # noqa: E402
 from training.data_service import data_service_pb2 as pb  # noqa: E402
 from training.data_service.augmentation import AugmentConfig  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
-from training.data_service.dataset import ImageFolder  # noqa: E402
+from training.data_service.dataset import ImageDataset  # noqa: E402
 from training.data_service.server import ReadyBatch, ServerSettings, put_until_stopped, serve  # noqa: E402
 from training.local.cluster import free_port  # noqa: E402
 
@@ -82,7 +82,7 @@ def grpc_server(address: str, port: int, batch_size: int, size: int, cpu: int) -
         host="bench", bind_address=address, port=port, channel="bench", batch_size=batch_size, augment=AugmentConfig(size),
         shutdown_token=TOKEN, idle_timeout_s=5, start_deadline_s=60, workers=1,
     )
-    folder = ImageFolder(Path("."), ("bench",), (("bench", 0),))
+    folder = ImageDataset(Path("."), ("bench",), (("bench", 0),))
     serve(settings, folder, 0, threading.Event(), source=FixedBatches(make_batches(batch_size, size)))
 
 

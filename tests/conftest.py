@@ -17,7 +17,7 @@ import torch_xla  # noqa: E402
 torch_xla.device()
 
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE  # noqa: E402
-from training.local.images import write_dataset  # noqa: E402
+from training.local.images import generated_samples, write_dataset, write_shards  # noqa: E402
 
 TOKEN = "test-shutdown-token-0123456789"
 
@@ -69,3 +69,11 @@ def write_host_tree(
 def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 classes × 24 real JPEG files of 96 px."""
     return write_dataset(tmp_path_factory.mktemp("images"), classes=4, per_class=24, size=96)
+
+
+@pytest.fixture(scope="session")
+def image_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same 96 JPEG files as ``images``, byte for byte, as 6 tar shards of 16 (WebDataset layout)."""
+    root = tmp_path_factory.mktemp("image-shards")
+    write_shards(root, generated_samples(classes=4, per_class=24, size=96, seed=0), per_shard=16)
+    return root

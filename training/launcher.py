@@ -58,7 +58,8 @@ from training.data_service.dataset import (
     channel_dir,
     channel_is_sharded,
     scan_csv_channel,
-    scan_image_folder,
+    scan_image_files,
+    scan_images,
 )
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
@@ -233,7 +234,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     root = channel_dir(settings.data_channel)
     sharded = channel_is_sharded(settings.data_channel)
     try:
-        folder = scan_image_folder(root, settings.data_channel, cluster.current_group)
+        folder = CHANNEL_CHECKS[variant.input_format](root, settings.data_channel, cluster.current_group)
     except ChannelError as error:
         if not sharded:
             raise
@@ -304,7 +305,7 @@ def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, e
 
 
 # How each input format's training channel is checked before a trainer starts.
-CHANNEL_CHECKS = {"image_folder": scan_image_folder, "csv": scan_csv_channel}
+CHANNEL_CHECKS = {"images": scan_images, "image_files": scan_image_files, "csv": scan_csv_channel}
 
 
 def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:

@@ -20,7 +20,7 @@ class Variant:
     distributions: tuple[str, ...]
     has_data_service: bool  # whether CPU data groups can feed it
     accelerator: str  # "gpu": NVIDIA (or CPU) instances; "trainium": ml.trn* instances
-    input_format: str  # what its training channel holds: "image_folder" or "csv"
+    input_format: str  # what its training channel holds: "images" (files or tar shards), "image_files" or "csv"
     # What data hosts run for it: "grpc" (training/data_service/server.py) or "tf.data.service".
     data_service: str = "grpc"
 
@@ -34,7 +34,7 @@ VARIANTS: dict[str, Variant] = {
         distributions=("torchrun", "none"),
         has_data_service=True,
         accelerator="gpu",
-        input_format="image_folder",
+        input_format="images",
     ),
     "tensorflow": Variant(
         name="tensorflow",
@@ -44,7 +44,7 @@ VARIANTS: dict[str, Variant] = {
         distributions=("horovod", "mirrored", "none"),
         has_data_service=True,
         accelerator="gpu",
-        input_format="image_folder",
+        input_format="image_files",  # tf.data reads files by name: no tar shards
         data_service="tf.data.service",
     ),
     "neuron": Variant(

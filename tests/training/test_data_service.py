@@ -18,7 +18,7 @@ from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceRefusedError, DataServiceUnavailableError, describe, request_shutdown
-from training.data_service.dataset import scan_image_folder
+from training.data_service.dataset import scan_images
 from training.data_service.server import Activity, ServerSettings, StopReason, sample_order, serve, stop_verdict
 from training.local.cluster import free_port
 from training.trainers.config import AugmentConfig
@@ -56,7 +56,7 @@ def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
         stop_grace_s=0,  # `stop` stands for a host that goes away
     )
     settings = ServerSettings(**{**settings.__dict__, **overrides})
-    folder = scan_image_folder(images, "train", "data_group")
+    folder = scan_images(images, "train", "data_group")
     stop, result = threading.Event(), {}
     thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, 0, stop)), daemon=True)
     thread.start()
@@ -227,11 +227,11 @@ def test_a_sharded_channels_host_serves_all_of_its_own_shard_in_its_own_order() 
 
 
 def test_fewer_samples_than_data_hosts_is_refused_before_anything_starts(images: Path) -> None:
-    from training.data_service.dataset import ImageFolder
+    from training.data_service.dataset import ImageDataset
     from training.data_service.server import BatchProducer, DataHostError
 
-    folder = scan_image_folder(images, "train", "data_group")
-    tiny = ImageFolder(folder.root, folder.classes, folder.samples[:2])
+    folder = scan_images(images, "train", "data_group")
+    tiny = ImageDataset(folder.root, folder.classes, folder.samples[:2])
     with pytest.raises(DataHostError, match="fewer than its 3 data hosts"):
         BatchProducer(tiny, batch_size=1, augment=AugmentConfig(16), workers=1, hosts=3)
 
@@ -355,7 +355,7 @@ def test_a_taken_port_is_a_named_error_not_a_shared_port(images: Path) -> None:
     with data_host(images) as first:
         describe([first.target], TOKEN, timeout_s=10)  # the first host holds its port
         settings = ServerSettings(**{**first.settings.__dict__, "host": "second"})
-        folder = scan_image_folder(images, "train", "data_group")
+        folder = scan_images(images, "train", "data_group")
         with pytest.raises(PortInUseError, match="another process on this host holds the port"):
             serve(settings, folder, 0, threading.Event())
 
@@ -393,13 +393,13 @@ def test_a_host_slow_to_send_its_first_batch_is_not_dropped_by_the_batch_deadlin
 def test_an_unexpected_error_in_preprocessing_stops_the_host_by_name(tmp_path: Path) -> None:
     """Not a decode error (those are skipped and counted): anything else a worker raises ends the
     producer, and the host stops at once with the error's name, not silently at its idle timeout."""
-    from training.data_service.dataset import ImageFolder
+    from training.data_service.dataset import ImageDataset
     from training.data_service.server import BatchProducer
     from training.local.images import write_dataset
 
     root = write_dataset(tmp_path, classes=1, per_class=4, size=32)
     samples = tuple((str(path), "not a class index") for path in sorted(root.glob("class_00/*.jpg")))
-    producer = BatchProducer(ImageFolder(root, ("class_00",), samples), batch_size=2, augment=AugmentConfig(16), workers=1)
+    producer = BatchProducer(ImageDataset(root, ("class_00",), samples), batch_size=2, augment=AugmentConfig(16), workers=1)
     producer.start()
     try:
         deadline = time.monotonic() + 120

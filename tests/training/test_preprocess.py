@@ -18,14 +18,14 @@ from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from training.data_service import preprocess
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.dataset import CorruptDatasetError, EmptyChannelError, MissingChannelError, scan_image_folder
+from training.data_service.dataset import CorruptDatasetError, EmptyChannelError, MissingChannelError, scan_images
 from training.data_service.pil_reference import load_and_augment_pil
 from training.data_service.preprocess import DECODE_ERRORS, crop_box, draft_reduction, jpeg_size, load_and_augment, make_batch
 from training.local.images import write_dataset
 
 
 def test_image_folder_lists_classes_and_samples_in_a_stable_order(images: Path) -> None:
-    folder = scan_image_folder(images, "train", "data_group")
+    folder = scan_images(images, "train", "data_group")
     assert folder.classes == ("class_00", "class_01", "class_02", "class_03")
     assert len(folder) == 96
     assert folder.samples == tuple(sorted(folder.samples, key=lambda sample: (sample[1], sample[0])))
@@ -33,14 +33,14 @@ def test_image_folder_lists_classes_and_samples_in_a_stable_order(images: Path) 
 
 def test_missing_channel_says_which_group_needs_it(tmp_path: Path) -> None:
     with pytest.raises(MissingChannelError, match=r"assign it to instance group 'data_group'.*inputs.train.groups"):
-        scan_image_folder(tmp_path / "absent", "train", "data_group")
+        scan_images(tmp_path / "absent", "train", "data_group")
 
 
 def test_channel_without_images_is_refused(tmp_path: Path) -> None:
     (tmp_path / "cats").mkdir()
     (tmp_path / "cats" / "notes.txt").write_text("not an image")
     with pytest.raises(EmptyChannelError, match="holds no images"):
-        scan_image_folder(tmp_path, "train", "dnn_group")
+        scan_images(tmp_path, "train", "dnn_group")
 
 
 @pytest.mark.parametrize("augment", ["standard", "heavy"])
@@ -100,7 +100,7 @@ def test_corrupt_files_are_skipped_counted_and_replaced(tmp_path: Path) -> None:
     broken = root / "class_00" / "00000.jpg"
     broken.write_bytes(b"\xff\xd8 this is not a jpeg")
     (root / "class_01" / "00000.jpg").write_bytes(broken.read_bytes()[:10])
-    folder = scan_image_folder(root, "train", "g")
+    folder = scan_images(root, "train", "g")
     images, labels, skipped = make_batch(folder.samples, [0, 4, 1, 2], spares=[5, 6, 7], config=AugmentConfig(16), seed=1)
     assert skipped == 2
     assert images.shape == (4, 3, 16, 16) and labels.dtype == np.int64
@@ -112,7 +112,7 @@ def test_a_batch_that_cannot_be_filled_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     for index in range(3):
         (tmp_path / "a" / f"{index}.png").write_bytes(b"garbage")
-    folder = scan_image_folder(tmp_path, "train", "g")
+    folder = scan_images(tmp_path, "train", "g")
     with pytest.raises(CorruptDatasetError, match="3 of 3 files"):
         make_batch(folder.samples, [0, 1], spares=[2], config=AugmentConfig(16), seed=0)
 

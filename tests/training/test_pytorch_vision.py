@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.data_service.dataset import scan_image_folder
+from training.data_service.dataset import scan_images
 from training.metrics import METRIC_DEFINITIONS, metric_line, parse_metric_line
 from training.trainers.config import VisionConfig
 from training.trainers.loop import OutputPaths, summarize
@@ -23,7 +23,7 @@ SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_ra
 
 
 def trainer(images: Path, base: Path, **overrides) -> VisionTrainer:
-    folder = scan_image_folder(images, "train", "homogeneousCluster")
+    folder = scan_images(images, "train", "homogeneousCluster")
     config = VisionConfig(**(SMALL | overrides))
     return VisionTrainer(config, OutputPaths.under(base), classes=list(folder.classes), source="local", local_folder=folder)
 

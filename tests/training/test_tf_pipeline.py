@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from training.data_service.dataset import scan_image_folder
+from training.data_service.dataset import scan_images
 from training.data_service.tf_pipeline import (
     augmentation_pipeline,
     autocontrast,
@@ -23,7 +23,7 @@ from training.trainers.config import AugmentConfig
 
 @pytest.mark.parametrize("augment", ["standard", "heavy"])
 def test_batches_are_uint8_crops_of_the_configured_size_with_their_labels(images: Path, augment: str) -> None:
-    folder = scan_image_folder(images, "train", "data")
+    folder = scan_images(images, "train", "data")
     paths, labels = relative_samples(folder)
     assert not any(os.path.isabs(path) for path in paths) and len(paths) == len(folder)
     cwd = os.getcwd()
@@ -41,7 +41,7 @@ def test_batches_are_uint8_crops_of_the_configured_size_with_their_labels(images
 
 
 def test_corrupt_files_are_skipped_and_the_batch_is_still_full(tmp_path: Path, images: Path) -> None:
-    folder = scan_image_folder(images, "train", "data")
+    folder = scan_images(images, "train", "data")
     good = [path for path, _ in folder.samples][:6]
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"\xff\xd8 not really a jpeg")

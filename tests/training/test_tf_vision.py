@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from training.data_service.dataset import scan_image_folder
+from training.data_service.dataset import scan_images
 from training.data_service.tf_pipeline import (
     HELD_BACK_FRACTION,
     augmentation_pipeline,
@@ -36,7 +36,7 @@ def test_two_tf_data_service_workers_send_each_file_once_per_epoch(images: Path)
     dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
     address = dispatcher.target.split("://")[1]
     workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address)) for _ in range(2)]
-    folder = scan_image_folder(images, "train", "data")
+    folder = scan_images(images, "train", "data")
     paths = [path for path, _ in folder.samples][:48]
     batch = 4
     register(address, augmentation_pipeline(paths, list(range(48)), batch, AugmentConfig(16), seed=0))
@@ -54,7 +54,7 @@ def test_two_tf_data_service_workers_send_each_file_once_per_epoch(images: Path)
 
 
 def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(images: Path) -> None:
-    folder = scan_image_folder(images, "train", "data")
+    folder = scan_images(images, "train", "data")
     paths, _ = relative_samples(folder)
     cwd = os.getcwd()
     os.chdir(images)
@@ -64,8 +64,8 @@ def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(image
 
         rank_0, rank_1 = labels_of(pipeline(0), 12), labels_of(pipeline(1), 12)  # two epochs each: 48 files
         resumed = labels_of(pipeline(0, skip=16), 4)
-        via_trainer = labels_of(local_dataset(scan_image_folder(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(16), 4)
-        uninterrupted = labels_of(local_dataset(scan_image_folder(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(0), 6)
+        via_trainer = labels_of(local_dataset(scan_images(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(16), 4)
+        uninterrupted = labels_of(local_dataset(scan_images(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(0), 6)
     finally:
         os.chdir(cwd)
     assert set(rank_0) == set(range(0, len(paths), 2)) and set(rank_1) == set(range(1, len(paths), 2))  # disjoint halves
@@ -74,7 +74,7 @@ def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(image
 
 
 def trainer(images: Path, base: Path, **overrides) -> KerasVisionTrainer:
-    folder = scan_image_folder(images, "train", "data")
+    folder = scan_images(images, "train", "data")
     config = KerasVisionConfig(**(SMALL | overrides))
     return KerasVisionTrainer(config, OutputPaths.under(base), distribution=Distribution(), classes=list(folder.classes),
                               dataset=local_dataset(folder, config, 0, 1), source="local")

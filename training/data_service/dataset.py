@@ -1,21 +1,40 @@
-"""An input channel in ImageFolder layout: one folder per class, JPEG/PNG files inside.
+"""An image channel, in one of two layouts, and the text channel's files.
+
+* ImageFolder: one folder per class, JPEG/PNG files inside; a sample is a file.
+* Tar shards (WebDataset's layout): ``*.tar`` files anywhere under the channel, each holding samples as
+  members that share a key, ``<key>.jpg|jpeg|png`` and ``<key>.cls`` (the class index as text) or
+  ``<key>.json`` (``{"label": <class index>}``). A sample is an image member: tar stores members whole
+  and uncompressed, so its bytes are read with one seek and one read (``read_sample``), and the shard's
+  members are read in order (``shard_stream_order``) when the channel streams from S3 (FastFile).
 
 SageMaker copies a channel to ``/opt/ml/input/data/<channel>`` on the hosts the channel is assigned to.
 A channel that is missing or holds no image is refused here, before any process starts, with a message
-that says how to fix the job spec.
+that says how to fix the job spec. A shard member that cannot be a sample (no label, a label that is not
+a class index, cut off by a truncated shard) is left out and counted (``ImageDataset.unusable``); an
+image member that does not decode is skipped and counted when it is read, like a damaged file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Mapping
+import tarfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import numpy as np
 
 from training.cluster import base_dir
 
+log = logging.getLogger(__name__)
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+SHARD_SUFFIX = ".tar"
+# Samples a shard-streamed epoch holds back to mix (WebDataset examples use 1000-5000): the order mixes
+# members across ~this many, and across shards through the shards' own shuffled order.
+SHARD_SHUFFLE_BUFFER = 4096
 
 
 class ChannelError(ValueError):
@@ -35,14 +54,51 @@ class CorruptDatasetError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ImageFolder:
+class TarMember:
+    """A file inside a tar shard: ``size`` bytes from ``offset`` of ``shard``."""
+
+    shard: str
+    offset: int
+    size: int
+    name: str
+
+    def __str__(self) -> str:  # what a skipped sample's log line names
+        return f"{self.shard}:{self.name}"
+
+
+# Where a sample's bytes are: a file's path, or a member of a tar shard.
+SampleSource = str | TarMember
+
+
+@dataclass(frozen=True)
+class ImageDataset:
     root: Path
     classes: tuple[str, ...]
-    # (file path, class index), sorted, so every host lists the same samples in the same order.
-    samples: tuple[tuple[str, int], ...]
+    # (source, class index), in a stable order, so every host lists the same samples in the same order:
+    # sorted paths, or shard by shard (sorted shards) in each shard's member order.
+    samples: tuple[tuple[SampleSource, int], ...]
+    # Tar shards only: where each shard's samples end in ``samples``; () for an ImageFolder.
+    shard_ends: tuple[int, ...] = ()
+    unusable: int = 0  # shard members left out when listing (see the module docstring)
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def layout(self) -> str:
+        return "tar shards" if self.shard_ends else "ImageFolder"
+
+
+def read_sample(source: SampleSource) -> np.ndarray:
+    """A sample's encoded bytes, uint8."""
+    if isinstance(source, TarMember):
+        with open(source.shard, "rb") as handle:
+            handle.seek(source.offset)
+            data = handle.read(source.size)
+        if len(data) != source.size:  # the shard changed or was cut after it was listed
+            raise OSError(f"{source}: {len(data)} of {source.size} bytes left in the shard")
+        return np.frombuffer(data, dtype=np.uint8)
+    return np.fromfile(source, dtype=np.uint8)
 
 
 def channel_dir(channel: str, environ: Mapping[str, str] = os.environ) -> Path:
@@ -77,9 +133,13 @@ def scan_csv_channel(root: Path, channel: str, group: str) -> list[Path]:
     return files
 
 
-def scan_image_folder(root: Path, channel: str, group: str) -> ImageFolder:
-    """List the samples of a channel; ``group`` only makes the error messages precise."""
+def scan_images(root: Path, channel: str, group: str) -> ImageDataset:
+    """List the samples of a channel, tar shards if it holds any, else an ImageFolder; ``group`` only
+    makes the error messages precise."""
     _require_channel(root, channel, group)
+    shards = sorted(path for path in root.rglob(f"*{SHARD_SUFFIX}") if path.is_file())
+    if shards:
+        return scan_shards(root, shards, channel)
     classes = tuple(sorted(entry.name for entry in root.iterdir() if entry.is_dir()))
     samples = tuple(
         (str(path), index)
@@ -92,4 +152,122 @@ def scan_image_folder(root: Path, channel: str, group: str) -> ImageFolder:
             f"channel {channel!r} at {root} holds no images: expected class folders of "
             f"{'/'.join(IMAGE_SUFFIXES)} files (ImageFolder layout), found {len(classes)} folders"
         )
-    return ImageFolder(root=root, classes=classes, samples=samples)
+    return ImageDataset(root=root, classes=classes, samples=samples)
+
+
+def scan_image_files(root: Path, channel: str, group: str) -> ImageDataset:
+    """scan_images for a reader that opens files by name (TensorFlow's tf.data): tar shards refused."""
+    dataset = scan_images(root, channel, group)
+    file_samples(dataset, channel)
+    return dataset
+
+
+def file_samples(dataset: ImageDataset, channel: str = "train") -> tuple[list[str], list[int]]:
+    """(paths, labels) of an ImageFolder channel; ChannelError for tar shards, which only the PyTorch
+    readers (the gRPC data hosts, the homogeneous DataLoader) take."""
+    if dataset.shard_ends:
+        raise ChannelError(f"channel {channel!r} holds tar shards, which the tensorflow variant cannot read (tf.data opens "
+                           "files by name): give it an ImageFolder channel, or use the pytorch variant")
+    return [str(source) for source, _ in dataset.samples], [label for _, label in dataset.samples]
+
+
+class ShardFormatError(ChannelError):
+    """A file named .tar that is not an uncompressed tar archive."""
+
+
+def scan_shards(root: Path, shards: Sequence[Path], channel: str) -> ImageDataset:
+    """The samples of every shard, in shard order. Images found loose beside the shards are refused:
+    one channel, one layout (which of them would be the dataset?)."""
+    loose = next((path for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()), None)
+    if loose is not None:
+        raise ChannelError(f"channel {channel!r} at {root} holds tar shards and loose images ({loose.relative_to(root)}): "
+                           "keep one layout per channel")
+    samples: list[tuple[SampleSource, int]] = []
+    ends: list[int] = []
+    unusable = 0
+    for shard in shards:
+        members, left_out = index_shard(shard)
+        samples.extend(members)
+        unusable += left_out
+        ends.append(len(samples))
+    if not samples:
+        raise EmptyChannelError(
+            f"channel {channel!r} at {root} holds {len(shards)} tar shards but no labelled image in them: expected "
+            f"<key>.jpg|jpeg|png members with a <key>.cls or <key>.json label (WebDataset layout)"
+        )
+    if unusable:
+        log.warning("channel %r: %d shard members left out (no label, a bad label, or cut off)", channel, unusable)
+    classes = tuple(str(index) for index in range(max(label for _, label in samples) + 1))
+    return ImageDataset(root=root, classes=classes, samples=tuple(samples), shard_ends=tuple(ends), unusable=unusable)
+
+
+def sample_key(name: str) -> tuple[str, str]:
+    """WebDataset's grouping: a member's key is its path up to the first dot of its file name, the rest
+    (lower-cased) its kind. Pure."""
+    path = PurePosixPath(name)
+    stem, _, kind = path.name.partition(".")
+    return str(path.with_name(stem)), kind.lower()
+
+
+def index_shard(path: Path) -> tuple[list[tuple[SampleSource, int]], int]:
+    """(samples, members left out) of one shard, reading only its headers and its small label members."""
+    images: dict[str, TarMember] = {}
+    labels: dict[str, int | None] = {}
+    size = path.stat().st_size
+    cut = 0
+    try:
+        archive = tarfile.open(path, mode="r:")  # uncompressed only: a member must be readable at its offset
+    except tarfile.ReadError as error:
+        raise ShardFormatError(f"{path}: not an uncompressed tar archive ({error}); write shards as plain .tar "
+                               "(JPEG and PNG do not compress further)") from None
+    with archive:
+        try:
+            for info in archive:
+                if not info.isfile():
+                    continue
+                if info.offset_data + info.size > size:  # the shard ends inside this member
+                    cut += 1
+                    break
+                key, kind = sample_key(info.name)
+                if f".{kind}" in IMAGE_SUFFIXES:
+                    images[key] = TarMember(str(path), info.offset_data, info.size, info.name)
+                elif kind in ("cls", "json"):
+                    labels[key] = parse_label(kind, archive.extractfile(info).read())  # type: ignore[union-attr]
+        except tarfile.ReadError:  # a damaged header: what came before it stays usable
+            cut += 1
+    samples = [(member, label) for key, member in images.items() if (label := labels.get(key)) is not None]
+    return samples, len(images) - len(samples) + cut
+
+
+def parse_label(kind: str, data: bytes) -> int | None:
+    """A class index from a .cls member (the index as text) or a .json one ({"label": index}); None for
+    anything else. Pure."""
+    try:
+        value = json.loads(data)["label"] if kind == "json" else int(data.decode().strip())
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def shard_stream_order(shard_ends: Sequence[int], rng: np.random.Generator, buffer: int = SHARD_SHUFFLE_BUFFER) -> list[int]:
+    """One epoch's order over tar shards as a streaming reader makes it: the shards in a shuffled order,
+    each read from start to end, through a shuffle buffer of ``buffer`` samples. Every sample once. Pure
+    given ``rng``."""
+    starts = (0, *shard_ends[:-1])
+    stream = [index for shard in rng.permutation(len(shard_ends)) for index in range(starts[shard], shard_ends[shard])]
+    return buffered_shuffle(stream, rng, buffer)
+
+
+def buffered_shuffle(stream: Sequence[int], rng: np.random.Generator, buffer: int) -> list[int]:
+    """Hold ``buffer`` items; each next item takes the place of a random held one, which goes out. Pure
+    given ``rng``. No buffer: the stream as it comes."""
+    if buffer < 1:
+        return list(stream)
+    held = list(stream[:buffer])
+    out = []
+    # The slots drawn at once: one generator call per item would cost more than the rest of the loop.
+    for item, slot in zip(stream[buffer:], rng.integers(buffer, size=max(0, len(stream) - buffer)).tolist(), strict=True):
+        out.append(held[slot])
+        held[slot] = item
+    rng.shuffle(held)
+    return out + held

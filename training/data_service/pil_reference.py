@@ -15,12 +15,14 @@ by either from the same seed has the same crop, flip, jitter and heavy parameter
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from training.data_service.augmentation import AugmentConfig
+from training.data_service.dataset import SampleSource, read_sample
 from training.data_service.preprocess import (
     AUTOCONTRAST_CUTOFF,
     BLUR_RADIUS,
@@ -31,10 +33,10 @@ from training.data_service.preprocess import (
 )
 
 
-def load_and_augment_pil(path: str, rng: np.random.Generator, config: AugmentConfig, draft: bool = False) -> np.ndarray:
+def load_and_augment_pil(path: SampleSource, rng: np.random.Generator, config: AugmentConfig, draft: bool = False) -> np.ndarray:
     """One sample, uint8 (3, size, size), the PIL way: decode (in full, or with ``draft`` at the
     reduction preprocess.draft_reduction picks), then each operation on a PIL image."""
-    with Image.open(path) as source:
+    with Image.open(io.BytesIO(read_sample(path).tobytes())) as source:
         width, height = source.size
         box, reduction = plan_crop(width, height, rng, config.image_size, draft)
         if reduction > 1:

@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.dataset import CorruptDatasetError
+from training.data_service.dataset import CorruptDatasetError, SampleSource, read_sample
 
 # One worker process per vCPU does the parallelism: OpenCV's own thread pool would only oversubscribe
 # the cores (and its threads do not survive a fork).
@@ -63,7 +63,7 @@ _OPENCV_READ = {
 _SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], dtype=np.float32) / 13
 
 
-def load_and_augment(path: str, rng: np.random.Generator, config: AugmentConfig, draft: bool = True) -> np.ndarray:
+def load_and_augment(path: SampleSource, rng: np.random.Generator, config: AugmentConfig, draft: bool = True) -> np.ndarray:
     """One training sample: decode, augment, return uint8 (3, size, size). Raises a DECODE_ERRORS error
     for a file that is not a decodable image. ``draft=False`` decodes every file in full (to show that the
     reduced decode keeps the image: tests/training/test_preprocess.py)."""
@@ -89,7 +89,7 @@ class Decoded(NamedTuple):
     reduction: int
 
 
-def decode_crop(path: str, rng: np.random.Generator, size: int, draft: bool = True) -> np.ndarray:
+def decode_crop(path: SampleSource, rng: np.random.Generator, size: int, draft: bool = True) -> np.ndarray:
     """The random crop of the image at ``path``, resized to size × size: RGB uint8 (size, size, 3)."""
     decoded = decode_for_crop(path, rng, size, draft)
     resized = resize_box(decoded.pixels, decoded.box, decoded.reduction, size)
@@ -97,9 +97,9 @@ def decode_crop(path: str, rng: np.random.Generator, size: int, draft: bool = Tr
     return cv2.cvtColor(resized, cv2.COLOR_BGR2RGB) if decoded.bgr else resized
 
 
-def decode_for_crop(path: str, rng: np.random.Generator, size: int, draft: bool = True) -> Decoded:
+def decode_for_crop(path: SampleSource, rng: np.random.Generator, size: int, draft: bool = True) -> Decoded:
     """Draw the crop from the header, then decode at the largest reduction that leaves it ≥ ``size``."""
-    data = np.fromfile(path, dtype=np.uint8)
+    data = read_sample(path)
     header = jpeg_size(data)
     if header is None:  # another format, or a JPEG OpenCV's path does not take: PIL decodes it
         return decode_for_crop_pil(data, rng, size, draft)
@@ -373,7 +373,7 @@ def _autocontrast_table(histogram: np.ndarray, cutoff: float) -> np.ndarray:
 
 
 def make_batch(
-    samples: Sequence[tuple[str, int]],
+    samples: Sequence[tuple[SampleSource, int]],
     indices: Sequence[int],
     spares: Sequence[int],
     config: AugmentConfig,

@@ -44,7 +44,7 @@ from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.augmentation import AugmentConfig
 from training.data_service.auth import TokenAuth
-from training.data_service.dataset import CorruptDatasetError, ImageFolder
+from training.data_service.dataset import CorruptDatasetError, ImageDataset, SampleSource, shard_stream_order
 
 log = logging.getLogger(__name__)
 
@@ -156,27 +156,29 @@ def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_de
     return None
 
 
-def sample_order(num_samples: int, seed: int, host_index: int, hosts: int = 1, sharded: bool = False) -> Iterator[int]:
+def sample_order(
+    num_samples: int, seed: int, host_index: int, hosts: int = 1, sharded: bool = False, shard_ends: Sequence[int] = ()
+) -> Iterator[int]:
     """An endless stream of sample indices, one epoch after another.
 
-    A replicated channel (every data host holds every file): the hosts draw one permutation per epoch
-    together (the seed is the job's, the same on every host) and host ``host_index`` of ``hosts`` takes
-    every hosts-th index of it, so that across the hosts every sample goes out exactly once per epoch.
+    A replicated channel (every data host holds every file): the hosts draw one order per epoch together
+    (the seed is the job's, the same on every host) and host ``host_index`` of ``hosts`` takes every
+    hosts-th index of it, so that across the hosts every sample goes out exactly once per epoch.
     A sharded channel (each host holds its own ~1/n of the files): each host serves all of its own
-    files, in a permutation of its own.
+    files, in an order of its own. An epoch's order is a permutation, or for tar shards (``shard_ends``)
+    the shards in a shuffled order, each read through, mixed by a shuffle buffer (shard_stream_order).
     """
     if not sharded and num_samples < hosts:  # checked now, not when the first index is read: an empty share would spin forever
         raise DataHostError(f"the channel holds {num_samples} samples, fewer than its {hosts} data hosts: each needs at "
                             "least one per epoch (fewer data hosts, or more data)")
-    return _epochs(num_samples, seed, host_index, hosts, sharded)
+    return _epochs(num_samples, seed, host_index, hosts, sharded, tuple(shard_ends))
 
 
-def _epochs(num_samples: int, seed: int, host_index: int, hosts: int, sharded: bool) -> Iterator[int]:
+def _epochs(num_samples: int, seed: int, host_index: int, hosts: int, sharded: bool, shard_ends: tuple[int, ...]) -> Iterator[int]:
     for epoch in itertools.count():
-        if sharded:
-            yield from np.random.default_rng([seed, host_index, epoch]).permutation(num_samples).tolist()
-        else:
-            yield from np.random.default_rng([seed, epoch]).permutation(num_samples)[host_index::hosts].tolist()
+        rng = np.random.default_rng([seed, host_index, epoch] if sharded else [seed, epoch])
+        order = shard_stream_order(shard_ends, rng) if shard_ends else rng.permutation(num_samples).tolist()
+        yield from order if sharded else order[host_index::hosts]
 
 
 class BatchSource(Protocol):
@@ -199,7 +201,7 @@ class BatchProducer:
 
     def __init__(
         self,
-        folder: ImageFolder,
+        folder: ImageDataset,
         *,
         batch_size: int,
         augment: AugmentConfig,
@@ -211,7 +213,7 @@ class BatchProducer:
         sharded: bool = False,
     ) -> None:
         self._folder = folder
-        self._order = sample_order(len(folder), seed, host_index, hosts, sharded)  # refuses too few samples, before any worker starts
+        self._order = sample_order(len(folder), seed, host_index, hosts, sharded, folder.shard_ends)  # refuses too few samples, before any worker starts
         self._batch_size = batch_size
         self._workers = workers
         self._seed = seed
@@ -279,11 +281,11 @@ class BatchProducer:
             self.failure = f"preprocessing stopped: {type(error).__name__}: {error}"
 
 
-_worker_samples: Sequence[tuple[str, int]] = ()
+_worker_samples: Sequence[tuple[SampleSource, int]] = ()
 _worker_augment: AugmentConfig | None = None
 
 
-def _init_worker(samples: Sequence[tuple[str, int]], augment: AugmentConfig) -> None:
+def _init_worker(samples: Sequence[tuple[SampleSource, int]], augment: AugmentConfig) -> None:
     global _worker_samples, _worker_augment
     _worker_samples, _worker_augment = samples, augment
 
@@ -300,7 +302,7 @@ def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]
 
 
 class DataServiceServicer(pb_grpc.DataServiceServicer):
-    def __init__(self, settings: ServerSettings, folder: ImageFolder, producer: BatchSource) -> None:
+    def __init__(self, settings: ServerSettings, folder: ImageDataset, producer: BatchSource) -> None:
         self._settings = settings
         self._folder = folder
         self._producer = producer
@@ -404,7 +406,7 @@ def default_workers() -> int:
 
 def serve(
     settings: ServerSettings,
-    folder: ImageFolder,
+    folder: ImageDataset,
     host_index: int,
     stop_signal: threading.Event,
     source: BatchSource | None = None,
@@ -436,8 +438,8 @@ def serve(
     producer.start()
     server.start()
     log.info(
-        "data host %s serving channel %r (%d images, %d classes) on %s with %d workers, batch %d",
-        settings.host, settings.channel, len(folder), len(folder.classes), target, settings.workers, settings.batch_size,
+        "data host %s serving channel %r (%d images in %s, %d classes) on %s with %d workers, batch %d",
+        settings.host, settings.channel, len(folder), folder.layout, len(folder.classes), target, settings.workers, settings.batch_size,
     )
     reason = None
     signalled_at: float | None = None

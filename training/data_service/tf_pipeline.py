@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.dataset import ImageFolder
+from training.data_service.dataset import ImageDataset, file_samples
 
 # The id the dispatcher host registers the pipeline under and the trainers read it by.
 DATASET_ID = "train"
@@ -62,10 +62,10 @@ def read_from_service(dispatcher: str, batch_size: int, image_size: int) -> tf.d
     ).prefetch(2)
 
 
-def relative_samples(folder: ImageFolder) -> tuple[list[str], list[int]]:
+def relative_samples(folder: ImageDataset) -> tuple[list[str], list[int]]:
     """The folder's files relative to its root (and their labels), in the folder's sorted order."""
-    paths = [os.path.relpath(path, folder.root) for path, _ in folder.samples]
-    return paths, [label for _, label in folder.samples]
+    paths, labels = file_samples(folder)
+    return [os.path.relpath(path, folder.root) for path in paths], labels
 
 
 # The dispatcher hands files out a split at a time: one file per split would cost a round trip to it

@@ -165,7 +165,7 @@ def run_servers(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     from training.data_service.augmentation import AugmentConfig
-    from training.data_service.dataset import scan_image_folder
+    from training.data_service.dataset import scan_images
     from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, register, relative_samples
 
     service = tf.data.experimental.service
@@ -185,7 +185,7 @@ def run_servers(args: argparse.Namespace) -> None:
     )
     log.info("worker %s serving for dispatcher %s", args.worker_address, args.dispatcher_address)
     if dispatcher is not None:
-        folder = scan_image_folder(Path.cwd(), "train", "data")
+        folder = scan_images(Path.cwd(), "train", "data")
         paths, labels = relative_samples(folder)
         augment = AugmentConfig(image_size=args.image_size, augment=args.augment)
         dataset = augmentation_pipeline(paths, labels, args.batch_size, augment, args.seed)

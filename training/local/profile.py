@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from lambdas.core.job_spec import JobSpec
-from training.data_service.dataset import scan_image_folder
+from training.data_service.dataset import scan_images
 from training.data_service.server import BatchProducer
 from training.local.cluster import EmulatedCluster, EmulationOptions, LineCallback, plan_hosts
 from training.trainers.config import KerasVisionConfig, VisionConfig
@@ -67,7 +67,7 @@ def data_host_cpus(spec: JobSpec, options: EmulationOptions) -> list[tuple[int, 
 def _time_pipeline(channel: str, config: VisionConfig, cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
     os.sched_setaffinity(0, cpus)  # inherited by the spawned preprocessing workers
     producer = BatchProducer(
-        scan_image_folder(Path(channel), "train", "profile"),
+        scan_images(Path(channel), "train", "profile"),
         batch_size=config.batch_size,
         augment=config.augment_config,
         workers=len(cpus),
@@ -89,7 +89,7 @@ def _time_tf_pipeline(channel: str, config: KerasVisionConfig, cpus: tuple[int, 
     from training.data_service.tf_pipeline import augmentation_pipeline
 
     tf.config.threading.set_intra_op_parallelism_threads(len(cpus))
-    folder = scan_image_folder(Path(channel), "train", "profile")
+    folder = scan_images(Path(channel), "train", "profile")
     dataset = augmentation_pipeline(
         [path for path, _ in folder.samples], [label for _, label in folder.samples], config.batch_size, config.augment_config, config.seed
     )

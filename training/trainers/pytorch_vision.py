@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, Dataset
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
-from training.data_service.dataset import ChannelError, CorruptDatasetError, ImageFolder, channel_dir, scan_image_folder
+from training.data_service.dataset import ChannelError, CorruptDatasetError, ImageDataset, channel_dir, scan_images
 from training.data_service.preprocess import DECODE_ERRORS, load_and_augment
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
@@ -112,9 +112,10 @@ def build_model(config: VisionConfig, num_classes: int) -> nn.Module:
 
 
 class LocalImages(Dataset):
-    """Map-style dataset over an ImageFolder channel; an undecodable file yields None and is counted."""
+    """Map-style dataset over an image channel (files or tar shard members); an undecodable sample yields
+    None and is counted."""
 
-    def __init__(self, folder: ImageFolder, augment: AugmentConfig, seed: int = 0) -> None:
+    def __init__(self, folder: ImageDataset, augment: AugmentConfig, seed: int = 0) -> None:
         self.folder = folder
         self.augment = augment
         self.seed = seed  # for reading in the trainer's own process (no workers)
@@ -152,12 +153,13 @@ def worker_seed(seed: int, rank: int, start: int) -> int:
 
 def local_loader(
     dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, start: int, workers: int, pin_memory: bool,
-    collate_fn: Any = None,
+    collate_fn: Any = None, shard_ends: Sequence[int] = (),
 ) -> DataLoader:
     """This rank's endless shard of ``dataset`` from ``start`` samples in, decoded by ``workers`` processes
-    that persist (the sampler never ends, so they never drain) and draw augmentations of their own."""
+    that persist (the sampler never ends, so they never drain) and draw augmentations of their own.
+    ``shard_ends``: the dataset is tar shards, read in their streaming order (EndlessSampler)."""
     try:
-        sampler = EndlessSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, start=start)
+        sampler = EndlessSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, start=start, shard_ends=shard_ends)
     except ShardTooSmallError as error:
         raise DataExhaustedError(str(error)) from None
     return DataLoader(
@@ -195,7 +197,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         *,
         classes: list[str],
         source: str,
-        local_folder: ImageFolder | None = None,
+        local_folder: ImageDataset | None = None,
         service: DataServiceDataset | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -263,7 +265,8 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         workers = self.cpus if self.vision.dataloader_workers < 0 else self.vision.dataloader_workers
         loader = local_loader(dataset, batch_size=self.vision.batch_size, rank=self.rank, world_size=self.world_size,
                               seed=self.vision.seed, start=self.resume_samples, workers=workers,
-                              pin_memory=self.device.type == "cuda", collate_fn=collate_skipping)
+                              pin_memory=self.device.type == "cuda", collate_fn=collate_skipping,
+                              shard_ends=self.local_folder.shard_ends)
         for batch in loader:
             self.skipped_samples += batch.skipped
             yield batch
@@ -414,7 +417,7 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
             pin_memory=torch.cuda.is_available(),
         )
         return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service, **common)
-    folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
+    folder = scan_images(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     return VisionTrainer(config, paths, classes=list(folder.classes), source="local", local_folder=folder, **common)
 
 

@@ -9,28 +9,32 @@ no padded duplicates.
 * it starts at any position (``start``: samples this rank already consumed), so a resumed job carries on
   where its checkpoint was taken instead of replaying the first batches of its first epoch;
 * every epoch's order is a pure function of (seed, epoch), the same on every rank, each rank taking every
-  ``world_size``-th index of it: the ranks' shards are disjoint in every epoch.
-
-Standard library and torch only.
+  ``world_size``-th index of it: the ranks' shards are disjoint in every epoch. Over tar shards the order
+  is the streaming one (shards shuffled, each read through a shuffle buffer: shard_stream_order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from training.data_service.dataset import shard_stream_order
 
 
 class ShardTooSmallError(ValueError):
     """Fewer examples than trainer processes: some rank would have none."""
 
 
-def epoch_order(size: int, seed: int, epoch: int, *, shuffle: bool = True) -> list[int]:
+def epoch_order(size: int, seed: int, epoch: int, *, shuffle: bool = True, shard_ends: Sequence[int] = ()) -> list[int]:
     """The order of every example in ``epoch``, the same on every rank. Pure."""
     if not shuffle:
         return list(range(size))
+    if shard_ends:
+        return shard_stream_order(shard_ends, np.random.default_rng([seed, epoch]))
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(size, generator=generator).tolist()
 
@@ -43,10 +47,13 @@ def rank_share(order: list[int], rank: int, world_size: int) -> list[int]:
 
 
 class EndlessSampler(Sampler[int]):
-    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, start: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, size: int, *, rank: int, world_size: int, seed: int, start: int = 0, shuffle: bool = True, shard_ends: Sequence[int] = ()
+    ) -> None:
         if size // world_size == 0:
             raise ShardTooSmallError(f"{size} examples cannot give each of {world_size} trainer processes one")
         self.size, self.rank, self.world_size, self.seed, self.start, self.shuffle = size, rank, world_size, seed, start, shuffle
+        self.shard_ends = tuple(shard_ends)
 
     @property
     def per_epoch(self) -> int:
@@ -60,7 +67,8 @@ class EndlessSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         epoch, offset = self.position(self.start)
         while True:
-            yield from rank_share(epoch_order(self.size, self.seed, epoch, shuffle=self.shuffle), self.rank, self.world_size)[offset:]
+            order = epoch_order(self.size, self.seed, epoch, shuffle=self.shuffle, shard_ends=self.shard_ends)
+            yield from rank_share(order, self.rank, self.world_size)[offset:]
             epoch, offset = epoch + 1, 0
 
 

@@ -49,7 +49,7 @@ import tensorflow as tf  # noqa: E402
 
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.control import DataServiceError, describe, wait_for_port
-from training.data_service.dataset import ChannelError, ImageFolder, channel_dir, scan_image_folder
+from training.data_service.dataset import ChannelError, ImageDataset, channel_dir, file_samples, scan_image_files
 from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, read_from_service
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
@@ -290,16 +290,17 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
                 "precision": self.precision, "jit_compile": self.jit_compile}
 
 
-def local_dataset(folder: ImageFolder, config: KerasVisionConfig, rank: int, ranks: int) -> DatasetFactory:
+def local_dataset(folder: ImageDataset, config: KerasVisionConfig, rank: int, ranks: int) -> DatasetFactory:
     """A homogeneous job's input: this rank's shard of the files, its own augmentation seed (TensorFlow
     fixes an op's seed from the global seed when the op is built), read on from a resumed position. The
     global seed must not depend on the position: the shuffle's order derives from it too, and a resumed
     run skips positions of the first run's order."""
 
+    paths, labels = file_samples(folder)
+
     def make(skip: int) -> tf.data.Dataset:
         tf.random.set_seed(config.seed * 1_000_003 + rank)
-        return augmentation_pipeline([path for path, _ in folder.samples], [label for _, label in folder.samples],
-                                     config.batch_size, config.augment_config, seed=config.seed + rank, shard=(rank, ranks), skip=skip)
+        return augmentation_pipeline(paths, labels, config.batch_size, config.augment_config, seed=config.seed + rank, shard=(rank, ranks), skip=skip)
 
     return make
 
@@ -331,7 +332,7 @@ def build_trainer(environ: dict[str, str]) -> KerasVisionTrainer:
         # The service's stream has no position to resume from: a resumed job reads a fresh one.
         service = lambda _skip: read_from_service(dispatcher, config.batch_size, config.image_size)  # noqa: E731
         return KerasVisionTrainer(config, paths, classes=list(info.classes), dataset=service, source="tf.data.service", **common)
-    folder = scan_image_folder(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
+    folder = scan_image_files(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     dataset = local_dataset(folder, config, distribution.rank, distribution.size)
     return KerasVisionTrainer(config, paths, classes=list(folder.classes), dataset=dataset, source="local", **common)
 

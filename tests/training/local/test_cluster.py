@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -219,7 +221,7 @@ def test_the_cli_refuses_a_bad_spec_with_a_named_error(tmp_path: Path) -> None:
 def test_each_data_host_gets_the_channel_as_its_distribution_says(tmp_path: Path, images: Path, distribution: str) -> None:
     """Replicated: every host gets every file. Sharded: each host only its share, the shares disjoint and
     together the dataset, and the host learns which it has from inputdataconfig.json, as on SageMaker."""
-    from training.data_service.dataset import channel_is_sharded, scan_image_folder
+    from training.data_service.dataset import channel_is_sharded, scan_images
 
     raw = spec(data_hosts=2)
     raw["inputs"]["train"] |= {"distribution": distribution, "input_mode": "fastfile"}
@@ -229,7 +231,7 @@ def test_each_data_host_gets_the_channel_as_its_distribution_says(tmp_path: Path
     shares = []
     for host in cluster.hosts_with_role("data"):
         root = host.base_dir / "input" / "data" / "train"
-        shares.append({str(Path(path).relative_to(root)) for path, _ in scan_image_folder(root, "train", "data_group").samples})
+        shares.append({str(Path(path).relative_to(root)) for path, _ in scan_images(root, "train", "data_group").samples})
         config = json.loads((host.base_dir / "input" / "config" / "inputdataconfig.json").read_text())
         assert config["train"]["TrainingInputMode"] == "FastFile"
         assert channel_is_sharded("train", {BASE_DIR_ENV: str(host.base_dir)}) == (distribution == "sharded")
@@ -264,18 +266,38 @@ def test_shards_that_hold_different_classes_fail_the_job_by_name_before_training
 
 
 @pytest.mark.cluster
-def test_two_data_hosts_each_serving_its_own_shard_train_the_job(tmp_path: Path, images: Path) -> None:
+def test_two_data_hosts_each_serving_its_own_shard_train_the_job_from_files_or_tar_shards(
+    tmp_path: Path, images: Path, image_shards: Path
+) -> None:
     """The launcher reads the shard from inputdataconfig.json and serves what it holds: both hosts serve,
-    and each says it serves its share of the 96 images."""
-    raw = spec(data_hosts=2, steps=12)
-    raw["inputs"]["train"]["distribution"] = "sharded"
-    cluster, watcher = start(raw, tmp_path, images)
-    try:
-        result = cluster.wait()
-    finally:
-        cluster.close()
-    assert result.ok, result.report()
-    summary = cluster.summary()
-    assert summary["steps"] == 12 and all(count > 0 for count in summary["batches_per_data_host"].values())
-    served = [re.search(r"serving channel 'train' \((\d+) images", "\n".join(watcher.of(host))) for host in ("algo-1", "algo-2")]
-    assert all(served) and sum(int(match.group(1)) for match in served) == 96
+    and each says it serves its share of the images. The same images as tar shards train the same job
+    and report the same figures; a tar member that does not decode is skipped and counted."""
+    from training.local.images import add_member
+
+    shards = tmp_path / "shards"
+    shutil.copytree(image_shards, shards)
+    with tarfile.open(shards / "shard-000006.tar", mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        add_member(archive, "broken/00000.jpg", b"\xff\xd8 cut off")
+        add_member(archive, "broken/00000.cls", b"0")
+    summaries = {}
+    for layout, channel, total in (("files", images, 96), ("tar", shards, 97)):
+        raw = spec(data_hosts=2, steps=12)
+        raw["inputs"]["train"]["distribution"] = "sharded"
+        cluster, watcher = start(raw, tmp_path / layout, channel)
+        try:
+            result = cluster.wait()
+        finally:
+            cluster.close()
+        assert result.ok, result.report()
+        summary = summaries[layout] = cluster.summary()
+        assert summary["steps"] == 12 and all(count > 0 for count in summary["batches_per_data_host"].values())
+        logs = {host: "\n".join(watcher.of(host)) for host in ("algo-1", "algo-2")}
+        served = [re.search(r"serving channel 'train' \((\d+) images in ([a-zA-Z ]+),", text) for text in logs.values()]
+        assert all(served) and sum(int(match.group(1)) for match in served) == total, logs
+        assert {match.group(2) for match in served} == {"ImageFolder" if layout == "files" else "tar shards"}
+    # Each data host makes batches ahead (a queue of 8 of 8 images) beyond its ~49 images: every
+    # sample of its first epoch is decoded, the broken one too.
+    assert re.search(r"skipped 1 undecodable files", "\n".join(line for host in ("algo-1", "algo-2") for line in watcher.of(host)))
+    assert summaries["tar"].keys() == summaries["files"].keys()
+    same = ("status", "steps", "timed_steps", "warmup_steps", "batch_size", "world_size", "data_source")
+    assert {key: summaries["tar"][key] for key in same} == {key: summaries["files"][key] for key in same}

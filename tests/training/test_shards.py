@@ -1,0 +1,194 @@
+"""Tar-shard channels (WebDataset layout): listing, reading a member at its offset, what a damaged shard
+leaves usable, the streaming order, and the readers that take them (the data host's batches, the
+homogeneous DataLoader) or refuse them (TensorFlow's)."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import shutil
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training.data_service.augmentation import AugmentConfig
+from training.data_service.dataset import (
+    ChannelError,
+    EmptyChannelError,
+    ShardFormatError,
+    TarMember,
+    buffered_shuffle,
+    read_sample,
+    sample_key,
+    scan_image_files,
+    scan_images,
+    shard_stream_order,
+)
+from training.data_service.preprocess import make_batch
+from training.data_service.server import sample_order
+from training.local.images import add_member, write_shards
+from training.trainers.sampling import EndlessSampler
+
+
+def contents(dataset) -> list[tuple[bytes, int]]:
+    return sorted((read_sample(source).tobytes(), label) for source, label in dataset.samples)
+
+
+def test_the_shards_hold_the_image_folders_files_byte_for_byte_with_their_labels(images: Path, image_shards: Path) -> None:
+    folder, shards = scan_images(images, "train", "g"), scan_images(image_shards, "train", "g")
+    assert (folder.layout, shards.layout) == ("ImageFolder", "tar shards")
+    assert shards.shard_ends == (16, 32, 48, 64, 80, 96) and shards.unusable == 0
+    assert len(shards.classes) == len(folder.classes) == 4
+    assert contents(shards) == contents(folder)
+    assert all(isinstance(source, TarMember) for source, _ in shards.samples)
+
+
+def test_the_shards_of_an_image_folder_tree_are_its_files(images: Path, tmp_path: Path) -> None:
+    from training.local.images import folder_samples
+
+    write_shards(tmp_path, folder_samples(images), per_shard=40)
+    shards = scan_images(tmp_path, "train", "g")
+    assert shards.shard_ends == (40, 80, 96) and contents(shards) == contents(scan_images(images, "train", "g"))
+
+
+def test_keys_group_members_as_webdataset_does() -> None:
+    assert sample_key("n01440764/n01440764_10026.JPEG") == ("n01440764/n01440764_10026", "jpeg")
+    assert sample_key("a/b.c/x.seg.png") == ("a/b.c/x", "seg.png")  # the key ends at the file name's first dot
+    assert sample_key("x.cls") == ("x", "cls")
+
+
+def shard(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        for name, data in members:
+            add_member(archive, name, data)
+    return path
+
+
+def jpeg(images: Path, index: int = 0) -> bytes:
+    return sorted(images.rglob("*.jpg"))[index].read_bytes()
+
+
+def test_members_that_cannot_be_samples_are_left_out_and_counted(images: Path, tmp_path: Path) -> None:
+    shard(tmp_path / "a.tar", [
+        ("good.jpg", jpeg(images)), ("good.cls", b"2\n"),
+        ("json.jpg", jpeg(images, 1)), ("json.json", b'{"label": 1}'),
+        ("nolabel.jpg", jpeg(images, 2)),
+        ("badlabel.jpg", jpeg(images, 3)), ("badlabel.cls", b"cat"),
+        ("negative.jpg", jpeg(images, 4)), ("negative.cls", b"-1"),
+        ("boollabel.jpg", jpeg(images, 5)), ("boollabel.json", b'{"label": true}'),
+        ("orphan.cls", b"3"),  # a label without an image is no sample, and nothing is lost
+    ])
+    dataset = scan_images(tmp_path, "train", "g")
+    assert sorted((str(source).rsplit(":", 1)[1], label) for source, label in dataset.samples) == [("good.jpg", 2), ("json.jpg", 1)]
+    assert dataset.unusable == 4 and dataset.classes == ("0", "1", "2")
+
+
+def test_a_truncated_shard_keeps_the_members_before_the_cut(images: Path, tmp_path: Path) -> None:
+    whole = shard(tmp_path / "whole.tar", [(f"{n}.{kind}", jpeg(images, n) if kind == "jpg" else b"0") for n in range(4) for kind in ("jpg", "cls")])
+    data = whole.read_bytes()
+    whole.unlink()
+    (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2])
+    dataset = scan_images(tmp_path, "train", "g")
+    assert 1 <= len(dataset) < 4 and dataset.unusable >= 1
+    assert all(read_sample(source).size == source.size for source, _ in dataset.samples)
+
+
+def test_a_corrupt_image_member_is_skipped_and_counted_like_a_damaged_file(images: Path, tmp_path: Path) -> None:
+    shard(tmp_path / "a.tar", [("ok.jpg", jpeg(images)), ("ok.cls", b"0"), ("bad.jpg", b"\xff\xd8 not a jpeg"), ("bad.cls", b"1")])
+    dataset = scan_images(tmp_path, "train", "g")
+    bad = next(i for i, (source, _) in enumerate(dataset.samples) if "bad" in str(source))
+    good = 1 - bad
+    batch, labels, skipped = make_batch(dataset.samples, [bad, good], [good, good], AugmentConfig(image_size=16), seed=0)
+    assert skipped == 1 and labels.tolist() == [0, 0] and batch.shape == (2, 3, 16, 16)
+
+
+def test_shard_layouts_a_reader_cannot_take_are_refused_by_name(images: Path, tmp_path: Path) -> None:
+    compressed = tmp_path / "gz"
+    compressed.mkdir()
+    shard(tmp_path / "plain.tar", [("a.jpg", jpeg(images)), ("a.cls", b"0")])
+    (compressed / "a.tar").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))
+    with pytest.raises(ShardFormatError, match="not an uncompressed tar"):
+        scan_images(compressed, "train", "g")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "plain.tar", mixed / "a.tar")
+    (mixed / "loose").mkdir()
+    (mixed / "loose" / "b.jpg").write_bytes(jpeg(images))
+    with pytest.raises(ChannelError, match="tar shards and loose images"):
+        scan_images(mixed, "train", "g")
+    unlabelled = tmp_path / "unlabelled"
+    unlabelled.mkdir()
+    shard(unlabelled / "a.tar", [("a.jpg", jpeg(images))])
+    with pytest.raises(EmptyChannelError, match="no labelled image"):
+        scan_images(unlabelled, "train", "g")
+
+
+def test_tensorflow_readers_refuse_tar_shards_by_name(images: Path, image_shards: Path) -> None:
+    from training.launcher import CHANNEL_CHECKS
+    from training.variants import VARIANTS
+
+    assert len(scan_image_files(images, "train", "g")) == 96
+    with pytest.raises(ChannelError, match="tensorflow variant cannot read"):
+        scan_image_files(image_shards, "train", "g")
+    assert CHANNEL_CHECKS[VARIANTS["tensorflow"].input_format] is scan_image_files
+    assert len(CHANNEL_CHECKS[VARIANTS["pytorch"].input_format](image_shards, "train", "g")) == 96
+
+
+@pytest.mark.parametrize("ends", [(5,), (3, 10, 11, 30), tuple(range(7, 7 * 40 + 1, 7))])
+@pytest.mark.parametrize("buffer", [0, 1, 4, 1000])
+def test_a_streamed_epoch_holds_every_sample_once(ends: tuple[int, ...], buffer: int) -> None:
+    order = shard_stream_order(ends, np.random.default_rng(3), buffer)
+    assert sorted(order) == list(range(ends[-1]))
+
+
+def test_without_a_buffer_each_shard_is_read_through_in_order() -> None:
+    ends = (4, 9, 12)
+    order = shard_stream_order(ends, np.random.default_rng(1), buffer=0)
+    runs = [list(group) for _, group in itertools.groupby(order, key=lambda index: sum(index >= end for end in ends))]
+    assert len(runs) == 3 and all(run == list(range(run[0], run[0] + len(run))) for run in runs)
+    assert buffered_shuffle(list(range(10)), np.random.default_rng(0), 3) != list(range(10))
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3])
+def test_data_hosts_of_a_replicated_shard_channel_send_every_sample_once_per_epoch(hosts: int) -> None:
+    ends = (10, 25, 33, 50)
+    for epoch in range(3):
+        sent = Counter()
+        for host in range(hosts):
+            stream = sample_order(50, seed=7, host_index=host, hosts=hosts, shard_ends=ends)
+            per_epoch = [len(range(host, 50, hosts))] * 3
+            taken = list(itertools.islice(stream, sum(per_epoch[: epoch + 1])))
+            sent.update(taken[sum(per_epoch[:epoch]) :])
+        assert sent == Counter(range(50)), epoch
+
+
+def test_the_dataloader_reads_shards_in_streaming_order_and_every_sample_once_per_epoch() -> None:
+    ends = (6, 12, 18, 24)
+    shares = [list(itertools.islice(iter(EndlessSampler(24, rank=rank, world_size=2, seed=1, shard_ends=ends)), 12)) for rank in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == list(range(24))
+    assert shares != [list(range(0, 24, 2)), list(range(1, 24, 2))]
+
+
+def test_the_homogeneous_trainer_learns_from_shards_and_reports_what_it_reports_for_the_folder(
+    images: Path, image_shards: Path, tmp_path: Path
+) -> None:
+    from training.trainers.config import VisionConfig
+    from training.trainers.loop import OutputPaths
+    from training.trainers.pytorch_vision import VisionTrainer
+
+    config = VisionConfig(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_rate=0.05, dataloader_workers=1,
+                          steps=30, warmup_steps=2, log_every=1)
+    summaries = {}
+    for name, root in (("folder", images), ("shards", image_shards)):
+        dataset = scan_images(root, "train", "homogeneousCluster")
+        summaries[name] = VisionTrainer(config, OutputPaths.under(tmp_path / name), classes=list(dataset.classes), source="local",
+                                        local_folder=dataset).run()
+    folder, shards = summaries["folder"], summaries["shards"]
+    assert shards.keys() == folder.keys()
+    same = ("status", "steps", "timed_steps", "warmup_steps", "batch_size", "world_size", "data_source", "skipped_samples")
+    assert {key: shards[key] for key in same} == {key: folder[key] for key in same}
+    assert shards["status"] == "completed" and shards["skipped_samples"] == 0
+    assert shards["final_loss"] < 0.8 * np.log(4), shards  # learnt: chance is ln 4
