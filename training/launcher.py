@@ -57,9 +57,9 @@ from training.data_service.dataset import (
     EmptyChannelError,
     channel_dir,
     channel_is_sharded,
-    scan_csv_channel,
     scan_image_files,
     scan_images,
+    scan_text_channel,
 )
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
@@ -305,7 +305,7 @@ def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, e
 
 
 # How each input format's training channel is checked before a trainer starts.
-CHANNEL_CHECKS = {"images": scan_images, "image_files": scan_image_files, "csv": scan_csv_channel}
+CHANNEL_CHECKS = {"images": scan_images, "image_files": scan_image_files, "text": scan_text_channel}
 
 
 def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:

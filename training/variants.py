@@ -20,7 +20,7 @@ class Variant:
     distributions: tuple[str, ...]
     has_data_service: bool  # whether CPU data groups can feed it
     accelerator: str  # "gpu": NVIDIA (or CPU) instances; "trainium": ml.trn* instances
-    input_format: str  # what its training channel holds: "images" (files or tar shards), "image_files" or "csv"
+    input_format: str  # what its training channel holds: "images" (files or tar shards), "image_files" or "text" (.csv/.jsonl)
     # What data hosts run for it: "grpc" (training/data_service/server.py) or "tf.data.service".
     data_service: str = "grpc"
 
@@ -55,6 +55,6 @@ VARIANTS: dict[str, Variant] = {
         distributions=("torchrun",),
         has_data_service=False,  # the text trainer tokenises once per node; no CPU data group feeds it
         accelerator="trainium",
-        input_format="csv",
+        input_format="text",
     ),
 }

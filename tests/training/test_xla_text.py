@@ -216,6 +216,25 @@ def test_polarity_csv_reading(tmp_path: Path) -> None:
         list(polarity_rows(tmp_path / "b", "train"))
 
 
+def test_a_channel_of_csv_and_json_lines_shards_in_subfolders_reads_every_row_in_path_order(tmp_path: Path) -> None:
+    root = tmp_path / "shards"
+    write_csv(root / "part-a" / "00.csv", 3, seed=0, header=True)
+    (root / "part-b").mkdir()
+    (root / "part-b" / "01.jsonl").write_text(
+        '{"label": 2, "title": "Great", "content": "works well"}\n\n{"label": "1", "text": "broke in a day"}\n'
+    )
+    rows = list(polarity_rows(root, "train"))
+    assert len(rows) == 5 and rows[3:] == [(2, "Great. works well"), (1, "broke in a day")]
+    before = cache_key(root, "tok", 16)
+    (root / "part-b" / "02.jsonl").write_text('{"label": 1, "text": "meh"}\n')
+    assert cache_key(root, "tok", 16) != before  # a new shard, a new cache
+    for bad, message in (('{"label": 1}', "expected"), ("not json", "not JSON"), ('{"label": true, "text": "x"}', "not an integer"),
+                         ('["label", 1]', "expected")):
+        (root / "part-b" / "02.jsonl").write_text(bad + "\n")
+        with pytest.raises(TextDataError, match=f"02.jsonl line 1: .*{message}"):
+            list(polarity_rows(root, "train"))
+
+
 def test_the_cache_is_named_after_its_inputs(tmp_path: Path) -> None:
     folder = write_csv(tmp_path / "c" / "x.csv", 4, seed=0)
     before = cache_key(folder, "tok", 16)

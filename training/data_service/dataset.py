@@ -124,12 +124,17 @@ def _require_channel(root: Path, channel: str, group: str) -> None:
         )
 
 
-def scan_csv_channel(root: Path, channel: str, group: str) -> list[Path]:
-    """The .csv files of a text channel (label, title, content rows), refused when there are none."""
+TEXT_SUFFIXES = (".csv", ".jsonl")
+
+
+def scan_text_channel(root: Path, channel: str, group: str) -> list[Path]:
+    """The text shards of a channel, anywhere under it, in path order: .csv (label, title, content rows)
+    and .jsonl ({"label": ..., "title": ..., "content": ...} or {"label": ..., "text": ...} lines).
+    Refused when there are none."""
     _require_channel(root, channel, group)
-    files = sorted(path for path in root.glob("*.csv") if path.is_file() and path.stat().st_size > 0)
+    files = sorted(path for path in root.rglob("*") if path.suffix.lower() in TEXT_SUFFIXES and path.is_file() and path.stat().st_size > 0)
     if not files:
-        raise EmptyChannelError(f"channel {channel!r} at {root} holds no non-empty .csv files")
+        raise EmptyChannelError(f"channel {channel!r} at {root} holds no non-empty {' or '.join(TEXT_SUFFIXES)} files")
     return files
 
 

@@ -47,14 +47,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from training.cluster import ClusterConfigError, base_dir, load_cluster
-from training.data_service.dataset import ChannelError, EmptyChannelError, channel_dir, scan_csv_channel
+from training.data_service.dataset import TEXT_SUFFIXES, ChannelError, EmptyChannelError, channel_dir, scan_text_channel
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
 from training.metrics import metric_line
@@ -82,21 +82,45 @@ class TextDataError(ChannelError):
 
 
 def polarity_rows(folder: Path, channel: str) -> Iterator[tuple[int, str]]:
-    """(label, "title. content") of every row of every .csv file of a channel, in file-name order, read as
-    a stream (a channel may not fit in memory). A header row is recognised by a non-numeric label."""
-    files = scan_csv_channel(folder, channel, "this host's group")
-    for path in files:
+    """(label, "title. content") of every row of every text shard of a channel (scan_text_channel), in
+    path order, read as a stream (a channel may not fit in memory). A CSV header row is recognised by a
+    non-numeric label."""
+    for path in scan_text_channel(folder, channel, "this host's group"):
         with path.open(newline="", encoding="utf-8") as handle:
-            for line, row in enumerate(csv.reader(handle), start=1):
-                if line == 1 and row and not row[0].strip().lstrip("-").isdigit():
-                    continue
-                if len(row) < 3:
-                    raise TextDataError(f"{path.name} line {line}: expected label,title,content, got {len(row)} fields")
-                try:
-                    label = int(row[0])
-                except ValueError:
-                    raise TextDataError(f"{path.name} line {line}: label {row[0]!r} is not an integer") from None
-                yield label, f"{row[1].strip()}. {row[2].strip()}"
+            yield from (jsonl_rows if path.suffix.lower() == ".jsonl" else csv_rows)(handle, path.name)
+
+
+def csv_rows(handle: TextIO, name: str) -> Iterator[tuple[int, str]]:
+    for line, row in enumerate(csv.reader(handle), start=1):
+        if line == 1 and row and not row[0].strip().lstrip("-").isdigit():
+            continue
+        if len(row) < 3:
+            raise TextDataError(f"{name} line {line}: expected label,title,content, got {len(row)} fields")
+        yield text_label(row[0], name, line), f"{row[1].strip()}. {row[2].strip()}"
+
+
+def jsonl_rows(handle: TextIO, name: str) -> Iterator[tuple[int, str]]:
+    """JSON lines with a label and either title and content (AmazonPolarity's fields) or one text."""
+    for line, text in enumerate(handle, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise TextDataError(f"{name} line {line}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or "label" not in record or not ({"title", "content"} <= record.keys() or "text" in record):
+            raise TextDataError(f'{name} line {line}: expected {{"label", "title", "content"}} or {{"label", "text"}}')
+        body = str(record["text"]) if "text" in record else f"{str(record['title']).strip()}. {str(record['content']).strip()}"
+        yield text_label(record["label"], name, line), body
+
+
+def text_label(value: object, name: str, line: int) -> int:
+    if isinstance(value, bool):
+        raise TextDataError(f"{name} line {line}: label {value!r} is not an integer")
+    try:
+        return int(value) if isinstance(value, int) else int(str(value).strip())
+    except ValueError:
+        raise TextDataError(f"{name} line {line}: label {value!r} is not an integer") from None
 
 
 def channel_classes(folder: Path, channel: str) -> tuple[int, list[int]]:
@@ -114,9 +138,9 @@ def channel_classes(folder: Path, channel: str) -> tuple[int, list[int]]:
 def cache_key(folder: Path, tokenizer_name: str, max_seq_len: int, classes: Sequence[int] | None = None) -> str:
     """Names the tokenised cache after what it was made from, so a changed input never reuses it."""
     digest = hashlib.sha256(f"{tokenizer_name}|{max_seq_len}|{list(classes) if classes is not None else ''}".encode())
-    for path in sorted(folder.glob("*.csv")):
+    for path in sorted(path for path in folder.rglob("*") if path.suffix.lower() in TEXT_SUFFIXES and path.is_file()):
         stat = path.stat()
-        digest.update(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        digest.update(f"{path.relative_to(folder)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
 
 
