@@ -73,7 +73,7 @@ from training.hyperparameters import (
     load_hyperparameters,
     load_settings,
 )
-from training.trainers.loop import PROGRESS_DIR_ENV
+from training.trainers.loop import CONTAINER_STARTED_ENV, PROGRESS_DIR_ENV
 from training.variants import VARIANTS, Variant
 
 if TYPE_CHECKING:
@@ -633,6 +633,8 @@ def main() -> int:
     if sys.argv[1:] not in ([], ["train"]):  # SageMaker starts the image with the argument "train"
         log.error("usage: python -m training.launcher [train]; got %s", sys.argv[1:])
         return CONFIG_ERROR_EXIT
+    # Time to first batch counts from here (the supervised launcher inherits the supervisor's stamp).
+    os.environ.setdefault(CONTAINER_STARTED_ENV, repr(time.time()))
     if os.getpid() == 1:
         return supervise([sys.executable, "-m", "training.launcher", *sys.argv[1:]])
     try:

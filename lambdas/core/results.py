@@ -2,8 +2,8 @@
 
 ``result.json`` (results/<run id>/result.json) holds the spec, the job's name and status, the earlier
 launch attempts that failed for want of capacity, the failure reason, billable seconds, step time p50/p90 from the trainer's summary, samples/s, the job's final
-metrics, $/hour of its instances, cost per 1k steps and of the whole run, and the prices used with their
-source and date.
+metrics, $/hour of its instances, cost per 1k steps and of the whole run, the prices used with their
+source and date, and the start-up: how long billed time ran before training's first batch (startup_times).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import io
 import json
 import tarfile
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from lambdas.core.job_spec import JobSpec
@@ -68,6 +69,33 @@ def run_verdict(job_status: str, summary: Mapping[str, Any] | None, summary_prob
     return "Completed", None
 
 
+def startup_times(describe: Mapping[str, Any], summary: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Where a job's billed time went before its first batch, in seconds (None where unknown). Pure.
+
+    * ``downloading_s``: File-mode input copied to the hosts' volumes (the job's ``Downloading``
+      secondary status; FastFile channels skip it);
+    * ``billed_before_training_s``: from TrainingStartTime, when billing starts, to the ``Training``
+      secondary status (the container's start): the download, the image pull;
+    * ``container_to_first_batch_s``: the trainer's summary, from the container's start to the first
+      batch of its last rank (imports, the data hosts' start, a FastFile channel's first reads);
+    * ``billed_to_first_batch_s``: the two added, the figure to compare input modes and distributions by.
+    """
+    transitions = [item for item in describe.get("SecondaryStatusTransitions") or [] if isinstance(item.get("StartTime"), datetime)]
+    downloads = [(item["EndTime"] - item["StartTime"]).total_seconds() for item in transitions
+                 if item.get("Status") == "Downloading" and isinstance(item.get("EndTime"), datetime)]
+    training = next((item["StartTime"] for item in transitions if item.get("Status") == "Training"), None)
+    billed_start = describe.get("TrainingStartTime")
+    before = max(0.0, (training - billed_start).total_seconds()) if training and isinstance(billed_start, datetime) else None
+    in_container = (summary or {}).get("time_to_first_batch_s")
+    in_container = float(in_container) if isinstance(in_container, int | float) and not isinstance(in_container, bool) else None
+    return {
+        "downloading_s": round(sum(downloads), 3) if downloads else None,
+        "billed_before_training_s": None if before is None else round(before, 3),
+        "container_to_first_batch_s": in_container,
+        "billed_to_first_batch_s": round(before + in_container, 3) if before is not None and in_container is not None else None,
+    }
+
+
 def result_document(
     *,
     run_id: str,
@@ -110,6 +138,7 @@ def result_document(
         "usd_per_hour": usd_per_hour,
         "cost_per_1k_steps_usd": round(cost_per_1k_steps(usd_per_hour, step["p50"]), 6) if usd_per_hour is not None and step else None,
         "run_cost_usd": round(billable / 3600 * usd_per_hour, 4) if usd_per_hour is not None and billable else None,
+        "startup": startup_times(describe, summary),
         "prices": {
             "source": prices.source,
             "date": prices.date,

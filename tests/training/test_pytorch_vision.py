@@ -168,3 +168,15 @@ def test_metric_definitions_capture_timed_steps_only() -> None:
 def test_summarize_reports_percentiles() -> None:
     assert summarize([]) is None
     assert summarize([float(value) for value in range(1, 11)]) == {"p50": 5.5, "p90": 10.0, "mean": 5.5}
+
+
+def test_time_to_first_batch_counts_from_the_containers_start(images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from training.trainers.loop import CONTAINER_STARTED_ENV
+
+    in_process = trainer(images, tmp_path / "a", steps=2, warmup_steps=1).run()
+    assert in_process["time_to_first_batch_s"] >= 0  # no launcher: from the loop's start
+    monkeypatch.setenv(CONTAINER_STARTED_ENV, repr(time.time() - 100))
+    launched = trainer(images, tmp_path / "b", steps=2, warmup_steps=1).run()
+    assert launched["time_to_first_batch_s"] >= 100

@@ -6,6 +6,10 @@ must look the same across variants:
 
 * step time = wall time from the end of one step to the end of the next, data wait included (an input-
   bound job is slow because of that wait); the first ``warmup_steps`` of each run are left out;
+* time to first batch = from the container's start (the launcher's stamp in
+  ``TRAINING_CONTAINER_STARTED_AT``) to the moment the last rank had its first batch: imports, the data
+  hosts' listing and start, connecting, a FastFile channel's first reads (a File channel's copy happens
+  before the container starts: results.py adds it from the job's status transitions);
 * metric lines (training/metrics.py) from the chief process only, with every rank's figures in them:
   the data wait is the longest any rank waited for that step (``reduce_max``), since one rank starved of
   batches holds every rank up in the next collective; the summary's counts are summed over ranks;
@@ -57,6 +61,15 @@ BatchT = TypeVar("BatchT")
 
 # The launcher names a folder here; every trainer process touches a file in it after each step.
 PROGRESS_DIR_ENV = "TRAINING_PROGRESS_DIR"
+# The container's start (the launcher's first moment), wall-clock seconds: time to first batch counts from it.
+CONTAINER_STARTED_ENV = "TRAINING_CONTAINER_STARTED_AT"
+
+
+def container_started_at(environ: Mapping[str, str] = os.environ) -> float | None:
+    try:
+        return float(environ[CONTAINER_STARTED_ENV])
+    except (KeyError, ValueError):
+        return None
 
 
 class DataExhaustedError(RuntimeError):
@@ -221,6 +234,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
     def _run(self, stop: StopRequest) -> dict[str, Any]:
         config = self.config
         started = time.perf_counter()
+        # Outside a launcher (a trainer run in-process), from the loop's own start.
+        container_started = container_started_at() or time.time()
+        first_batch_s = float("nan")
         progress = _progress_mark(self.rank)
         start_step = self._restore()
         if self.is_chief:
@@ -240,6 +256,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
             except StopIteration:
                 raise DataExhaustedError(f"the input ended after step {step - 1} of {config.steps}") from None
             fetched = time.perf_counter()
+            if step == start_step + 1:
+                first_batch_s = time.time() - container_started
             loss = self.train_step(batch)
             self._steps_this_run = step - start_step
             now = time.perf_counter()
@@ -277,7 +295,10 @@ class TrainingLoop(ABC, Generic[BatchT]):
         self.barrier()
         # The longest wait of any rank, per step (equal lengths: every rank timed the same steps).
         wait_ms = elementwise_max(self.gather(wait_ms))
+        # Training starts when the last rank has its first batch (a rank that trained no step has none).
+        first_batches = [value for value in self.gather(first_batch_s) if value == value]
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
+        summary["time_to_first_batch_s"] = round(max(first_batches), 3) if first_batches else None
         if stopped:
             summary |= {"status": "stopped", "stopped_after_step": step}
         if self.is_chief:

@@ -291,6 +291,7 @@ def test_two_data_hosts_each_serving_its_own_shard_train_the_job_from_files_or_t
         assert result.ok, result.report()
         summary = summaries[layout] = cluster.summary()
         assert summary["steps"] == 12 and all(count > 0 for count in summary["batches_per_data_host"].values())
+        assert summary["time_to_first_batch_s"] > 0  # from the DNN host launcher's start
         logs = {host: "\n".join(watcher.of(host)) for host in ("algo-1", "algo-2")}
         served = [re.search(r"serving channel 'train' \((\d+) images in ([a-zA-Z ]+),", text) for text in logs.values()]
         assert all(served) and sum(int(match.group(1)) for match in served) == total, logs
