@@ -235,7 +235,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     sharded = channel_is_sharded(settings.data_channel)
     try:
         folder = CHANNEL_CHECKS[variant.input_format](root, settings.data_channel, cluster.current_group)
-    except ChannelError as error:
+    except EmptyChannelError as error:  # not a compressed shard or a layout refused: those say so themselves
         if not sharded:
             raise
         raise EmptyChannelError(f"this host's share of the sharded channel {settings.data_channel!r} holds no images ({error}): "

@@ -72,28 +72,39 @@ def run_verdict(job_status: str, summary: Mapping[str, Any] | None, summary_prob
 def startup_times(describe: Mapping[str, Any], summary: Mapping[str, Any] | None) -> dict[str, float | None]:
     """Where a job's billed time went before its first batch, in seconds (None where unknown). Pure.
 
-    * ``downloading_s``: File-mode input copied to the hosts' volumes (the job's ``Downloading``
-      secondary status; FastFile channels skip it);
-    * ``billed_before_training_s``: from TrainingStartTime, when billing starts, to the ``Training``
-      secondary status (the container's start): the download, the image pull;
-    * ``container_to_first_batch_s``: the trainer's summary, from the container's start to the first
-      batch of its last rank (imports, the data hosts' start, a FastFile channel's first reads);
-    * ``billed_to_first_batch_s``: the two added, the figure to compare input modes and distributions by.
+    * ``billed_to_first_batch_s``: from TrainingStartTime, when billing starts, to the first batch of the
+      trainer's last rank (the summary's ``first_batch_at``): the figure to compare input modes and
+      distributions by;
+    * ``downloading_s``: the File-mode input copy in it (the job's ``Downloading`` secondary status;
+      FastFile channels skip it);
+    * ``billed_before_container_s``: from TrainingStartTime to the container's start (the summary's
+      ``container_started_at``): the download, the training image's pull, the container's creation;
+    * ``container_to_first_batch_s``: the rest (imports, the data hosts' start, a FastFile channel's
+      first reads).
+
+    The instants are the DNN host's clock against SageMaker's (both NTP-synced): seconds, not milliseconds.
     """
+    summary = summary or {}
     transitions = [item for item in describe.get("SecondaryStatusTransitions") or [] if isinstance(item.get("StartTime"), datetime)]
     downloads = [(item["EndTime"] - item["StartTime"]).total_seconds() for item in transitions
                  if item.get("Status") == "Downloading" and isinstance(item.get("EndTime"), datetime)]
-    training = next((item["StartTime"] for item in transitions if item.get("Status") == "Training"), None)
     billed_start = describe.get("TrainingStartTime")
-    before = max(0.0, (training - billed_start).total_seconds()) if training and isinstance(billed_start, datetime) else None
-    in_container = (summary or {}).get("time_to_first_batch_s")
-    in_container = float(in_container) if isinstance(in_container, int | float) and not isinstance(in_container, bool) else None
+    billed_at = billed_start.timestamp() if isinstance(billed_start, datetime) else None
+
+    def since_billing(key: str) -> float | None:
+        instant = _seconds(summary.get(key))
+        return None if instant is None or billed_at is None else round(max(0.0, instant - billed_at), 3)
+
     return {
+        "billed_to_first_batch_s": since_billing("first_batch_at"),
         "downloading_s": round(sum(downloads), 3) if downloads else None,
-        "billed_before_training_s": None if before is None else round(before, 3),
-        "container_to_first_batch_s": in_container,
-        "billed_to_first_batch_s": round(before + in_container, 3) if before is not None and in_container is not None else None,
+        "billed_before_container_s": since_billing("container_started_at"),
+        "container_to_first_batch_s": _seconds(summary.get("time_to_first_batch_s")),
     }
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def result_document(

@@ -230,9 +230,8 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
             "usd_per_hour": None,
             "cost_per_1k_steps_usd": None,
             "price_note": None,
-            # Billed seconds before the first batch where the job's transitions tell them, else the
-            # container's own part (result.json's startup).
-            "first_batch_s": first_batch_seconds(result.get("startup") or {}) if succeeded else None,
+            # Billed seconds before the first batch (result.json's startup).
+            "first_batch_s": (result.get("startup") or {}).get("billed_to_first_batch_s") if succeeded else None,
         }
         cost = None  # unrounded, for the comparisons; the report shows it rounded
         try:
@@ -294,11 +293,6 @@ def render_markdown(report: Mapping[str, Any], title: str) -> str:
     notes = sorted({row["price_note"] for row in report["configurations"] if row["price_note"]})
     lines += [f"Not priced: {note}." for note in notes]
     return "\n".join(lines) + "\n"
-
-
-def first_batch_seconds(startup: Mapping[str, Any]) -> float | None:
-    value = startup.get("billed_to_first_batch_s")
-    return value if value is not None else startup.get("container_to_first_batch_s")
 
 
 def _number(value: float | None, digits: int) -> str:

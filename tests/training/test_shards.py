@@ -54,6 +54,22 @@ def test_the_shards_of_an_image_folder_tree_are_its_files(images: Path, tmp_path
     assert shards.shard_ends == (40, 80, 96) and contents(shards) == contents(scan_images(images, "train", "g"))
 
 
+def test_files_with_dots_in_their_names_keep_their_images_and_shards_go_into_a_new_folder(images: Path, tmp_path: Path) -> None:
+    from training.local.images import folder_samples
+
+    source = tmp_path / "src"
+    for name in ("cat/cat.0.jpg", "cat/cat.1.jpg", "dog/dog.0.jpg"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(jpeg(images, len(list(source.rglob("*.jpg")))))
+    write_shards(tmp_path / "out", folder_samples(source))
+    shards = scan_images(tmp_path / "out", "train", "g")
+    assert shards.unusable == 0 and contents(shards) == contents(scan_images(source, "train", "g"))
+    with pytest.raises(ValueError, match="not empty"):
+        write_shards(tmp_path / "out", folder_samples(source))
+    with pytest.raises(ValueError, match="holds tar shards already"):
+        list(folder_samples(tmp_path / "out"))
+
+
 def test_keys_group_members_as_webdataset_does() -> None:
     assert sample_key("n01440764/n01440764_10026.JPEG") == ("n01440764/n01440764_10026", "jpeg")
     assert sample_key("a/b.c/x.seg.png") == ("a/b.c/x", "seg.png")  # the key ends at the file name's first dot
@@ -71,35 +87,65 @@ def jpeg(images: Path, index: int = 0) -> bytes:
     return sorted(images.rglob("*.jpg"))[index].read_bytes()
 
 
+def labelled(dataset) -> list[tuple[bytes, int]]:
+    return sorted((read_sample(source).tobytes(), label) for source, label in dataset.samples)
+
+
 def test_members_that_cannot_be_samples_are_left_out_and_counted(images: Path, tmp_path: Path) -> None:
     shard(tmp_path / "a.tar", [
         ("good.jpg", jpeg(images)), ("good.cls", b"2\n"),
         ("json.jpg", jpeg(images, 1)), ("json.json", b'{"label": 1}'),
+        ("both.jpg", jpeg(images, 6)), ("both.cls", b"3"), ("both.json", b'{"filename": "metadata"}'),  # .cls wins
         ("nolabel.jpg", jpeg(images, 2)),
         ("badlabel.jpg", jpeg(images, 3)), ("badlabel.cls", b"cat"),
         ("negative.jpg", jpeg(images, 4)), ("negative.cls", b"-1"),
         ("boollabel.jpg", jpeg(images, 5)), ("boollabel.json", b'{"label": true}'),
-        ("orphan.cls", b"3"),  # a label without an image is no sample, and nothing is lost
+        ("good.png", jpeg(images, 7)),  # a second image under one key
+        ("mask.seg.png", jpeg(images, 8)), ("mask.cls", b"0"),  # a segmentation mask is not the sample's image
+        ("orphan.cls", b"3"),  # a label whose image is gone
+        ("extra.jpg", jpeg(images, 9)), ("extra.cls", b"0"), ("extra.seg.png", jpeg(images, 10)),  # a sample with a field
     ])
     dataset = scan_images(tmp_path, "train", "g")
-    assert sorted((str(source).rsplit(":", 1)[1], label) for source, label in dataset.samples) == [("good.jpg", 2), ("json.jpg", 1)]
-    assert dataset.unusable == 4 and dataset.classes == ("0", "1", "2")
+    assert labelled(dataset) == sorted([(jpeg(images), 2), (jpeg(images, 1), 1), (jpeg(images, 6), 3), (jpeg(images, 9), 0)])
+    assert dataset.unusable == 7 and dataset.classes == ("0", "1", "2", "3")
 
 
-def test_a_truncated_shard_keeps_the_members_before_the_cut(images: Path, tmp_path: Path) -> None:
-    whole = shard(tmp_path / "whole.tar", [(f"{n}.{kind}", jpeg(images, n) if kind == "jpg" else b"0") for n in range(4) for kind in ("jpg", "cls")])
-    data = whole.read_bytes()
-    whole.unlink()
-    (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2])
+def test_links_and_a_damaged_header_cost_only_their_own_members(images: Path, tmp_path: Path) -> None:
+    members = [(f"{n}.{kind}", jpeg(images, n) if kind == "jpg" else b"1") for n in range(6) for kind in ("jpg", "cls")]
+    path = shard(tmp_path / "a.tar", members)
+    with tarfile.open(path, mode="a") as archive:  # a hard link to an image: no bytes of its own
+        link = tarfile.TarInfo("link.jpg")
+        link.type, link.linkname = tarfile.LNKTYPE, "0.jpg"
+        archive.addfile(link)
+    data = bytearray(path.read_bytes())
+    with tarfile.open(path) as archive:
+        third = next(info for info in archive if info.name == "2.jpg")
+    data[third.offset + 148 : third.offset + 156] = b"0000000\x00"  # its checksum no longer matches
+    path.write_bytes(bytes(data))
     dataset = scan_images(tmp_path, "train", "g")
-    assert 1 <= len(dataset) < 4 and dataset.unusable >= 1
-    assert all(read_sample(source).size == source.size for source, _ in dataset.samples)
+    assert labelled(dataset) == sorted((jpeg(images, n), 1) for n in (0, 1, 3, 4, 5))  # the rest of the shard is kept
+    assert dataset.unusable == 2  # 2.jpg (its label is left without it), link.jpg
+
+
+def test_a_class_index_past_any_model_head_is_refused_by_name(images: Path, tmp_path: Path) -> None:
+    shard(tmp_path / "a.tar", [("a.jpg", jpeg(images)), ("a.cls", b"1440764")])  # a WordNet offset, not an index
+    with pytest.raises(ChannelError, match="labels are class indices"):
+        scan_images(tmp_path, "train", "g")
+
+
+def test_the_listing_pickles_as_columns_for_the_workers(image_shards: Path) -> None:
+    import pickle
+
+    dataset = scan_images(image_shards, "train", "g")
+    copy = pickle.loads(pickle.dumps(dataset.samples))
+    assert [copy[index] for index in range(len(copy))] == [dataset.samples[index] for index in range(len(dataset))]
+    assert len(pickle.dumps(dataset.samples)) < 40 * len(dataset) + 2000
 
 
 def test_a_corrupt_image_member_is_skipped_and_counted_like_a_damaged_file(images: Path, tmp_path: Path) -> None:
     shard(tmp_path / "a.tar", [("ok.jpg", jpeg(images)), ("ok.cls", b"0"), ("bad.jpg", b"\xff\xd8 not a jpeg"), ("bad.cls", b"1")])
     dataset = scan_images(tmp_path, "train", "g")
-    bad = next(i for i, (source, _) in enumerate(dataset.samples) if "bad" in str(source))
+    bad = next(i for i, (source, _) in enumerate(dataset.samples) if source.size == len(b"\xff\xd8 not a jpeg"))
     good = 1 - bad
     batch, labels, skipped = make_batch(dataset.samples, [bad, good], [good, good], AugmentConfig(image_size=16), seed=0)
     assert skipped == 1 and labels.tolist() == [0, 0] and batch.shape == (2, 3, 16, 16)
@@ -110,7 +156,7 @@ def test_shard_layouts_a_reader_cannot_take_are_refused_by_name(images: Path, tm
     compressed.mkdir()
     shard(tmp_path / "plain.tar", [("a.jpg", jpeg(images)), ("a.cls", b"0")])
     (compressed / "a.tar").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))
-    with pytest.raises(ShardFormatError, match="not an uncompressed tar"):
+    with pytest.raises(ShardFormatError, match="a compressed archive"):
         scan_images(compressed, "train", "g")
     mixed = tmp_path / "mixed"
     mixed.mkdir()
@@ -169,7 +215,29 @@ def test_the_dataloader_reads_shards_in_streaming_order_and_every_sample_once_pe
     ends = (6, 12, 18, 24)
     shares = [list(itertools.islice(iter(EndlessSampler(24, rank=rank, world_size=2, seed=1, shard_ends=ends)), 12)) for rank in (0, 1)]
     assert sorted(shares[0] + shares[1]) == list(range(24))
-    assert shares != [list(range(0, 24, 2)), list(range(1, 24, 2))]
+    streamed = shard_stream_order(ends, np.random.default_rng([1, 0]))
+    assert shares == [streamed[0::2], streamed[1::2]]  # the streaming order, not a permutation of its own
+    only = list(itertools.islice(iter(EndlessSampler(24, rank=0, world_size=1, seed=1, shard_ends=ends)), 24))
+    assert only == streamed != list(itertools.islice(iter(EndlessSampler(24, rank=0, world_size=1, seed=1)), 24))
+
+
+def test_the_trainer_hands_the_dataloader_the_shard_layout(image_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.trainers import pytorch_vision
+    from training.trainers.config import VisionConfig
+    from training.trainers.loop import OutputPaths
+
+    seen = {}
+    real = pytorch_vision.local_loader
+
+    def spy(*args, **kwargs):
+        seen["shard_ends"] = kwargs.get("shard_ends")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pytorch_vision, "local_loader", spy)
+    dataset = scan_images(image_shards, "train", "homogeneousCluster")
+    config = VisionConfig(model="cnn", cnn_width=8, image_size=32, batch_size=16, dataloader_workers=0, steps=2, warmup_steps=1)
+    pytorch_vision.VisionTrainer(config, OutputPaths.under(tmp_path), classes=list(dataset.classes), source="local", local_folder=dataset).run()
+    assert seen["shard_ends"] == (16, 32, 48, 64, 80, 96)
 
 
 def test_the_homogeneous_trainer_learns_from_shards_and_reports_what_it_reports_for_the_folder(

@@ -46,6 +46,7 @@ from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
+from training.trainers.loop import CONTAINER_STARTED_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Every process of an emulated host carries "<cluster id>/<host name>" in this variable.
@@ -372,7 +373,8 @@ class EmulatedCluster:
         self._started_at = time.monotonic()
         addresses = json.dumps({host.name: host.address for host in self.hosts})
         for host in self.hosts:
-            env = os.environ | {
+            # Each host's launcher stamps its own container start: none is inherited from this process.
+            env = {key: value for key, value in os.environ.items() if key != CONTAINER_STARTED_ENV} | {
                 HOST_TAG_ENV: self.host_tag(host.name),
                 BASE_DIR_ENV: str(host.base_dir),
                 HOST_ADDRESSES_ENV: addresses,

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from training.data_service.dataset import SHARD_SUFFIX, scan_images
+from training.data_service.dataset import SHARD_SUFFIX, ChannelError, scan_images
 
-# Tar samples are (key, image suffix without the dot, encoded bytes, class index).
-Sample = tuple[str, str, bytes, int]
+# Tar samples are (key, image suffix without the dot, encoded bytes or the file holding them, class index).
+Sample = tuple[str, str, bytes | Path, int]
 
 
 def write_dataset(root: Path, classes: int = 4, per_class: int = 64, size: int = 160, seed: int = 0) -> Path:
@@ -65,31 +65,43 @@ def class_image(label: int, classes: int, size: int, rng: np.random.Generator) -
 
 
 def folder_samples(root: Path) -> Iterator[Sample]:
-    """An ImageFolder tree's files as tar samples: key ``<class>/<file stem>``, label its class index."""
+    """An ImageFolder tree's files as tar samples (read when their shard is written): key
+    ``<class>/<file stem>`` with the stem's dots made underscores (WebDataset's key ends at the first
+    dot: ``cat.0.jpg`` would lose its image), label its class index."""
     dataset = scan_images(root, "images", "local")
+    if dataset.shard_ends:
+        raise ValueError(f"{root} holds tar shards already; --from takes an ImageFolder tree")
     for source, label in dataset.samples:
         path = Path(str(source))
-        key = str(path.relative_to(root).with_suffix("")).replace("\\", "/")
-        yield key, path.suffix.lstrip(".").lower(), path.read_bytes(), label
+        relative = path.relative_to(root)
+        key = "/".join((*relative.parent.parts, relative.stem.replace(".", "_")))
+        yield key, path.suffix.lstrip(".").lower(), path, label
 
 
 def write_shards(out: Path, samples: Iterator[Sample], per_shard: int = 1000, seed: int = 0) -> list[Path]:
     """Write ``samples`` as ``out/shard-NNNNNN.tar``, ``per_shard`` samples each (``<key>.jpg`` then
     ``<key>.cls``), shuffled first: a streaming reader takes a shard's members in order, so each shard
-    should hold a mix of the classes. Shards are written whole under a temporary name and then renamed.
+    should hold a mix of the classes. Files are read one shard at a time. ``out`` must be new or empty
+    (a shard channel holds one layout); each shard is written under a temporary name and then renamed.
     Returns the shards, in order."""
     if per_shard < 1:
         raise ValueError(f"per_shard must be at least 1, got {per_shard}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty: write shards into a new folder")
     items = list(samples)
+    keys = [key for key, *_ in items]
+    if len(set(keys)) != len(keys):
+        raise ValueError("two samples share a key (files that differ only after their first dot): rename them")
     np.random.default_rng(seed).shuffle(items)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for number, begin in enumerate(range(0, len(items), per_shard)):
         path = out / f"shard-{number:06d}{SHARD_SUFFIX}"
         partial = path.with_name(path.name + ".partial")
-        with tarfile.open(partial, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        # PAX: names of any length (USTAR stops at 100 + 155 characters).
+        with tarfile.open(partial, mode="w", format=tarfile.PAX_FORMAT) as archive:
             for key, suffix, data, label in items[begin : begin + per_shard]:
-                add_member(archive, f"{key}.{suffix}", data)
+                add_member(archive, f"{key}.{suffix}", data.read_bytes() if isinstance(data, Path) else data)
                 add_member(archive, f"{key}.cls", str(label).encode())
         partial.replace(path)
         written.append(path)
@@ -115,13 +127,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.source is not None and not args.tar:
         parser.error("--from needs --tar")
+    if args.source is not None and not args.source.is_dir():
+        parser.error(f"--from {args.source}: no such folder")
     if args.per_shard < 1:
         parser.error(f"--per-shard must be at least 1, got {args.per_shard}")
     if args.tar:
-        if any(args.out_dir.glob(f"*{SHARD_SUFFIX}")):
-            parser.error(f"{args.out_dir} already holds tar shards: write into an empty folder")
         samples = folder_samples(args.source) if args.source else generated_samples(args.classes, args.per_class, args.size, seed=0)
-        shards = write_shards(args.out_dir, samples, args.per_shard)
+        try:
+            shards = write_shards(args.out_dir, samples, args.per_shard)
+        except (ValueError, ChannelError) as error:
+            parser.error(str(error))
         print(f"wrote {len(shards)} tar shards under {args.out_dir}")
         return
     root = write_dataset(args.out_dir, args.classes, args.per_class, args.size)

@@ -299,6 +299,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
         first_batches = [value for value in self.gather(first_batch_s) if value == value]
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
         summary["time_to_first_batch_s"] = round(max(first_batches), 3) if first_batches else None
+        # The instants too (wall clock, NTP-synced on SageMaker): results.py counts from the job's billing start.
+        summary["container_started_at"] = round(container_started, 3)
+        summary["first_batch_at"] = round(container_started + max(first_batches), 3) if first_batches else None
         if stopped:
             summary |= {"status": "stopped", "stopped_after_step": step}
         if self.is_chief:

@@ -54,7 +54,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from training.cluster import ClusterConfigError, base_dir, load_cluster
-from training.data_service.dataset import TEXT_SUFFIXES, ChannelError, EmptyChannelError, channel_dir, scan_text_channel
+from training.data_service.dataset import ChannelError, EmptyChannelError, channel_dir, scan_text_channel, text_files
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
 from training.metrics import metric_line
@@ -87,7 +87,7 @@ def polarity_rows(folder: Path, channel: str) -> Iterator[tuple[int, str]]:
     non-numeric label."""
     for path in scan_text_channel(folder, channel, "this host's group"):
         with path.open(newline="", encoding="utf-8") as handle:
-            yield from (jsonl_rows if path.suffix.lower() == ".jsonl" else csv_rows)(handle, path.name)
+            yield from (jsonl_rows if path.suffix.lower() == ".jsonl" else csv_rows)(handle, str(path.relative_to(folder)))
 
 
 def csv_rows(handle: TextIO, name: str) -> Iterator[tuple[int, str]]:
@@ -138,7 +138,7 @@ def channel_classes(folder: Path, channel: str) -> tuple[int, list[int]]:
 def cache_key(folder: Path, tokenizer_name: str, max_seq_len: int, classes: Sequence[int] | None = None) -> str:
     """Names the tokenised cache after what it was made from, so a changed input never reuses it."""
     digest = hashlib.sha256(f"{tokenizer_name}|{max_seq_len}|{list(classes) if classes is not None else ''}".encode())
-    for path in sorted(path for path in folder.rglob("*") if path.suffix.lower() in TEXT_SUFFIXES and path.is_file()):
+    for path in sorted(text_files(folder)):
         stat = path.stat()
         digest.update(f"{path.relative_to(folder)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
