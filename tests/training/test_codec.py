@@ -108,3 +108,23 @@ def test_the_batch_writer_keeps_values_shapes_and_its_field_range() -> None:
         codec.encode_batch(np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64), 2**32)
     with pytest.raises(ValueError):  # protobuf's own refusal of the same count
         pb.Batch(skipped_samples=2**32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sample_ids=st.lists(st.integers(0, 2**64 - 1), max_size=40),
+    epochs=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+)
+def test_each_slots_sample_and_epoch_travel_as_protobuf_writes_and_reads_them(sample_ids: list[int], epochs: list[int]) -> None:
+    images, labels = np.zeros((2, 3), np.uint8), np.arange(2, dtype=np.int64)
+    ours = codec.encode_batch(images, labels, 0, sample_ids, epochs)
+    theirs = pb.Batch(images=codec.encode(images), labels=codec.encode(labels), sample_ids=sample_ids, epochs=epochs)
+    assert ours == theirs.SerializeToString()
+    decoded = codec.decode_batch(ours)
+    assert decoded.sample_ids.tolist() == list(pb.Batch.FromString(ours).sample_ids) == sample_ids
+    assert decoded.epochs.tolist() == epochs
+    # Unpacked, as an older or other encoder may write repeated scalars: read the same.
+    unpacked = b"".join(bytes(codec._varint_bytes(7 << 3)) + codec._varint_bytes(value) for value in sample_ids)
+    assert codec.decode_batch(ours + unpacked).sample_ids.tolist() == sample_ids * 2
+    with pytest.raises(codec.TensorFormatError, match="field 8"):
+        codec.encode_batch(images, labels, 0, [1], [2**32])

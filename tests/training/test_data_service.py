@@ -55,10 +55,11 @@ def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
         workers=1,
         stop_grace_s=0,  # `stop` stands for a host that goes away
     )
+    host_index = overrides.pop("host_index", 0)
     settings = ServerSettings(**{**settings.__dict__, **overrides})
     folder = scan_images(images, "train", "data_group")
     stop, result = threading.Event(), {}
-    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, 0, stop)), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, host_index, stop)), daemon=True)
     thread.start()
     host = RunningHost(settings, thread, stop, result)
     try:
@@ -139,6 +140,19 @@ def test_streams_of_several_hosts_are_merged(images: Path) -> None:
         dataset = DataServiceDataset([first.target, second.target], 8, TOKEN, "test")
         # Arrival order decides; a host that starts later joins in as soon as its first batch is ready.
         take_until(iter(dataset), lambda: all(state.batches for state in dataset.stats.hosts.values()))
+
+
+def test_a_trainer_counts_each_epoch_of_two_replicated_data_hosts_exactly_once(images: Path) -> None:
+    """Real servers and the real client: every batch says which sample's turn each slot was and in which
+    epoch; the trainer's receipts show the 96-image channel's epochs whole and without duplicates."""
+    from training.data_service.epochs import epoch_report
+
+    with data_host(images, hosts=2, host_index=0) as first, data_host(images, hosts=2, host_index=1) as second:
+        dataset = DataServiceDataset([first.target, second.target], 8, TOKEN, "test")
+        # Two epochs of each host's 48-image share: 6 batches each.
+        take_until(iter(dataset), lambda: all(state.batches >= 12 for state in dataset.stats.hosts.values()), timeout_s=60)
+        report = epoch_report(dataset.stats.ledger.as_dict(), {"channel": 96})
+    assert report["exactly_once"][:2] == ["0", "1"] and report["not_exactly_once"] == [] and report["duplicates"] == 0, report
 
 
 def take_until(iterator: Iterator, done, timeout_s: float = 15.0) -> int:

@@ -35,6 +35,7 @@ from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service.auth import call_metadata
 from training.data_service.control import CLIENT_OPTIONS, DataServiceRefusedError, DataServiceUnavailableError
+from training.data_service.epochs import EpochLedger
 from training.data_service.server import (
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
@@ -92,6 +93,10 @@ class HostState:
 @dataclass
 class StreamStats:
     hosts: dict[str, HostState] = field(default_factory=dict)
+    # What this process received, per epoch (training/data_service/epochs.py); the scope is the host's
+    # address when each host serves its own shard, else the channel.
+    ledger: EpochLedger = field(default_factory=EpochLedger)
+    sharded: bool = False
 
     @property
     def skipped_samples(self) -> int:
@@ -125,6 +130,7 @@ class DataServiceDataset(IterableDataset):
         batch_timeout_s: float = 60.0,
         queue_depth: int = 4,
         pin_memory: bool = False,
+        sharded: bool = False,
     ) -> None:
         if not addresses:
             raise ValueError("DataServiceDataset needs at least one data host address")
@@ -139,12 +145,13 @@ class DataServiceDataset(IterableDataset):
         # For a CUDA trainer: each stream's thread copies its batches into page-locked memory, so that the
         # trainer's copy to the device is a non-blocking DMA, and the copy costs the trainer's thread nothing.
         self.pin_memory = pin_memory
-        self.stats = StreamStats()
+        self.sharded = sharded  # each host serves its own shard: its sample ids are its own
+        self.stats = StreamStats(sharded=sharded)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         merged: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue(maxsize=self.queue_depth)
         stop = threading.Event()
-        self.stats = StreamStats({address: HostState(address) for address in self.addresses})
+        self.stats = StreamStats({address: HostState(address) for address in self.addresses}, sharded=self.sharded)
         threads = [
             threading.Thread(target=self._stream, args=(state, merged, stop), name=f"stream-{state.address}", daemon=True)
             for state in self.stats.hosts.values()
@@ -216,6 +223,7 @@ class DataServiceDataset(IterableDataset):
                     state.streaming = True
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples
+                    self.stats.ledger.add(state.address if self.stats.sharded else "channel", batch.sample_ids, batch.epochs)
                     retry_until = time.monotonic() + self.reconnect_timeout_s
                     if not put_until_stopped(merged, item, stop):
                         return

@@ -174,6 +174,11 @@ def sample_order(
     return _epochs(num_samples, seed, host_index, hosts, sharded, tuple(shard_ends))
 
 
+def epoch_share(num_samples: int, host_index: int, hosts: int = 1, sharded: bool = False) -> int:
+    """How many of sample_order's indices make one of this host's epochs. Pure."""
+    return num_samples if sharded else len(range(host_index, num_samples, hosts))
+
+
 def _epochs(num_samples: int, seed: int, host_index: int, hosts: int, sharded: bool, shard_ends: tuple[int, ...]) -> Iterator[int]:
     for epoch in itertools.count():
         rng = np.random.default_rng([seed, host_index, epoch] if sharded else [seed, epoch])
@@ -214,6 +219,7 @@ class BatchProducer:
     ) -> None:
         self._folder = folder
         self._order = sample_order(len(folder), seed, host_index, hosts, sharded, folder.shard_ends)  # refuses too few samples, before any worker starts
+        self._share = epoch_share(len(folder), host_index, hosts, sharded)
         self._batch_size = batch_size
         self._workers = workers
         self._seed = seed
@@ -249,14 +255,16 @@ class BatchProducer:
                 worker.terminate()
                 worker.join(timeout=2)
 
-    def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int]]]:
+    def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int], list[int]]]:
         batch_size = self._batch_size
         order = self._order
         spare_rng = np.random.default_rng([self._seed, self._host_index, 1 << 20])
         for number in itertools.count():
             indices = list(itertools.islice(order, batch_size))
             spares = spare_rng.integers(0, len(self._folder), size=batch_size).tolist()
-            yield indices, spares, [self._seed, self._host_index, number]
+            # The epoch of each slot, from its position in this host's order (trainers count epochs by it).
+            epochs = [position // self._share for position in range(number * batch_size, (number + 1) * batch_size)]
+            yield indices, spares, [self._seed, self._host_index, number], epochs
 
     def _run(self) -> None:
         in_flight: collections.deque[futures.Future] = collections.deque()
@@ -290,7 +298,7 @@ def _init_worker(samples: Sequence[tuple[SampleSource, int]], augment: AugmentCo
     _worker_samples, _worker_augment = samples, augment
 
 
-def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]) -> tuple[bytes, int]:
+def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int], epochs: list[int]) -> tuple[bytes, int]:
     """Decode, augment and serialise one batch: the wire bytes are made here, off the gRPC process's CPU."""
     # Imported here, in the worker: the preprocessing needs OpenCV, which only the PyTorch image has, and
     # the launcher imports this module in every image.
@@ -298,7 +306,7 @@ def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]
 
     assert _worker_augment is not None, "worker not initialised"
     images, labels, skipped = make_batch(_worker_samples, indices, spares, _worker_augment, seed)
-    return codec.encode_batch(images, labels, skipped), skipped
+    return codec.encode_batch(images, labels, skipped, sample_ids=indices, epochs=epochs), skipped
 
 
 class DataServiceServicer(pb_grpc.DataServiceServicer):

@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +51,7 @@ from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
 from training.data_service.dataset import ChannelError, CorruptDatasetError, ImageDataset, channel_dir, scan_images
+from training.data_service.epochs import epoch_report, merge
 from training.data_service.preprocess import DECODE_ERRORS, load_and_augment
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
@@ -199,6 +200,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         source: str,
         local_folder: ImageDataset | None = None,
         service: DataServiceDataset | None = None,
+        epoch_samples: Mapping[str, int] | None = None,
         rank: int = 0,
         world_size: int = 1,
         local_rank: int = 0,
@@ -210,6 +212,9 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.source = source
         self.local_folder = local_folder
         self.service = service
+        # The samples one epoch holds, per scope of the data hosts' sample ids ("channel", or each host's
+        # address for a sharded channel): what the summary's epoch accounting checks receipts against.
+        self.epoch_samples = dict(epoch_samples or {})
         self.cpus = cpus
         self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
@@ -360,6 +365,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
                 "lost_data_hosts": stats.unavailable_hosts,
                 "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
                 "skipped_samples": stats.skipped_samples,
+                "epochs": stats.ledger.as_dict(),
             }
         ranks = self.gather(local)
         extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
@@ -371,6 +377,8 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
                 "batches_per_data_host": {
                     address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in self.service.addresses
                 },
+                # Which data-host epochs reached the trainers exactly once, over every rank's receipts.
+                "epochs": epoch_report(merge(rank["epochs"] for rank in ranks), self.epoch_samples),
             }
         return extra
 
@@ -405,8 +413,12 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
                 f"data host {info.host} makes batches of {info.batch_size} × {tuple(info.sample_shape)}, "
                 f"this trainer expects {config.batch_size} × {config.augment_config.sample_shape}"
             )
+        # Every host's listing size: an epoch's samples (the channel's, or each host's own shard's).
+        infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s) if info.sharded else [info]
         if info.sharded:
-            check_shards_agree(describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s))
+            check_shards_agree(infos)
+        epoch_samples = ({address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
+                         if info.sharded else {"channel": int(info.num_samples)})
         service = DataServiceDataset(
             addresses,
             config.batch_size,
@@ -415,8 +427,10 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
             connect_timeout_s=settings.data_connect_timeout_s,
             batch_timeout_s=settings.data_batch_timeout_s,
             pin_memory=torch.cuda.is_available(),
+            sharded=info.sharded,
         )
-        return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service, **common)
+        return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service,
+                             epoch_samples=epoch_samples, **common)
     folder = scan_images(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     return VisionTrainer(config, paths, classes=list(folder.classes), source="local", local_folder=folder, **common)
 

@@ -110,6 +110,17 @@ def run_cli_with_two_data_hosts(raw_spec: dict, tmp_path: Path, images: Path) ->
     return out
 
 
+def assert_epochs_add_up(summary: dict) -> None:
+    """No data-host epoch reached the trainers other than exactly once, and every sample the trainers
+    received is in a whole epoch or an open one."""
+    epochs = summary["epochs"]
+    assert epochs["duplicates"] == 0 and epochs["not_exactly_once"] == [], epochs
+    per_epoch = epochs["samples_per_epoch"]
+    whole = sum(per_epoch["channel" if "/" not in name and "channel" in per_epoch else name.rsplit("/", 1)[0]]
+                for name in epochs["exactly_once"])
+    assert whole + sum(epochs["open"].values()) == sum(summary["batches_per_data_host"].values()) * summary["batch_size"], epochs
+
+
 @pytest.mark.cluster
 def test_one_dnn_host_with_two_processes_and_two_data_hosts(tmp_path: Path, images: Path) -> None:
     out = run_cli_with_two_data_hosts(spec(data_hosts=2, steps=12), tmp_path, images)
@@ -118,6 +129,7 @@ def test_one_dnn_host_with_two_processes_and_two_data_hosts(tmp_path: Path, imag
     assert len(summary["data_hosts"]) == 2 and summary["lost_data_hosts"] == []
     assert all(count > 0 for count in summary["batches_per_data_host"].values())
     assert sum(summary["batches_per_data_host"].values()) >= 12 * 2  # what every rank took, not rank 0's alone
+    assert_epochs_add_up(summary)
     assert out.count("stopping (shutdown)") == 2  # both data hosts stopped on the trainer's authenticated request
     assert "[algo-1 data_group]" in out and "[algo-2 data_group]" in out
 
@@ -292,6 +304,8 @@ def test_two_data_hosts_each_serving_its_own_shard_train_the_job_from_files_or_t
         summary = summaries[layout] = cluster.summary()
         assert summary["steps"] == 12 and all(count > 0 for count in summary["batches_per_data_host"].values())
         assert summary["time_to_first_batch_s"] > 0  # from the DNN host launcher's start
+        assert_epochs_add_up(summary)
+        assert set(summary["epochs"]["samples_per_epoch"]) == set(summary["data_hosts"])  # each host's own shard
         logs = {host: "\n".join(watcher.of(host)) for host in ("algo-1", "algo-2")}
         served = [re.search(r"serving channel 'train' \((\d+) images in ([a-zA-Z ]+),", text) for text in logs.values()]
         assert all(served) and sum(int(match.group(1)) for match in served) == total, logs
