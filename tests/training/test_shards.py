@@ -260,3 +260,18 @@ def test_the_homogeneous_trainer_learns_from_shards_and_reports_what_it_reports_
     assert {key: shards[key] for key in same} == {key: folder[key] for key in same}
     assert shards["status"] == "completed" and shards["skipped_samples"] == 0
     assert shards["final_loss"] < 0.8 * np.log(4), shards  # learnt: chance is ln 4
+
+
+def test_sharded_tar_hosts_with_different_classes_agree_on_the_highest_and_folders_must_match() -> None:
+    from training.data_service import data_service_pb2 as pb
+    from training.trainers.pytorch_vision import shard_classes
+
+    def info(host: str, classes: int | list[str], indices: bool) -> pb.DatasetInfo:
+        names = [str(index) for index in range(classes)] if isinstance(classes, int) else classes
+        return pb.DatasetInfo(host=host, classes=names, sharded=True, labels_are_indices=indices)
+
+    # Class-sorted shards dealt over two hosts: one holds classes 0-4, the other up to 9.
+    assert shard_classes([info("algo-1", 5, True), info("algo-2", 10, True)]) == [str(index) for index in range(10)]
+    assert shard_classes([info("algo-1", ["a", "b"], False), info("algo-2", ["a", "b"], False)]) == ["a", "b"]
+    with pytest.raises(ChannelError, match="different class folders"):
+        shard_classes([info("algo-1", ["a", "b"], False), info("algo-2", ["a"], False)])

@@ -343,6 +343,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             host=self._settings.host,
             workers=self._settings.workers,
             sharded=self._settings.sharded,
+            labels_are_indices=bool(self._folder.shard_ends),
         )
 
     def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -415,8 +415,9 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
             )
         # Every host's listing size: an epoch's samples (the channel's, or each host's own shard's).
         infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s) if info.sharded else [info]
+        classes = list(info.classes)
         if info.sharded:
-            check_shards_agree(infos)
+            classes = shard_classes(infos)
         epoch_samples = ({address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
                          if info.sharded else {"channel": int(info.num_samples)})
         service = DataServiceDataset(
@@ -429,23 +430,27 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
             pin_memory=torch.cuda.is_available(),
             sharded=info.sharded,
         )
-        return VisionTrainer(config, paths, classes=list(info.classes), source="data_service", service=service,
+        return VisionTrainer(config, paths, classes=classes, source="data_service", service=service,
                              epoch_samples=epoch_samples, **common)
     folder = scan_images(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     return VisionTrainer(config, paths, classes=list(folder.classes), source="local", local_folder=folder, **common)
 
 
-def check_shards_agree(infos: list[Any]) -> None:
-    """Data hosts of a sharded channel label by the class folders of their own share: they must all hold
-    the same ones, or a label would mean different classes from different hosts. S3 deals a sharded
-    channel's objects without regard to folders (about 1/n of them to each host), so a class with fewer
-    files than hosts, or keys dealt in ranges, leaves a host without some class."""
+def shard_classes(infos: list[Any]) -> list[str]:
+    """The classes of a sharded channel, from every data host's Describe. Tar shards label by class index:
+    the model needs as many classes as the highest index of any host's shards. An ImageFolder share
+    labels by its own class folders: all hosts must hold the same ones, or a label would mean different
+    classes from different hosts (S3 deals a sharded channel's objects without regard to folders, so a
+    class with fewer files than hosts, or keys dealt in ranges, leaves a host without some class)."""
+    if all(info.labels_are_indices for info in infos):
+        return list(max((info.classes for info in infos), key=len))
     classes = {info.host: tuple(info.classes) for info in infos}
     if len(set(classes.values())) > 1:
         every = sorted({name for names in classes.values() for name in names})
         missing = {host: sorted(set(every) - set(names)) for host, names in classes.items() if set(names) != set(every)}
         raise ChannelError(f"the data hosts' shards of a sharded channel hold different class folders (missing: {missing}), "
-                           "so their labels would disagree: use a replicated channel")
+                           "so their labels would disagree: use a replicated channel, or tar shards (their labels are class indices)")
+    return list(infos[0].classes)
 
 
 def main() -> int:
