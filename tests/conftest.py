@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,10 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch_xla  # noqa: E402
 
 torch_xla.device()
+
+# Shard indexes the tests list are cached in a folder of the test run's own, not the machine's temp folder
+# (inherited by the emulated hosts).
+os.environ.setdefault("SHARD_INDEX_CACHE_DIR", tempfile.mkdtemp(prefix="shard-index-"))
 
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE  # noqa: E402
 from training.local.images import generated_samples, write_dataset, write_shards  # noqa: E402

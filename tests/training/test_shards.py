@@ -275,3 +275,23 @@ def test_sharded_tar_hosts_with_different_classes_agree_on_the_highest_and_folde
     assert shard_classes([info("algo-1", ["a", "b"], False), info("algo-2", ["a", "b"], False)]) == ["a", "b"]
     with pytest.raises(ChannelError, match="different class folders"):
         shard_classes([info("algo-1", ["a", "b"], False), info("algo-2", ["a"], False)])
+
+
+def test_a_nodes_later_processes_read_the_shard_index_its_first_one_listed(
+    images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training.data_service import dataset as dataset_module
+
+    channel = tmp_path / "channel"
+    channel.mkdir()
+    shard(channel / "a.tar", [("a.jpg", jpeg(images)), ("a.cls", b"1")])
+    monkeypatch.setenv(dataset_module.SHARD_INDEX_CACHE_ENV, str(tmp_path / "cache"))
+    first = scan_images(channel, "train", "g")
+    listed = []
+    monkeypatch.setattr(dataset_module, "index_shard", lambda path: listed.append(path) or ([], 0))
+    again = scan_images(channel, "train", "g")  # from the cache: nothing listed
+    assert listed == [] and labelled(again) == labelled(first) and again.shard_ends == first.shard_ends
+    shard(channel / "a.tar", [("a.jpg", jpeg(images, 1)), ("a.cls", b"1"), ("b.jpg", jpeg(images, 2)), ("b.cls", b"0")])
+    with pytest.raises(EmptyChannelError):  # a changed shard is listed again (here by the stand-in, which finds nothing)
+        scan_images(channel, "train", "g")
+    assert listed == [channel / "a.tar"]

@@ -16,10 +16,12 @@ image member that does not decode is skipped and counted when it is read, like a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import tarfile
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -35,6 +37,8 @@ SHARD_SUFFIX = ".tar"
 # Samples a shard-streamed epoch holds back to mix (WebDataset examples use 1000-5000): the order mixes
 # members across ~this many, and across shards through the shards' own shuffled order.
 SHARD_SHUFFLE_BUFFER = 4096
+# Where listed shard indexes are cached (node-local; the system's temp folder unless set).
+SHARD_INDEX_CACHE_ENV = "SHARD_INDEX_CACHE_DIR"
 # More classes than this is a label that is no class index (a WordNet offset, a hash), not a model head.
 MAX_CLASSES = 100_000
 
@@ -214,15 +218,7 @@ def scan_shards(root: Path, shards: Sequence[Path], channel: str) -> ImageDatase
     if loose is not None:
         raise ChannelError(f"channel {channel!r} at {root} holds tar shards and loose images ({loose.relative_to(root)}): "
                            "keep one layout per channel")
-    columns: list[np.ndarray] = []
-    ends: list[int] = []
-    unusable = 0
-    for number, shard in enumerate(shards):
-        members, left_out = index_shard(shard)
-        columns.append(np.array([(number, offset, size, label) for offset, size, label in members], dtype=np.int64).reshape(-1, 4))
-        unusable += left_out
-        ends.append((ends[-1] if ends else 0) + len(members))
-    table = np.concatenate(columns)
+    table, ends, unusable = shard_index(shards)
     if not len(table):
         raise EmptyChannelError(
             f"channel {channel!r} at {root} holds {len(shards)} tar shards but no labelled image in them: expected "
@@ -236,6 +232,41 @@ def scan_shards(root: Path, shards: Sequence[Path], channel: str) -> ImageDatase
                            f"indices 0..N-1 (at most {MAX_CLASSES:,} classes), not ids such as WordNet offsets")
     samples = ShardSamples(tuple(map(str, shards)), table[:, 0].astype(np.int32), table[:, 1].copy(), table[:, 2].copy(), table[:, 3].copy())
     return ImageDataset(root=root, classes=tuple(map(str, range(classes))), samples=samples, shard_ends=tuple(ends), unusable=unusable)
+
+
+def shard_index(shards: Sequence[Path], cache_dir: Path | None = None) -> tuple[np.ndarray, list[int], int]:
+    """(int64 [samples, 4] of shard number, offset, size, label; where each shard's samples end; members
+    left out) of the shards, read from a node-local cache named after the shards' paths, sizes and
+    times when one exists, else listed and cached: on a node the launcher's channel check lists the
+    shards (on FastFile, a read per member header) and every trainer process after it reads the cache."""
+    digest = hashlib.sha256()
+    for shard in shards:
+        stat = shard.stat()
+        digest.update(f"{shard}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    cache = (cache_dir or Path(os.environ.get(SHARD_INDEX_CACHE_ENV, tempfile.gettempdir()))) / f"shard-index-{digest.hexdigest()[:24]}.npz"
+    try:
+        with np.load(cache) as saved:
+            return saved["table"], saved["ends"].tolist(), int(saved["unusable"])
+    except (OSError, KeyError, ValueError):  # none yet, or one cut short: list the shards
+        pass
+    columns: list[np.ndarray] = [np.zeros((0, 4), dtype=np.int64)]
+    ends: list[int] = []
+    unusable = 0
+    for number, shard in enumerate(shards):
+        members, left_out = index_shard(shard)
+        columns.append(np.array([(number, offset, size, label) for offset, size, label in members], dtype=np.int64).reshape(-1, 4))
+        unusable += left_out
+        ends.append((ends[-1] if ends else 0) + len(members))
+    table = np.concatenate(columns)
+    try:  # written aside and renamed: a reader never sees half a cache
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+        with partial.open("wb") as handle:
+            np.savez(handle, table=table, ends=np.array(ends, dtype=np.int64), unusable=np.array(unusable))
+        os.replace(partial, cache)
+    except OSError as error:  # a read-only temp folder costs the next process a listing, nothing else
+        log.warning("could not cache the shard index at %s: %s", cache, error)
+    return table, ends, unusable
 
 
 def sample_key(name: str) -> tuple[str, str]:
