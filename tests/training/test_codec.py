@@ -117,14 +117,26 @@ def test_the_batch_writer_keeps_values_shapes_and_its_field_range() -> None:
 )
 def test_each_slots_sample_and_epoch_travel_as_protobuf_writes_and_reads_them(sample_ids: list[int], epochs: list[int]) -> None:
     images, labels = np.zeros((2, 3), np.uint8), np.arange(2, dtype=np.int64)
-    ours = codec.encode_batch(images, labels, 0, sample_ids, epochs)
+    ours = codec.encode_batch(images, labels, 0, np.array(sample_ids, dtype=np.uint64), np.array(epochs, dtype=np.uint32))
     theirs = pb.Batch(images=codec.encode(images), labels=codec.encode(labels), sample_ids=sample_ids, epochs=epochs)
     assert ours == theirs.SerializeToString()
     decoded = codec.decode_batch(ours)
     assert decoded.sample_ids.tolist() == list(pb.Batch.FromString(ours).sample_ids) == sample_ids
     assert decoded.epochs.tolist() == epochs
-    # Unpacked, as an older or other encoder may write repeated scalars: read the same.
-    unpacked = b"".join(bytes(codec._varint_bytes(7 << 3)) + codec._varint_bytes(value) for value in sample_ids)
-    assert codec.decode_batch(ours + unpacked).sample_ids.tolist() == sample_ids * 2
+    # Unpacked, one value per field, as another encoder may write repeated scalars: read the same.
+    unpacked = b"".join(bytes([7 << 3 | 1]) + value.to_bytes(8, "little") for value in sample_ids)
+    unpacked += b"".join(bytes([8 << 3 | 5]) + value.to_bytes(4, "little") for value in epochs)
+    both = codec.decode_batch(ours + unpacked)
+    assert both.sample_ids.tolist() == list(pb.Batch.FromString(ours + unpacked).sample_ids) == sample_ids * 2
+    assert both.epochs.tolist() == epochs * 2
+
+
+def test_tags_that_do_not_fit_or_do_not_make_whole_values_are_refused() -> None:
+    images, labels = np.zeros((2, 3), np.uint8), np.arange(2, dtype=np.int64)
     with pytest.raises(codec.TensorFormatError, match="field 8"):
         codec.encode_batch(images, labels, 0, [1], [2**32])
+    with pytest.raises(codec.TensorFormatError, match="field 7"):
+        codec.encode_batch(images, labels, 0, [-1], [0])
+    cut = codec.encode_batch(images, labels) + bytes([7 << 3 | 2, 5]) + bytes(5)  # 5 bytes: not a whole fixed64
+    with pytest.raises(codec.TensorFormatError, match="whole number"):
+        codec.decode_batch(cut)

@@ -150,9 +150,12 @@ def test_a_trainer_counts_each_epoch_of_two_replicated_data_hosts_exactly_once(i
     with data_host(images, hosts=2, host_index=0) as first, data_host(images, hosts=2, host_index=1) as second:
         dataset = DataServiceDataset([first.target, second.target], 8, TOKEN, "test")
         # Two epochs of each host's 48-image share: 6 batches each.
-        take_until(iter(dataset), lambda: all(state.batches >= 12 for state in dataset.stats.hosts.values()), timeout_s=60)
-        report = epoch_report(dataset.stats.ledger.as_dict(), {"channel": 96})
+        batches = iter(dataset)
+        taken = take_until(batches, lambda: all(state.batches >= 12 for state in dataset.stats.hosts.values()), timeout_s=60)
+        report = epoch_report(dataset.stats.ledger.as_dict(), {first.target: 48, second.target: 48}, per_host=False)
     assert report["exactly_once"][:2] == ["0", "1"] and report["not_exactly_once"] == [] and report["duplicates"] == 0, report
+    # What was handed over, not what arrived: the batches still queued are in no epoch.
+    assert 96 * len(report["exactly_once"]) + sum(report["incomplete"].values()) == taken * 8
 
 
 def take_until(iterator: Iterator, done, timeout_s: float = 15.0) -> int:

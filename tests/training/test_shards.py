@@ -295,3 +295,24 @@ def test_a_nodes_later_processes_read_the_shard_index_its_first_one_listed(
     with pytest.raises(EmptyChannelError):  # a changed shard is listed again (here by the stand-in, which finds nothing)
         scan_images(channel, "train", "g")
     assert listed == [channel / "a.tar"]
+
+
+def test_a_cache_that_is_cut_foreign_or_unwritable_costs_a_listing_never_a_wrong_sample(images: Path, tmp_path: Path) -> None:
+    from training.data_service.dataset import shard_index
+
+    channel = tmp_path / "channel"
+    channel.mkdir()
+    shards = [shard(channel / "a.tar", [("a.jpg", jpeg(images)), ("a.cls", b"1"), ("b.jpg", jpeg(images, 1)), ("b.cls", b"0")])]
+    cache_dir = tmp_path / "cache"
+    truth = shard_index(shards, cache_dir)
+    (cached,) = cache_dir.glob("*.npz")
+    for damage in (b"", b"PK\x03\x04 cut", cached.read_bytes()[:40]):
+        cached.write_bytes(damage)
+        again = shard_index(shards, cache_dir)
+        assert again[0].tolist() == truth[0].tolist() and again[1:] == truth[1:]
+    # A readable index that does not fit these shards (a member past the shard's end): listed again.
+    np.savez(cached, table=np.array([[0, 10**9, 10, 0]], dtype=np.int64), ends=np.array([1]), unusable=np.array(0))
+    assert shard_index(shards, cache_dir)[0].tolist() == truth[0].tolist()
+    # No folder can be made for it (here a file stands where it would be; on a host, a read-only /tmp).
+    (tmp_path / "a-file").write_text("")
+    assert shard_index(shards, tmp_path / "a-file" / "cache")[0].tolist() == truth[0].tolist()

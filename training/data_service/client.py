@@ -93,10 +93,8 @@ class HostState:
 @dataclass
 class StreamStats:
     hosts: dict[str, HostState] = field(default_factory=dict)
-    # What this process received, per epoch (training/data_service/epochs.py); the scope is the host's
-    # address when each host serves its own shard, else the channel.
+    # What this process handed to training, per data host and epoch (training/data_service/epochs.py).
     ledger: EpochLedger = field(default_factory=EpochLedger)
-    sharded: bool = False
 
     @property
     def skipped_samples(self) -> int:
@@ -130,7 +128,6 @@ class DataServiceDataset(IterableDataset):
         batch_timeout_s: float = 60.0,
         queue_depth: int = 4,
         pin_memory: bool = False,
-        sharded: bool = False,
     ) -> None:
         if not addresses:
             raise ValueError("DataServiceDataset needs at least one data host address")
@@ -145,13 +142,13 @@ class DataServiceDataset(IterableDataset):
         # For a CUDA trainer: each stream's thread copies its batches into page-locked memory, so that the
         # trainer's copy to the device is a non-blocking DMA, and the copy costs the trainer's thread nothing.
         self.pin_memory = pin_memory
-        self.sharded = sharded  # each host serves its own shard: its sample ids are its own
-        self.stats = StreamStats(sharded=sharded)
+        self.stats = StreamStats()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        merged: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue(maxsize=self.queue_depth)
+        merged: queue.Queue[tuple[torch.Tensor, torch.Tensor, str, np.ndarray, np.ndarray]] = queue.Queue(maxsize=self.queue_depth)
         stop = threading.Event()
-        self.stats = StreamStats({address: HostState(address) for address in self.addresses}, sharded=self.sharded)
+        self.stats = StreamStats({address: HostState(address) for address in self.addresses})
+        ledger = self.stats.ledger
         threads = [
             threading.Thread(target=self._stream, args=(state, merged, stop), name=f"stream-{state.address}", daemon=True)
             for state in self.stats.hosts.values()
@@ -162,12 +159,14 @@ class DataServiceDataset(IterableDataset):
         try:
             while True:
                 try:
-                    images, labels = merged.get(timeout=0.1)
+                    images, labels, address, sample_ids, epochs = merged.get(timeout=0.1)
                 except queue.Empty:
                     if all(not thread.is_alive() for thread in threads) and merged.empty():
                         self._raise_if_all_lost()
                         return
                     continue
+                # Counted as it goes to training: the batches still queued when training ends never do.
+                ledger.add(address, sample_ids, epochs)
                 yield images, labels
         finally:
             stop.set()
@@ -219,11 +218,11 @@ class DataServiceDataset(IterableDataset):
                         return
                     if batch.images is None or batch.labels is None:
                         raise codec.TensorFormatError("a batch without images or labels")
-                    item = (_to_tensor(batch.images, self.pin_memory), _to_tensor(batch.labels, self.pin_memory))
+                    item = (_to_tensor(batch.images, self.pin_memory), _to_tensor(batch.labels, self.pin_memory),
+                            state.address, batch.sample_ids, batch.epochs)
                     state.streaming = True
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples
-                    self.stats.ledger.add(state.address if self.stats.sharded else "channel", batch.sample_ids, batch.epochs)
                     retry_until = time.monotonic() + self.reconnect_timeout_s
                     if not put_until_stopped(merged, item, stop):
                         return

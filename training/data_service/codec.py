@@ -66,11 +66,12 @@ def encode_batch(
     parts = [*_length_delimited(2, _tensor_parts(images)), *_length_delimited(3, _tensor_parts(labels))]
     if skipped_samples:
         parts += [_varint_bytes(4 << 3 | VARINT), _varint_bytes(skipped_samples)]
-    for number, values, limit in ((7, sample_ids, 2**64), (8, epochs, 2**32)):
-        if len(values):  # packed repeated, proto3's default
-            if not all(0 <= int(value) < limit for value in values):
-                raise TensorFormatError(f"field {number} values must fit {'uint64' if number == 7 else 'uint32'}")
-            parts += _length_delimited(number, [b"".join(_varint_bytes(int(value)) for value in values)])
+    for number, values, dtype in ((7, sample_ids, np.dtype("<u8")), (8, epochs, np.dtype("<u4"))):
+        if len(values):  # packed repeated, proto3's default: the values' little-endian bytes
+            array = np.asarray(values)
+            if array.dtype.kind not in "iu" or array.min() < 0 or array.max() > np.iinfo(dtype).max:
+                raise TensorFormatError(f"field {number} values must fit {dtype.name}")
+            parts += _length_delimited(number, [array.astype(dtype).tobytes()])
     return b"".join(parts)
 
 
@@ -119,28 +120,31 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             fields["end_of_stream"] = bool(value)
         elif number == 6 and wire_type == LENGTH_DELIMITED:
             fields["end_reason"] = _text(payload, *value)
-        elif number in (7, 8) and wire_type == LENGTH_DELIMITED:  # packed
-            fields.setdefault(number, []).extend(_packed_varints(payload, *value))
-        elif number in (7, 8) and wire_type == VARINT:  # unpacked, which parsers must accept too
-            fields.setdefault(number, []).append(value)
+        elif (number, wire_type) in ((7, LENGTH_DELIMITED), (8, LENGTH_DELIMITED), (7, FIXED64), (8, FIXED32)):
+            # Packed (one span of values) or unpacked (one value per field), which parsers must accept too.
+            fields.setdefault(number, []).append(_fixed_array(payload, *value, "<u8" if number == 7 else "<u4"))
     return DecodedBatch(
         images=fields.get("images"),
         labels=fields.get("labels"),
         skipped_samples=int(fields.get("skipped_samples", 0)),
         end_of_stream=bool(fields.get("end_of_stream", False)),
         end_reason=str(fields.get("end_reason", "")),
-        sample_ids=np.array(fields.get(7, []), dtype=np.uint64),
-        # A uint32 field: protobuf keeps the low 32 bits of a longer varint.
-        epochs=np.array([value & 0xFFFFFFFF for value in fields.get(8, [])], dtype=np.uint32),
+        sample_ids=_joined(fields.get(7), np.uint64),
+        epochs=_joined(fields.get(8), np.uint32),
     )
 
 
-def _packed_varints(payload: bytes, position: int, end: int) -> list[int]:
-    values = []
-    while position < end:
-        value, position = _varint(payload, position, end)
-        values.append(value & 0xFFFFFFFFFFFFFFFF)
-    return values
+def _fixed_array(payload: bytes, start: int, end: int, dtype: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if (end - start) % size:
+        raise TensorFormatError(f"{end - start} bytes are not a whole number of {dtype[1:]} values")
+    return np.frombuffer(payload, dtype=dtype, count=(end - start) // size, offset=start)
+
+
+def _joined(parts: list[np.ndarray] | None, dtype: type) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)).astype(dtype, copy=False)
 
 
 def _decode_tensor(payload: bytes, start: int, end: int) -> np.ndarray:
@@ -186,10 +190,10 @@ def _fields(payload: bytes, position: int, end: int):
                 raise TensorFormatError(f"field {number} runs past the end of the message")
             value, position = (position, position + length), position + length
         elif wire_type in (FIXED64, FIXED32):
-            position += 8 if wire_type == FIXED64 else 4
+            start, position = position, position + (8 if wire_type == FIXED64 else 4)
             if position > end:
                 raise TensorFormatError(f"field {number} runs past the end of the message")
-            continue
+            value = (start, position)
         else:
             raise TensorFormatError(f"field {number} has unsupported wire type {wire_type}")
         yield number, wire_type, value

@@ -37,8 +37,10 @@ SHARD_SUFFIX = ".tar"
 # Samples a shard-streamed epoch holds back to mix (WebDataset examples use 1000-5000): the order mixes
 # members across ~this many, and across shards through the shards' own shuffled order.
 SHARD_SHUFFLE_BUFFER = 4096
-# Where listed shard indexes are cached (node-local; the system's temp folder unless set).
+# Where listed shard indexes are cached (node-local; a private folder in the system's temp folder unless
+# set), and the version of the listing rules (index_shard): a change makes every older cache a stranger.
 SHARD_INDEX_CACHE_ENV = "SHARD_INDEX_CACHE_DIR"
+SHARD_INDEX_VERSION = 2
 # More classes than this is a label that is no class index (a WordNet offset, a hash), not a model head.
 MAX_CLASSES = 100_000
 
@@ -236,19 +238,28 @@ def scan_shards(root: Path, shards: Sequence[Path], channel: str) -> ImageDatase
 
 def shard_index(shards: Sequence[Path], cache_dir: Path | None = None) -> tuple[np.ndarray, list[int], int]:
     """(int64 [samples, 4] of shard number, offset, size, label; where each shard's samples end; members
-    left out) of the shards, read from a node-local cache named after the shards' paths, sizes and
-    times when one exists, else listed and cached: on a node the launcher's channel check lists the
-    shards (on FastFile, a read per member header) and every trainer process after it reads the cache."""
-    digest = hashlib.sha256()
+    left out) of the shards, read from a node-local cache when one exists, else listed and cached: on a
+    node the launcher's channel check lists the shards (on FastFile, a read per member header) and every
+    trainer process after it reads the cache. The cache is named after the listing rules' version and
+    each shard's path, size, inode and times, is written aside and renamed, and is checked against the
+    shards when read: anything wrong with it costs a listing, never a wrong sample."""
+    digest = hashlib.sha256(f"{SHARD_INDEX_VERSION}|{MAX_CLASSES}\n".encode())
     for shard in shards:
         stat = shard.stat()
-        digest.update(f"{shard}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    cache = (cache_dir or Path(os.environ.get(SHARD_INDEX_CACHE_ENV, tempfile.gettempdir()))) / f"shard-index-{digest.hexdigest()[:24]}.npz"
+        digest.update(f"{shard}|{stat.st_size}|{stat.st_ino}|{stat.st_mtime_ns}|{stat.st_ctime_ns}\n".encode())
+    name = f"shard-index-{digest.hexdigest()[:32]}.npz"
     try:
-        with np.load(cache) as saved:
-            return saved["table"], saved["ends"].tolist(), int(saved["unusable"])
-    except (OSError, KeyError, ValueError):  # none yet, or one cut short: list the shards
-        pass
+        # Per user and private: a shared temp folder's other users cannot plant an index.
+        folder = cache_dir or Path(os.environ.get(SHARD_INDEX_CACHE_ENV) or Path(tempfile.gettempdir()) / f"shard-index-{os.getuid()}")
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cache: Path | None = folder / name
+    except OSError as error:
+        log.warning("no folder for the shard index cache (%s): listing the shards", error)
+        cache = None
+    if cache is not None:
+        cached = _read_index(cache, shards)
+        if cached is not None:
+            return cached
     columns: list[np.ndarray] = [np.zeros((0, 4), dtype=np.int64)]
     ends: list[int] = []
     unusable = 0
@@ -258,15 +269,45 @@ def shard_index(shards: Sequence[Path], cache_dir: Path | None = None) -> tuple[
         unusable += left_out
         ends.append((ends[-1] if ends else 0) + len(members))
     table = np.concatenate(columns)
-    try:  # written aside and renamed: a reader never sees half a cache
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
-        with partial.open("wb") as handle:
+    if cache is not None:
+        _write_index(cache, table, ends, unusable)
+    return table, ends, unusable
+
+
+def _read_index(cache: Path, shards: Sequence[Path]) -> tuple[np.ndarray, list[int], int] | None:
+    try:
+        with np.load(cache, allow_pickle=False) as saved:
+            table, ends, unusable = saved["table"], saved["ends"].tolist(), int(saved["unusable"])
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # noqa: BLE001 - an empty, cut or foreign file: list again, and replace it
+        log.warning("unreadable shard index cache %s (%s): listing the shards again", cache, error)
+        cache.unlink(missing_ok=True)
+        return None
+    sizes = np.array([shard.stat().st_size for shard in shards], dtype=np.int64)
+    sound = (
+        table.ndim == 2 and table.shape[1] == 4 and table.dtype == np.int64 and len(ends) == len(shards)
+        and (not ends or ends[-1] == len(table)) and ends == sorted(ends)
+        and (not len(table) or (table[:, 0].min() >= 0 and table[:, 0].max() < len(shards) and table[:, 1:3].min() >= 0
+                                and (table[:, 1] + table[:, 2] <= sizes[table[:, 0]]).all()))
+    )
+    if not sound:
+        log.warning("shard index cache %s does not fit the shards: listing them again", cache)
+        cache.unlink(missing_ok=True)
+        return None
+    return table, ends, unusable
+
+
+def _write_index(cache: Path, table: np.ndarray, ends: list[int], unusable: int) -> None:
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+    try:  # written aside (never through a planted link) and renamed: a reader never sees half a cache
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
             np.savez(handle, table=table, ends=np.array(ends, dtype=np.int64), unusable=np.array(unusable))
         os.replace(partial, cache)
     except OSError as error:  # a read-only temp folder costs the next process a listing, nothing else
         log.warning("could not cache the shard index at %s: %s", cache, error)
-    return table, ends, unusable
+        partial.unlink(missing_ok=True)
 
 
 def sample_key(name: str) -> tuple[str, str]:

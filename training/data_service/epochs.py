@@ -1,17 +1,21 @@
-"""Epoch accounting on the trainers' side: did every sample of an epoch come exactly once?
+"""Epoch accounting on the trainers' side: did every sample of a data host's epoch reach training exactly
+once?
 
-Each batch says, per slot, which sample's turn it was and in which of its data host's epochs
-(Batch.sample_ids, Batch.epochs). A trainer process keeps, per epoch, the number of samples it received
-and the sum of a 64-bit hash of their ids (``EpochLedger``): a few integers per epoch, whatever the
-dataset's size, so ledgers of every rank are gathered at the end for free. Summed over the ranks, an
-epoch whose count equals the samples it should hold and whose hash sum equals that of exactly those
-samples delivered each once (two different multisets of the same size collide with probability ~2⁻⁶⁴);
-a count above it, or the same count with another sum, did not. An epoch still being read when training
-ended is reported as open, with its count.
+Each batch says which sample is in each slot and whose turn in which of its data host's epochs it was, and
+which due samples did not decode (Batch.sample_ids, Batch.epochs; a spare that filled a slot is outside
+every epoch). A trainer process counts a batch when it hands it to training (not when it arrives: the
+batches prefetched when training ends were never trained), and keeps per data host and epoch the number of
+turns and the sum of a 64-bit hash of their sample ids (``EpochLedger``): a few integers per epoch,
+whatever the dataset's size, so every rank's ledger is gathered at the end for nothing. Summed over the
+ranks, an epoch whose count equals the samples it holds (a sharded channel: each host's own shard, whose ids
+are its own; a replicated one: the channel, whose epoch the hosts split, DatasetInfo.epoch_samples summed)
+and whose hash sum equals that of exactly those samples had each once (splitmix64 is a bijection: one sample twice and one missing
+never collide; other differences collide with probability ~2⁻⁶⁴); more turns, or the same count with another
+sum, did not. An epoch with fewer turns is ``incomplete``: one being read when training ended, or one whose
+batches went with a stream that broke (the server does not send a batch twice; a lost host is in the
+summary's lost_data_hosts).
 
-Sample ids are indices in a data host's listing: the channel's (the same on every host) for a replicated
-channel, so its epochs are the channel's; the host's own shard's for a sharded one, so its epochs are
-counted per data host. Pure; numpy only.
+The epochs are the data hosts' epochs of this job: a resumed job's hosts start a new order. Pure; numpy only.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from typing import Any
 import numpy as np
 
 _MASK = (1 << 64) - 1
+# The epoch of a spare: a sample drawn to fill the slot of one that did not decode, outside every epoch.
+SPARE_EPOCH = 2**32 - 1
 
 
 def sample_hash(ids: np.ndarray) -> np.ndarray:
-    """splitmix64 of each id: uint64 arithmetic wraps, as the mixer needs."""
+    """splitmix64 of each id (uint64 arithmetic wraps, as the mixer needs)."""
     z = np.asarray(ids, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -42,61 +48,78 @@ def hash_sum(ids: np.ndarray) -> int:
 
 @dataclass
 class EpochLedger:
-    """One trainer process's receipts: {scope: {epoch: [samples, hash sum]}}; the scope is "channel",
-    or the data host's address for a sharded channel."""
+    """One trainer process's receipts, per data host (its address) and epoch: [turns, hash sum]."""
 
     epochs: dict[str, dict[int, list[int]]] = field(default_factory=dict)
-    # Every data host's stream thread adds to the same epochs (a replicated channel's).
+    spares: int = 0  # samples trained outside any epoch (filling a slot after a decode error)
+    untagged_batches: int = 0  # from a data host that sends no tags: not counted
+    # Every data host's stream adds here (the trainer's thread, but kept safe for any caller).
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, scope: str, sample_ids: np.ndarray, epochs: np.ndarray) -> None:
-        if not len(sample_ids) or len(sample_ids) != len(epochs):
-            return  # a host that tags nothing (or garbles it) is not counted
-        sums = {int(epoch): (int((epochs == epoch).sum()), hash_sum(sample_ids[epochs == epoch])) for epoch in np.unique(epochs)}
         with self._lock:
+            if not len(sample_ids) or len(sample_ids) != len(epochs):
+                self.untagged_batches += 1
+                return
+            spare = epochs == SPARE_EPOCH
+            self.spares += int(spare.sum())
+            sample_ids, epochs = sample_ids[~spare], epochs[~spare]
             book = self.epochs.setdefault(scope, {})
-            for epoch, (count, digest) in sums.items():
-                entry = book.setdefault(epoch, [0, 0])
-                entry[0] += count
-                entry[1] = (entry[1] + digest) & _MASK
+            for epoch in np.unique(epochs).tolist():
+                chosen = epochs == epoch
+                entry = book.setdefault(int(epoch), [0, 0])
+                entry[0] += int(chosen.sum())
+                entry[1] = (entry[1] + hash_sum(sample_ids[chosen])) & _MASK
 
-    def as_dict(self) -> dict[str, dict[int, list[int]]]:
+    def as_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {scope: {epoch: list(entry) for epoch, entry in book.items()} for scope, book in self.epochs.items()}
+            return {"epochs": {scope: {epoch: list(entry) for epoch, entry in book.items()} for scope, book in self.epochs.items()},
+                    "spares": self.spares, "untagged_batches": self.untagged_batches}
 
 
-def merge(ledgers: Iterable[Mapping[str, Mapping[int, list[int]]]]) -> dict[str, dict[int, list[int]]]:
-    """Every rank's receipts added up."""
-    total: dict[str, dict[int, list[int]]] = {}
+def merge(ledgers: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every rank's receipts (EpochLedger.as_dict) added up."""
+    total: dict[str, Any] = {"epochs": {}, "spares": 0, "untagged_batches": 0}
     for ledger in ledgers:
-        for scope, book in ledger.items():
+        total["spares"] += ledger.get("spares", 0)
+        total["untagged_batches"] += ledger.get("untagged_batches", 0)
+        for scope, book in ledger.get("epochs", {}).items():
             for epoch, (count, digest) in book.items():
-                entry = total.setdefault(scope, {}).setdefault(int(epoch), [0, 0])
+                entry = total["epochs"].setdefault(scope, {}).setdefault(int(epoch), [0, 0])
                 entry[0] += count
                 entry[1] = (entry[1] + digest) & _MASK
     return total
 
 
-def epoch_report(receipts: Mapping[str, Mapping[int, list[int]]], samples: Mapping[str, int]) -> dict[str, Any]:
-    """What the summary says about epochs. ``samples``: per scope, the samples one epoch holds.
-
-    ``exactly_once``: epochs in which every sample came once; ``not_exactly_once``: epochs that came
-    whole or more but not as exactly those samples; ``open``: epochs still being read (their counts);
-    ``duplicates``: samples that came more than once, at least (an epoch with its count but another hash
-    sum had one duplicate and one missing sample at least)."""
-    exact, broken, still_open = [], [], {}
+def epoch_report(receipts: Mapping[str, Any], samples: Mapping[str, int], per_host: bool) -> dict[str, Any]:
+    """What the summary says about epochs (see the module docstring). ``samples``: per data host, the
+    samples one of its epochs holds. ``per_host``: each host serves its own shard (ids are its own);
+    else the hosts split each of the channel's epochs, which is checked whole: the hosts' receipts of
+    epoch e together against the channel's samples (the sum of the hosts' parts)."""
+    books: Mapping[str, Mapping[int, list[int]]] = receipts.get("epochs", {})
+    expected = dict(samples)
+    if not per_host:
+        channel: dict[int, list[int]] = {}
+        for book in books.values():
+            for epoch, (count, digest) in book.items():
+                entry = channel.setdefault(int(epoch), [0, 0])
+                entry[0] += count
+                entry[1] = (entry[1] + digest) & _MASK
+        books, expected = {"channel": channel}, {"channel": sum(samples.values())} if samples else {}
+    exact, broken, incomplete = [], [], {}
     duplicates = 0
-    for scope in sorted(receipts):
-        expected = samples.get(scope)
-        whole_sum = hash_sum(np.arange(expected, dtype=np.uint64)) if expected else None
-        for epoch, (count, digest) in sorted(receipts[scope].items()):
-            name = str(epoch) if scope == "channel" else f"{scope}/{epoch}"
-            if expected is None or count < expected:
-                still_open[name] = count
-            elif count == expected and digest == whole_sum:
+    for scope in sorted(books):
+        whole = expected.get(scope)
+        whole_sum = hash_sum(np.arange(whole, dtype=np.uint64)) if whole else None
+        for epoch, (count, digest) in sorted(books[scope].items()):
+            name = f"{scope}/{epoch}" if per_host else str(epoch)
+            if whole is None or count < whole:
+                incomplete[name] = count
+            elif count == whole and digest == whole_sum:
                 exact.append(name)
             else:
                 broken.append(name)
-                duplicates += max(count - expected, 1)
-    return {"exactly_once": exact, "not_exactly_once": broken, "open": still_open, "duplicates": duplicates,
-            "samples_per_epoch": dict(samples)}
+                duplicates += max(count - whole, 1)
+    return {"scope": "data host" if per_host else "channel", "exactly_once": exact, "not_exactly_once": broken,
+            "incomplete": incomplete, "duplicates": duplicates, "samples_per_epoch": expected,
+            "spares": receipts.get("spares", 0), "untagged_batches": receipts.get("untagged_batches", 0)}

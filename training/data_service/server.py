@@ -45,6 +45,7 @@ from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.augmentation import AugmentConfig
 from training.data_service.auth import TokenAuth
 from training.data_service.dataset import CorruptDatasetError, ImageDataset, SampleSource, shard_stream_order
+from training.data_service.epochs import SPARE_EPOCH
 
 log = logging.getLogger(__name__)
 
@@ -302,16 +303,29 @@ def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int]
     """Decode, augment and serialise one batch: the wire bytes are made here, off the gRPC process's CPU."""
     # Imported here, in the worker: the preprocessing needs OpenCV, which only the PyTorch image has, and
     # the launcher imports this module in every image.
-    from training.data_service.preprocess import make_batch
+    from training.data_service.preprocess import BatchTrace, make_batch
 
     assert _worker_augment is not None, "worker not initialised"
-    images, labels, skipped = make_batch(_worker_samples, indices, spares, _worker_augment, seed)
-    return codec.encode_batch(images, labels, skipped, sample_ids=indices, epochs=epochs), skipped
+    trace = BatchTrace()
+    images, labels, skipped = make_batch(_worker_samples, indices, spares, _worker_augment, seed, trace)
+    sample_ids, sample_epochs = slot_tags(indices, spares, epochs, trace.slots, trace.failed)
+    return codec.encode_batch(images, labels, skipped, sample_ids=sample_ids, epochs=sample_epochs), skipped
+
+
+def slot_tags(indices: list[int], spares: list[int], epochs: list[int], slots: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
+    """Batch.sample_ids and Batch.epochs: the sample in each slot with the epoch whose turn it was (a
+    spare: SPARE_EPOCH), then the due samples that did not decode, with their epochs. Pure."""
+    candidates = indices + spares
+    due = len(indices)
+    tagged = slots + [position for position in failed if position < due]
+    return ([candidates[position] for position in tagged],
+            [epochs[position] if position < due else SPARE_EPOCH for position in tagged])
 
 
 class DataServiceServicer(pb_grpc.DataServiceServicer):
-    def __init__(self, settings: ServerSettings, folder: ImageDataset, producer: BatchSource) -> None:
+    def __init__(self, settings: ServerSettings, folder: ImageDataset, producer: BatchSource, host_index: int = 0) -> None:
         self._settings = settings
+        self._host_index = host_index
         self._folder = folder
         self._producer = producer
         self._lock = threading.Lock()
@@ -344,6 +358,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             workers=self._settings.workers,
             sharded=self._settings.sharded,
             labels_are_indices=bool(self._folder.shard_ends),
+            epoch_samples=epoch_share(len(self._folder), self._host_index, self._settings.hosts, self._settings.sharded),
         )
 
     def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -433,7 +448,7 @@ def serve(
         hosts=settings.hosts,
         sharded=settings.sharded,
     )
-    servicer = DataServiceServicer(settings, folder, producer)
+    servicer = DataServiceServicer(settings, folder, producer, host_index)
     server = grpc.server(
         # One thread per open stream (every trainer process of every DNN host holds one), plus the
         # control calls: a stream beyond the pool would wait for a thread and never get a batch.

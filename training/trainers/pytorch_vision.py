@@ -201,6 +201,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         local_folder: ImageDataset | None = None,
         service: DataServiceDataset | None = None,
         epoch_samples: Mapping[str, int] | None = None,
+        sharded: bool = False,
         rank: int = 0,
         world_size: int = 1,
         local_rank: int = 0,
@@ -212,9 +213,10 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.source = source
         self.local_folder = local_folder
         self.service = service
-        # The samples one epoch holds, per scope of the data hosts' sample ids ("channel", or each host's
-        # address for a sharded channel): what the summary's epoch accounting checks receipts against.
+        # The samples one epoch of each data host (by address) holds: what the summary's epoch
+        # accounting checks the trainers' receipts against.
         self.epoch_samples = dict(epoch_samples or {})
+        self.sharded = sharded  # each data host serves its own shard: its epochs are checked on their own
         self.cpus = cpus
         self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
@@ -377,8 +379,9 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
                 "batches_per_data_host": {
                     address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in self.service.addresses
                 },
-                # Which data-host epochs reached the trainers exactly once, over every rank's receipts.
-                "epochs": epoch_report(merge(rank["epochs"] for rank in ranks), self.epoch_samples),
+                # Which data-host epochs reached training exactly once, over every rank's receipts (none
+                # when the trainers cycle a few cached batches: those are not epochs).
+                "epochs": None if self.vision.cached_input_batches else epoch_report(merge(rank["epochs"] for rank in ranks), self.epoch_samples, per_host=self.sharded),
             }
         return extra
 
@@ -413,13 +416,10 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
                 f"data host {info.host} makes batches of {info.batch_size} × {tuple(info.sample_shape)}, "
                 f"this trainer expects {config.batch_size} × {config.augment_config.sample_shape}"
             )
-        # Every host's listing size: an epoch's samples (the channel's, or each host's own shard's).
-        infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s) if info.sharded else [info]
-        classes = list(info.classes)
-        if info.sharded:
-            classes = shard_classes(infos)
-        epoch_samples = ({address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
-                         if info.sharded else {"channel": int(info.num_samples)})
+        # Every host: a sharded channel's classes, and the samples each host's epoch holds.
+        infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
+        classes = shard_classes(infos) if info.sharded else list(info.classes)
+        epoch_samples = {address: int(host.epoch_samples) for address, host in zip(addresses, infos, strict=True)}
         service = DataServiceDataset(
             addresses,
             config.batch_size,
@@ -428,10 +428,9 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
             connect_timeout_s=settings.data_connect_timeout_s,
             batch_timeout_s=settings.data_batch_timeout_s,
             pin_memory=torch.cuda.is_available(),
-            sharded=info.sharded,
         )
         return VisionTrainer(config, paths, classes=classes, source="data_service", service=service,
-                             epoch_samples=epoch_samples, **common)
+                             epoch_samples=epoch_samples, sharded=info.sharded, **common)
     folder = scan_images(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     return VisionTrainer(config, paths, classes=list(folder.classes), source="local", local_folder=folder, **common)
 
