@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # keyed by the build script and the TensorFlow pin, so a rebuilt venv reinstalls it without compiling.
 HOROVOD_BUILD := training/images/tensorflow/build-horovod.sh
 HOROVOD_WHEELS := .cache/horovod-$(shell cat $(HOROVOD_BUILD) requirements/dlc-tensorflow.txt | sha256sum | cut -c1-16)
-REQUIREMENTS := requirements/dev.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt \
+REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt \
                 requirements/dlc-tensorflow.txt training/images/pytorch/requirements.txt training/images/neuron/requirements.txt \
                 training/images/tensorflow/requirements.txt $(HOROVOD_BUILD)
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
@@ -36,6 +36,7 @@ $(STAMP):
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	@ls $(HOROVOD_WHEELS)/horovod-*.whl >/dev/null 2>&1 || $(HOROVOD_BUILD) $(PY) $(HOROVOD_WHEELS)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(HOROVOD_WHEELS)/horovod-*.whl
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 

@@ -1,0 +1,381 @@
+"""The platform from Python: start a run, follow it, read its result. The `hetero` command is a thin
+layer over these functions, and a notebook can call them as they are:
+
+    from hetero import Platform, launch, follow, result
+    platform = Platform(region="us-east-1")           # the deployed stack's outputs find everything
+    run = launch("examples/pytorch-heterogeneous.json", platform=platform)
+    for event in follow(run, platform):                 # status changes, job transitions, step metrics
+        print(event)
+    print(result(run, platform)["cost_per_1k_steps_usd"])
+
+Everything here speaks to AWS through boto3 with the caller's credentials (the AWS CLI's profiles,
+environment and SSO): Step Functions starts, lists and stops runs, S3 holds their results and sweep
+reports, SageMaker and CloudWatch Logs tell how a running job is doing. A spec is validated offline first,
+with the platform's own rules (lambdas/core/job_spec.py), so a bad one is refused before anything starts.
+Errors a user can fix are ClientFacingError, one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError, ProfileNotFound
+
+from lambdas.core.job_spec import JobSpecError, validate_job_spec
+from lambdas.core.sweep import SweepSpecError, plan_sweep
+from training.metrics import parse_metric_line
+
+DEFAULT_STACK = "HeteroTrainingPlatform"
+# SageMaker's log group for training jobs; each host writes the stream <job>/<host>-<epoch seconds>.
+TRAINING_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+# The launcher's line that names a host's instance group (training/launcher.py): how logs are grouped.
+GROUP_LINE = re.compile(r"host (algo-\d+) is in instance group (\S+)")
+STEP = re.compile(r"(?:^|\s)step=(\d+)/(\d+)")
+
+
+class ClientFacingError(RuntimeError):
+    """Something the user can fix; the message says what, in one line."""
+
+
+class SpecRefused(ClientFacingError):
+    def __init__(self, source: str, field_path: str, problem: str) -> None:
+        super().__init__(f"{source}: {field_path}: {problem}")
+        self.field = field_path
+
+
+@dataclass
+class Platform:
+    """A deployed platform, found by its CloudFormation stack's outputs."""
+
+    stack: str = DEFAULT_STACK
+    region: str | None = None
+    profile: str | None = None
+    _clients: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def session(self) -> boto3.Session:
+        try:
+            return boto3.Session(region_name=self.region, profile_name=self.profile)
+        except ProfileNotFound as error:
+            raise ClientFacingError(f"{error}: pass an existing --profile or configure it with `aws configure`") from None
+
+    def client(self, service: str) -> Any:
+        if service not in self._clients:
+            try:
+                self._clients[service] = self.session.client(service)
+            except NoRegionError:
+                raise ClientFacingError("no AWS region: pass --region or set AWS_REGION (the stack's region)") from None
+        return self._clients[service]
+
+    @cached_property
+    def outputs(self) -> dict[str, str]:
+        """The stack's outputs: TrainingRunStateMachine, BenchmarkSweepStateMachine, ResultsBucket, ..."""
+        stacks = call(self.client("cloudformation").describe_stacks, StackName=self.stack, stack=self.stack)
+        return {output["OutputKey"]: output["OutputValue"] for output in stacks["Stacks"][0].get("Outputs", [])}
+
+    def output(self, key: str) -> str:
+        try:
+            return self.outputs[key]
+        except KeyError:
+            raise ClientFacingError(f"stack {self.stack!r} has no output {key!r}: is it this platform's stack? (redeploy with `cdk deploy`)") from None
+
+    @property
+    def training_run_machine(self) -> str:
+        return self.output("TrainingRunStateMachine")
+
+    @property
+    def sweep_machine(self) -> str:
+        return self.output("BenchmarkSweepStateMachine")
+
+    @property
+    def results_bucket(self) -> str:
+        return self.output("ResultsBucket")
+
+
+NOT_FOUND = ("ExecutionDoesNotExist", "NoSuchKey", "404", "ResourceNotFoundException", "ResourceNotFound")
+
+
+def call(method: Callable[..., Any], *, stack: str | None = None, missing: str | None = None, absent_ok: bool = False, **params: Any) -> Any:
+    """``method(**params)``, an AWS call, its errors turned into one line a user can act on: ``stack``
+    names the stack a ValidationError is about, ``missing`` what to say when the thing does not exist
+    (``absent_ok``: return None instead)."""
+    try:
+        return method(**params)
+    except NoCredentialsError:
+        raise ClientFacingError("no AWS credentials: run `aws configure` or `aws sso login`, or pass --profile") from None
+    except NoRegionError:
+        raise ClientFacingError("no AWS region: pass --region or set AWS_REGION (the stack's region)") from None
+    except ClientError as error:
+        code, message = error.response["Error"].get("Code", ""), error.response["Error"].get("Message", "")
+        if stack and code == "ValidationError" and "does not exist" in message:
+            raise ClientFacingError(f"stack {stack!r} not found: deploy the platform (`cdk deploy`) or pass --stack/--region") from None
+        if code in NOT_FOUND and absent_ok:
+            return None
+        if code in NOT_FOUND and missing:
+            raise ClientFacingError(missing) from None
+        raise ClientFacingError(f"{code}: {message}") from None
+    except BotoCoreError as error:
+        raise ClientFacingError(str(error)) from None
+
+
+# Specs ----------------------------------------------------------------------------------------------
+
+
+def read_json(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
+    """(what to call it in errors, the parsed JSON) of a path or an already parsed spec."""
+    if isinstance(source, Mapping):
+        return "spec", dict(source)
+    path = Path(source)
+    try:
+        return str(path), json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ClientFacingError(f"{path}: no such file") from None
+    except json.JSONDecodeError as error:
+        raise ClientFacingError(f"{path}: not JSON (line {error.lineno}: {error.msg})") from None
+
+
+def validate(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """The spec, checked with the platform's own rules (offline: the deployment's bucket allow-list and
+    cost ceiling are checked again when the run starts). Raises SpecRefused naming the field."""
+    name, raw = read_json(source)
+    try:
+        validate_job_spec(raw)
+    except JobSpecError as error:
+        raise SpecRefused(name, error.field, error.problem) from None
+    return raw
+
+
+def validate_sweep(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    name, raw = read_json(source)
+    try:
+        plan_sweep(raw)
+    except SweepSpecError as error:
+        raise SpecRefused(name, error.field, error.problem) from None
+    return raw
+
+
+# Runs -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """A training run: its execution of the training-run state machine; its id is the execution's name."""
+
+    name: str
+    execution_arn: str
+
+
+def execution_arn(machine_arn: str, name: str) -> str:
+    """arn:aws:states:<region>:<account>:stateMachine:<machine> → ...:execution:<machine>:<name>. Pure."""
+    return machine_arn.replace(":stateMachine:", ":execution:", 1) + f":{name}"
+
+
+def run_of(name: str, platform: Platform, machine: str | None = None) -> Run:
+    return Run(name, execution_arn(machine or platform.training_run_machine, name))
+
+
+def default_run_name(spec: Mapping[str, Any], now: datetime | None = None) -> str:
+    """<run_name>-<UTC time>: unique per second, within Step Functions' 80 characters. Pure."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return f"{str(spec.get('run_name', 'run'))[:64]}-{stamp}"
+
+
+def launch(spec: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None) -> Run:
+    """Validate the spec, then start a training-run execution named ``name`` (default: the spec's
+    run_name and the time)."""
+    platform = platform or Platform()
+    raw = validate(spec)
+    return _start(platform, platform.training_run_machine, raw, name or default_run_name(raw))
+
+
+def launch_sweep(sweep: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None) -> Run:
+    platform = platform or Platform()
+    raw = validate_sweep(sweep)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return _start(platform, platform.sweep_machine, raw, name or f"{raw['sweep_name']}-{stamp}")
+
+
+def _start(platform: Platform, machine: str, raw: Mapping[str, Any], name: str) -> Run:
+    started = call(platform.client("stepfunctions").start_execution, stateMachineArn=machine, name=name, input=json.dumps(raw))
+    return Run(name, started["executionArn"])
+
+
+def describe(run: Run, platform: Platform) -> dict[str, Any]:
+    return call(platform.client("stepfunctions").describe_execution, executionArn=run.execution_arn,
+                missing=f"no run {run.name!r} on this platform (see `hetero runs`)")
+
+
+def result(run: Run | str, platform: Platform | None = None) -> dict[str, Any] | None:
+    """The run's result.json, or None while there is none yet."""
+    platform = platform or Platform()
+    name = run.name if isinstance(run, Run) else run
+    found = call(platform.client("s3").get_object, Bucket=platform.results_bucket, Key=f"results/{name}/result.json", absent_ok=True)
+    return None if found is None else json.loads(found["Body"].read())
+
+
+def job_name(run: Run, platform: Platform) -> str | None:
+    """The training job the run launched last (a capacity relaunch launches another), from the launch
+    function's outputs in the execution's history."""
+    sfn = platform.client("stepfunctions")
+    found, token = None, None
+    while True:
+        page = call(sfn.get_execution_history, executionArn=run.execution_arn, maxResults=1000, **({"nextToken": token} if token else {}))
+        for event in page["events"]:
+            details = event.get("lambdaFunctionSucceededEventDetails") or event.get("taskSucceededEventDetails") or {}
+            try:
+                output = json.loads(details.get("output") or "{}")
+            except json.JSONDecodeError:
+                continue
+            payload = output.get("Payload", output) if isinstance(output, dict) else {}
+            if isinstance(payload, dict) and isinstance(payload.get("job_name"), str):
+                found = payload["job_name"]
+        token = page.get("nextToken")
+        if not token:
+            return found
+
+
+@dataclass(frozen=True)
+class Event:
+    """What `follow` reports: kind is "execution" (the run's status), "job" (the training job's status
+    or secondary status), "progress" (step, steps and the last metric line's values) or "done"."""
+
+    kind: str
+    status: str = ""
+    message: str = ""
+    step: int = 0
+    steps: int = 0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+def follow(run: Run, platform: Platform | None = None, poll_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
+    """Events of a run until it ends: its status, its job's transitions, its step metrics (from the
+    job's log lines: SageMaker's metrics lag a minute). The last event is "done" with the run's status."""
+    platform = platform or Platform()
+    last: dict[str, Any] = {}
+    log_token: dict[str, str] = {}
+    while True:
+        described = describe(run, platform)
+        status = described["status"]
+        if last.get("execution") != status:
+            last["execution"] = status
+            yield Event("execution", status=status)
+        job = job_name(run, platform)
+        if job:
+            training = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job)
+            state = f"{training['TrainingJobStatus']}/{training.get('SecondaryStatus', '')}"
+            if last.get("job") != state:
+                last["job"] = state
+                yield Event("job", status=training["TrainingJobStatus"], message=f"{job}: {training.get('SecondaryStatus', '')}")
+            progress = latest_progress(platform, job, log_token)
+            if progress and progress != last.get("progress"):
+                last["progress"] = progress
+                yield Event("progress", step=progress[0], steps=progress[1], metrics=progress[2])
+        if status != "RUNNING":
+            yield Event("done", status=status, message=described.get("error", "") or "")
+            return
+        sleep(poll_s)
+
+
+def latest_progress(platform: Platform, job: str, tokens: dict[str, str]) -> tuple[int, int, dict[str, float]] | None:
+    """The last metric line any host of the job logged since the previous call: (step, steps, values)."""
+    logs = platform.client("logs")
+    found = None
+    kwargs: dict[str, Any] = {"logGroupName": TRAINING_LOG_GROUP, "logStreamNamePrefix": f"{job}/", "filterPattern": '"step="'}
+    if job in tokens:
+        kwargs["startTime"] = int(tokens[job])
+    try:
+        while True:
+            page = logs.filter_log_events(**kwargs)
+            for event in page.get("events", []):
+                match = STEP.search(event["message"])
+                if match:
+                    found = (int(match.group(1)), int(match.group(2)), parse_metric_line(event["message"]))
+                    tokens[job] = str(event["timestamp"])
+            if not page.get("nextToken"):
+                return found
+            kwargs["nextToken"] = page["nextToken"]
+    except ClientError as error:
+        if error.response["Error"].get("Code") == "ResourceNotFoundException":
+            return None  # no log group yet: the job has not written a line
+        raise
+
+
+def runs(platform: Platform | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    """The most recent runs, newest first, with their step time and cost where their result says."""
+    platform = platform or Platform()
+    listed = call(platform.client("stepfunctions").list_executions, stateMachineArn=platform.training_run_machine, maxResults=limit)["executions"]
+    rows = []
+    for execution in sorted(listed, key=lambda item: item["startDate"], reverse=True)[:limit]:
+        outcome = result(execution["name"], platform) or {}
+        rows.append({
+            "run": execution["name"],
+            "status": execution["status"],
+            "started": execution["startDate"].isoformat(timespec="seconds"),
+            "job_status": outcome.get("job_status"),
+            "step_time_ms": (outcome.get("step_time_ms") or {}).get("p50"),
+            "cost_per_1k_steps_usd": outcome.get("cost_per_1k_steps_usd"),
+        })
+    return rows
+
+
+def stop(run: Run, platform: Platform | None = None) -> str:
+    """Stop a run's execution; the platform's abort cleanup then stops its training job. Returns the
+    status the run had."""
+    platform = platform or Platform()
+    status = describe(run, platform)["status"]
+    if status == "RUNNING":
+        call(platform.client("stepfunctions").stop_execution, executionArn=run.execution_arn, cause="stopped with `hetero stop`")
+    return status
+
+
+def log_lines(run: Run, platform: Platform | None = None, hosts: set[str] | None = None, groups: set[str] | None = None,
+              limit: int = 10_000) -> list[tuple[str, str]]:
+    """(host, line) of the run's job, oldest first, for the given hosts and/or instance groups (a host's
+    group is what its launcher logged: SageMaker names streams by host only)."""
+    platform = platform or Platform()
+    job = job_name(run, platform)
+    if job is None:
+        raise ClientFacingError(f"run {run.name!r} has not launched a job yet")
+    logs = platform.client("logs")
+    kwargs: dict[str, Any] = {"logGroupName": TRAINING_LOG_GROUP, "logStreamNamePrefix": f"{job}/"}
+    events: list[dict[str, Any]] = []
+    while len(events) < limit:
+        page = call(logs.filter_log_events, missing=f"no logs for job {job} yet", **kwargs)
+        events += page.get("events", [])
+        if not page.get("nextToken"):
+            break
+        kwargs["nextToken"] = page["nextToken"]
+    host_of_stream = {event["logStreamName"]: event["logStreamName"].split("/", 1)[1].rsplit("-", 1)[0] for event in events}
+    group_of_host = {match.group(1): match.group(2) for event in events if (match := GROUP_LINE.search(event["message"]))}
+    chosen = []
+    for event in sorted(events, key=lambda item: item["timestamp"]):
+        host = host_of_stream[event["logStreamName"]]
+        if hosts and host not in hosts:
+            continue
+        if groups and group_of_host.get(host) not in groups:
+            continue
+        chosen.append((host, event["message"].rstrip("\n")))
+    return chosen[:limit]
+
+
+def sweep_report(sweep_id: str, platform: Platform | None = None) -> tuple[str, dict[str, Any], bytes | None]:
+    """(report.md, report.json, chart.png or None) of a finished sweep."""
+    platform = platform or Platform()
+    s3 = platform.client("s3")
+
+    def read(key: str, absent_ok: bool = False) -> bytes | None:
+        found = call(s3.get_object, Bucket=platform.results_bucket, Key=f"benchmarks/{sweep_id}/{key}", absent_ok=absent_ok,
+                     missing=f"no report for sweep {sweep_id!r} (yet): it is written when the sweep ends")
+        return None if found is None else found["Body"].read()
+
+    markdown, report = (read("report.md") or b"").decode(), json.loads(read("report.json") or b"{}")
+    return markdown, report, read("chart.png", absent_ok=True)

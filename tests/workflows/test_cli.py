@@ -1,0 +1,180 @@
+"""The `hetero` command against the real synthesized state machines (the workflow harness: moto's Step
+Functions interpreter running our Lambda handlers, moto's SageMaker scripted), with the stack's outputs
+in moto's CloudFormation as `cdk deploy` leaves them: start, follow, list, show, stop, logs, report, and
+the refusals and missing stacks or credentials a user meets."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+from typer.testing import CliRunner
+
+from hetero.cli import app
+from tests.infra.conftest import REGION
+from tests.lambdas.conftest import RESULTS_BUCKET
+from tests.workflows.conftest import EXAMPLES, SPEC, Scenario
+
+SUMMARY = {"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "samples_per_s": 347.8}
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+
+
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def deploy(harness) -> None:
+    """The stack's outputs, as the platform's stack has them."""
+    template = {
+        "Resources": {"Queue": {"Type": "AWS::SQS::Queue"}},
+        "Outputs": {"TrainingRunStateMachine": {"Value": harness.state_machine_arn},
+                    "BenchmarkSweepStateMachine": {"Value": harness.sweep_arn},
+                    "ResultsBucket": {"Value": RESULTS_BUCKET}},
+    }
+    boto3.client("cloudformation", region_name=REGION).create_stack(StackName="HeteroTrainingPlatform", TemplateBody=json.dumps(template))
+
+
+def spec_file(tmp_path: Path, spec: dict = SPEC) -> Path:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def write_logs(harness, lines_by_host: dict[str, list[str]], timeout_s: float = 30) -> threading.Thread:
+    """Once the run's job exists, write its hosts' log lines as SageMaker does (stream <job>/<host>-<time>)."""
+
+    def write() -> None:
+        give_up = time.monotonic() + timeout_s
+        while not harness.training_jobs() and time.monotonic() < give_up:
+            time.sleep(0.05)
+        job = harness.training_jobs()[0]
+        logs = boto3.client("logs", region_name=REGION)
+        try:
+            logs.create_log_group(logGroupName=LOG_GROUP)
+        except logs.exceptions.ResourceAlreadyExistsException:
+            pass
+        now = int(time.time() * 1000)
+        for host, lines in lines_by_host.items():
+            stream = f"{job}/{host}-1764000000"
+            logs.create_log_stream(logGroupName=LOG_GROUP, logStreamName=stream)
+            logs.put_log_events(logGroupName=LOG_GROUP, logStreamName=stream,
+                                logEvents=[{"timestamp": now + index, "message": line} for index, line in enumerate(lines)])
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+HOST_LINES = {
+    "algo-1": ["host algo-1 is in instance group data_group (ml.c5.9xlarge): role data", "data host algo-1 serving channel 'train'"],
+    "algo-2": ["host algo-2 is in instance group dnn_group (ml.p3.2xlarge): role dnn",
+               "step=5/10 loss=1.2 step_time_ms=190.0 data_wait_ms=2.0 samples_per_s=340.0",
+               "step=10/10 loss=0.9 step_time_ms=184.0 data_wait_ms=1.0 samples_per_s=347.8"],
+}
+
+
+def test_run_follow_shows_the_job_its_steps_and_the_result_and_exits_0(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=2.0))
+    deploy(harness)
+    write_logs(harness, HOST_LINES)
+    result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-ok", "--follow", "--poll-s", "0.3"])
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "started run cli-ok" in result.stderr and "10/10 steps" in result.stderr
+    assert "job: InProgress" in result.stderr and "SUCCEEDED" in result.stderr
+    assert "184.0 / 190.0 ms" in result.stdout and "Completed" in result.stdout
+    assert harness.result("cli-ok")["status"] == "Completed"
+
+
+def test_run_follow_of_a_failing_run_shows_why_and_exits_1(run, tmp_path: Path) -> None:
+    harness = run(Scenario(final_status="Failed", failure_reason="AlgorithmError: trainer exited with 137"))
+    deploy(harness)
+    result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-bad", "--follow", "--poll-s", "0.3", "--json"])
+    assert result.exit_code == 1, result.output
+    assert "FAILED" in result.stderr
+    document = json.loads(result.stdout)
+    assert document["run"] == "cli-bad" and document["result"]["failure_reason"].startswith("AlgorithmError")
+
+
+def test_runs_show_and_stop(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=30))
+    deploy(harness)
+    started = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-long", "--quiet"])
+    assert started.exit_code == 0 and started.stdout.strip() == "cli-long"
+    listed = runner().invoke(app, ["runs", "--json"])
+    assert listed.exit_code == 0 and [row["run"] for row in json.loads(listed.stdout)] == ["cli-long"]
+    assert json.loads(listed.stdout)[0]["status"] == "RUNNING"
+    shown = runner().invoke(app, ["show", "cli-long", "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["status"] == "RUNNING"
+    table = runner().invoke(app, ["runs"])
+    assert "cli-long" in table.stdout and "RUNNING" in table.stdout
+    stopped = runner().invoke(app, ["stop", "cli-long"])
+    assert stopped.exit_code == 0 and "stopping cli-long" in stopped.stdout
+    assert harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":cli-long", timeout_s=30)["status"] == "ABORTED"
+    again = runner().invoke(app, ["stop", "cli-long"])
+    assert again.exit_code == 1 and "is not running (ABORTED)" in again.stderr
+    unknown = runner().invoke(app, ["show", "no-such-run"])
+    assert unknown.exit_code == 1 and "no run 'no-such-run'" in unknown.stderr
+
+
+def test_logs_are_filtered_by_host_and_by_instance_group(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=30))
+    deploy(harness)
+    assert runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-logs", "--quiet"]).exit_code == 0
+    write_logs(harness, HOST_LINES).join()
+    by_host = runner().invoke(app, ["logs", "cli-logs", "--host", "algo-1", "--json"])
+    assert by_host.exit_code == 0 and {line["host"] for line in json.loads(by_host.stdout)} == {"algo-1"}
+    by_group = runner().invoke(app, ["logs", "cli-logs", "--group", "dnn_group"])
+    assert by_group.exit_code == 0 and "[algo-2] step=10/10" in by_group.stdout and "algo-1" not in by_group.stdout
+    everything = json.loads(runner().invoke(app, ["logs", "cli-logs", "--json"]).stdout)
+    assert len(everything) == 5
+    assert runner().invoke(app, ["stop", "cli-logs"]).exit_code == 0  # no execution outlives the test's fake AWS
+    assert harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":cli-logs", timeout_s=30)["status"] == "ABORTED"
+
+
+def test_report_renders_the_sweeps_markdown_and_saves_its_chart(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY))
+    deploy(harness)
+    for key, body in (("report.md", b"# resnet sweep\n\n| configuration | status |\n|---|---|\n| d2 | succeeded |\n"),
+                      ("report.json", json.dumps({"recommended": "d2"}).encode()), ("chart.png", b"\x89PNG chart")):
+        harness.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"benchmarks/sweep-1/{key}", Body=body)
+    shown = runner().invoke(app, ["report", "sweep-1", "--out-dir", str(tmp_path)])
+    assert shown.exit_code == 0 and "resnet sweep" in shown.stdout and "d2" in shown.stdout
+    assert (tmp_path / "sweep-1-chart.png").read_bytes() == b"\x89PNG chart"
+    as_json = runner().invoke(app, ["report", "sweep-1", "--json", "--out-dir", str(tmp_path)])
+    assert json.loads(as_json.stdout)["recommended"] == "d2"
+    missing = runner().invoke(app, ["report", "sweep-2"])
+    assert missing.exit_code == 1 and "no report for sweep 'sweep-2'" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_bad_specs_are_refused_by_validate_and_by_run_before_anything_starts(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY))
+    deploy(harness)
+    bad = spec_file(tmp_path, SPEC | {"instance_groups": []})
+    checked = runner().invoke(app, ["validate", str(bad), str(EXAMPLES / "pytorch-heterogeneous.json")])
+    assert checked.exit_code == 2 and "refused" in checked.stdout and "instance_groups" in checked.stdout
+    assert "ok      " in checked.stdout
+    started = runner().invoke(app, ["run", str(bad)])
+    assert started.exit_code == 2 and "instance_groups" in started.stderr
+    assert harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"] == []
+    assert runner().invoke(app, ["run", str(tmp_path / "absent.json")]).exit_code == 2
+
+
+def test_a_missing_stack_is_one_clear_line(run, tmp_path: Path) -> None:
+    run(Scenario(summary=SUMMARY))  # no stack deployed
+    result = runner().invoke(app, ["runs"])
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        "hetero: stack 'HeteroTrainingPlatform' not found: deploy the platform (`cdk deploy`) or pass --stack/--region")
+
+
+def test_missing_credentials_are_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    result = runner().invoke(app, ["runs", "--region", REGION])
+    assert result.exit_code == 1 and "no AWS credentials" in result.stderr and len(result.stderr.strip().splitlines()) == 1
