@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError, ProfileNotFound
 
-from lambdas.core.job_spec import JobSpecError, validate_job_spec
+from lambdas.core.job_spec import RUN_ID, JobSpecError, validate_job_spec
 from lambdas.core.sweep import SweepSpecError, plan_sweep
 from training.metrics import parse_metric_line
 
@@ -42,11 +43,27 @@ GROUP_LINE = re.compile(r"host (algo-\d+) is in instance group (\S+)")
 STEP = re.compile(r"(?:^|\s)step=(\d+)/(\d+)")
 
 
+# Every call retries throttling and dropped connections itself, backing off (several people following
+# runs share the account's Step Functions and Logs quotas).
+RETRIES = Config(retries={"mode": "adaptive", "max_attempts": 10})
+# Execution names Step Functions and the platform both accept (results/<name>/, job names); a sweep's
+# configurations are named <sweep id>-<index>, within Step Functions' 80 characters.
+SWEEP_ID_LENGTH = 77
+
+
 class ClientFacingError(RuntimeError):
     """Something the user can fix; the message says what, in one line."""
 
 
-class SpecRefused(ClientFacingError):
+class TransientError(ClientFacingError):
+    """Throttling past the retries, a dropped connection, a service hiccup: trying again later may work."""
+
+
+class InputRefused(ClientFacingError):
+    """The user's input (a file, a spec, a name) is refused before anything starts."""
+
+
+class SpecRefused(InputRefused):
     def __init__(self, source: str, field_path: str, problem: str) -> None:
         super().__init__(f"{source}: {field_path}: {problem}")
         self.field = field_path
@@ -71,7 +88,7 @@ class Platform:
     def client(self, service: str) -> Any:
         if service not in self._clients:
             try:
-                self._clients[service] = self.session.client(service)
+                self._clients[service] = self.session.client(service, config=RETRIES)
             except NoRegionError:
                 raise ClientFacingError("no AWS region: pass --region or set AWS_REGION (the stack's region)") from None
         return self._clients[service]
@@ -102,6 +119,10 @@ class Platform:
 
 
 NOT_FOUND = ("ExecutionDoesNotExist", "NoSuchKey", "404", "ResourceNotFoundException", "ResourceNotFound")
+# S3 answers a missing key with 403 to a caller without s3:ListBucket: for reads that may find nothing yet.
+HIDDEN = ("AccessDenied", "403")
+TRANSIENT = ("ThrottlingException", "Throttling", "TooManyRequestsException", "RequestLimitExceeded", "SlowDown",
+             "ServiceUnavailable", "InternalServerError", "InternalFailure", "RequestTimeout")
 
 
 def call(method: Callable[..., Any], *, stack: str | None = None, missing: str | None = None, absent_ok: bool = False, **params: Any) -> Any:
@@ -118,13 +139,13 @@ def call(method: Callable[..., Any], *, stack: str | None = None, missing: str |
         code, message = error.response["Error"].get("Code", ""), error.response["Error"].get("Message", "")
         if stack and code == "ValidationError" and "does not exist" in message:
             raise ClientFacingError(f"stack {stack!r} not found: deploy the platform (`cdk deploy`) or pass --stack/--region") from None
-        if code in NOT_FOUND and absent_ok:
+        if absent_ok and (code in NOT_FOUND or code in HIDDEN):
             return None
         if code in NOT_FOUND and missing:
             raise ClientFacingError(missing) from None
-        raise ClientFacingError(f"{code}: {message}") from None
-    except BotoCoreError as error:
-        raise ClientFacingError(str(error)) from None
+        raise (TransientError if code in TRANSIENT else ClientFacingError)(f"{code}: {message}") from None
+    except BotoCoreError as error:  # connection errors and the like (credentials and region are above)
+        raise TransientError(str(error)) from None
 
 
 # Specs ----------------------------------------------------------------------------------------------
@@ -136,11 +157,15 @@ def read_json(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
         return "spec", dict(source)
     path = Path(source)
     try:
-        return str(path), json.loads(path.read_text())
+        return str(path), json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ClientFacingError(f"{path}: no such file") from None
+        raise InputRefused(f"{path}: no such file") from None
+    except OSError as error:
+        raise InputRefused(f"{path}: cannot be read ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise InputRefused(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as error:
-        raise ClientFacingError(f"{path}: not JSON (line {error.lineno}: {error.msg})") from None
+        raise InputRefused(f"{path}: not JSON (line {error.lineno}: {error.msg})") from None
 
 
 def validate(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -189,19 +214,26 @@ def default_run_name(spec: Mapping[str, Any], now: datetime | None = None) -> st
     return f"{str(spec.get('run_name', 'run'))[:64]}-{stamp}"
 
 
+def check_name(name: str, limit: int = 80) -> str:
+    """A run's or sweep's id: what Step Functions, the results' keys and the job names all accept."""
+    if not RUN_ID.fullmatch(name) or len(name) > limit:
+        raise InputRefused(f"--name {name!r}: 1–{limit} letters, digits, hyphens or underscores")
+    return name
+
+
 def launch(spec: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None) -> Run:
     """Validate the spec, then start a training-run execution named ``name`` (default: the spec's
     run_name and the time)."""
     platform = platform or Platform()
     raw = validate(spec)
-    return _start(platform, platform.training_run_machine, raw, name or default_run_name(raw))
+    return _start(platform, platform.training_run_machine, raw, check_name(name or default_run_name(raw)))
 
 
 def launch_sweep(sweep: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None) -> Run:
     platform = platform or Platform()
     raw = validate_sweep(sweep)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return _start(platform, platform.sweep_machine, raw, name or f"{raw['sweep_name']}-{stamp}")
+    return _start(platform, platform.sweep_machine, raw, check_name(name or f"{raw['sweep_name']}-{stamp}", SWEEP_ID_LENGTH))
 
 
 def _start(platform: Platform, machine: str, raw: Mapping[str, Any], name: str) -> Run:
@@ -223,12 +255,13 @@ def result(run: Run | str, platform: Platform | None = None) -> dict[str, Any] |
 
 
 def job_name(run: Run, platform: Platform) -> str | None:
-    """The training job the run launched last (a capacity relaunch launches another), from the launch
-    function's outputs in the execution's history."""
+    """The training job the run launched last (a capacity relaunch launches another): the newest launch
+    output in the execution's history, read newest first (a long run's history has thousands of polls)."""
     sfn = platform.client("stepfunctions")
-    found, token = None, None
+    token = None
     while True:
-        page = call(sfn.get_execution_history, executionArn=run.execution_arn, maxResults=1000, **({"nextToken": token} if token else {}))
+        page = call(sfn.get_execution_history, executionArn=run.execution_arn, maxResults=200, reverseOrder=True,
+                    **({"nextToken": token} if token else {}))
         for event in page["events"]:
             details = event.get("lambdaFunctionSucceededEventDetails") or event.get("taskSucceededEventDetails") or {}
             try:
@@ -237,10 +270,10 @@ def job_name(run: Run, platform: Platform) -> str | None:
                 continue
             payload = output.get("Payload", output) if isinstance(output, dict) else {}
             if isinstance(payload, dict) and isinstance(payload.get("job_name"), str):
-                found = payload["job_name"]
+                return payload["job_name"]
         token = page.get("nextToken")
         if not token:
-            return found
+            return None
 
 
 @dataclass(frozen=True)
@@ -258,29 +291,40 @@ class Event:
 
 def follow(run: Run, platform: Platform | None = None, poll_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
     """Events of a run until it ends: its status, its job's transitions, its step metrics (from the
-    job's log lines: SageMaker's metrics lag a minute). The last event is "done" with the run's status."""
+    job's log lines: SageMaker's metrics lag a minute). The last event is "done" with the run's status
+    and, for a failed run, its error and cause. A failing look (throttling past the retries, a dropped
+    connection) is reported as a "warning" event and the next poll tries again."""
     platform = platform or Platform()
     last: dict[str, Any] = {}
     log_token: dict[str, str] = {}
+    job: str | None = None
     while True:
-        described = describe(run, platform)
-        status = described["status"]
-        if last.get("execution") != status:
-            last["execution"] = status
-            yield Event("execution", status=status)
-        job = job_name(run, platform)
-        if job:
-            training = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job)
-            state = f"{training['TrainingJobStatus']}/{training.get('SecondaryStatus', '')}"
-            if last.get("job") != state:
-                last["job"] = state
-                yield Event("job", status=training["TrainingJobStatus"], message=f"{job}: {training.get('SecondaryStatus', '')}")
-            progress = latest_progress(platform, job, log_token)
-            if progress and progress != last.get("progress"):
-                last["progress"] = progress
-                yield Event("progress", step=progress[0], steps=progress[1], metrics=progress[2])
+        try:
+            described = describe(run, platform)
+            status = described["status"]
+            if last.get("execution") != status:
+                last["execution"] = status
+                yield Event("execution", status=status)
+            if job is None or last.get("job_status") == "Failed":  # none yet, or a capacity relaunch may follow
+                job = job_name(run, platform) or job
+            if job:
+                training = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job)
+                state = f"{job}/{training['TrainingJobStatus']}/{training.get('SecondaryStatus', '')}"
+                last["job_status"] = training["TrainingJobStatus"]
+                if last.get("job") != state:
+                    last["job"] = state
+                    yield Event("job", status=training["TrainingJobStatus"], message=f"{job}: {training.get('SecondaryStatus', '')}")
+                progress = latest_progress(platform, job, log_token)
+                if progress and progress != last.get("progress"):
+                    last["progress"] = progress
+                    yield Event("progress", step=progress[0], steps=progress[1], metrics=progress[2])
+        except TransientError as error:
+            yield Event("warning", message=str(error))
+            sleep(poll_s)
+            continue
         if status != "RUNNING":
-            yield Event("done", status=status, message=described.get("error", "") or "")
+            reason = ": ".join(part for part in (described.get("error"), described.get("cause")) if part)
+            yield Event("done", status=status, message=reason)
             return
         sleep(poll_s)
 
@@ -292,27 +336,33 @@ def latest_progress(platform: Platform, job: str, tokens: dict[str, str]) -> tup
     kwargs: dict[str, Any] = {"logGroupName": TRAINING_LOG_GROUP, "logStreamNamePrefix": f"{job}/", "filterPattern": '"step="'}
     if job in tokens:
         kwargs["startTime"] = int(tokens[job])
-    try:
-        while True:
-            page = logs.filter_log_events(**kwargs)
-            for event in page.get("events", []):
-                match = STEP.search(event["message"])
-                if match:
-                    found = (int(match.group(1)), int(match.group(2)), parse_metric_line(event["message"]))
-                    tokens[job] = str(event["timestamp"])
-            if not page.get("nextToken"):
-                return found
-            kwargs["nextToken"] = page["nextToken"]
-    except ClientError as error:
-        if error.response["Error"].get("Code") == "ResourceNotFoundException":
-            return None  # no log group yet: the job has not written a line
-        raise
+    while True:
+        page = call(logs.filter_log_events, absent_ok=True, **kwargs)  # None: no log group yet, no line written
+        if page is None:
+            return found
+        for event in page.get("events", []):
+            match = STEP.search(event["message"])
+            if match:
+                found = (int(match.group(1)), int(match.group(2)), parse_metric_line(event["message"]))
+                tokens[job] = str(event["timestamp"])
+        if not page.get("nextToken"):
+            return found
+        kwargs["nextToken"] = page["nextToken"]
 
 
 def runs(platform: Platform | None = None, limit: int = 20) -> list[dict[str, Any]]:
     """The most recent runs, newest first, with their step time and cost where their result says."""
     platform = platform or Platform()
-    listed = call(platform.client("stepfunctions").list_executions, stateMachineArn=platform.training_run_machine, maxResults=limit)["executions"]
+    sfn = platform.client("stepfunctions")
+    listed: list[dict[str, Any]] = []
+    token = None
+    while len(listed) < limit:  # a page may hold fewer than asked, with a token for more
+        page = call(sfn.list_executions, stateMachineArn=platform.training_run_machine, maxResults=min(limit, 1000),
+                    **({"nextToken": token} if token else {}))
+        listed += page["executions"]
+        token = page.get("nextToken")
+        if not token:
+            break
     rows = []
     for execution in sorted(listed, key=lambda item: item["startDate"], reverse=True)[:limit]:
         outcome = result(execution["name"], platform) or {}
@@ -346,14 +396,17 @@ def log_lines(run: Run, platform: Platform | None = None, hosts: set[str] | None
     if job is None:
         raise ClientFacingError(f"run {run.name!r} has not launched a job yet")
     logs = platform.client("logs")
-    kwargs: dict[str, Any] = {"logGroupName": TRAINING_LOG_GROUP, "logStreamNamePrefix": f"{job}/"}
     events: list[dict[str, Any]] = []
-    while len(events) < limit:
-        page = call(logs.filter_log_events, missing=f"no logs for job {job} yet", **kwargs)
-        events += page.get("events", [])
-        if not page.get("nextToken"):
-            break
-        kwargs["nextToken"] = page["nextToken"]
+    # One host: CloudWatch filters by its streams' prefix (<job>/<host>-); the group's hosts are read
+    # from their launchers' lines, so a group filter reads every stream.
+    for prefix in ([f"{job}/{host}-" for host in sorted(hosts)] if hosts and not groups else [f"{job}/"]):
+        kwargs: dict[str, Any] = {"logGroupName": TRAINING_LOG_GROUP, "logStreamNamePrefix": prefix}
+        while len(events) < limit:
+            page = call(logs.filter_log_events, missing=f"no logs for job {job} yet", **kwargs)
+            events += page.get("events", [])
+            if not page.get("nextToken"):
+                break
+            kwargs["nextToken"] = page["nextToken"]
     host_of_stream = {event["logStreamName"]: event["logStreamName"].split("/", 1)[1].rsplit("-", 1)[0] for event in events}
     group_of_host = {match.group(1): match.group(2) for event in events if (match := GROUP_LINE.search(event["message"]))}
     chosen = []

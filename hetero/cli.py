@@ -3,9 +3,9 @@
     hetero validate examples/*.json                         # the platform's checks, offline
     hetero run examples/pytorch-heterogeneous.json --follow # start, watch, print the result
     hetero runs                                             # recent runs: status, step time, $ per 1k steps
-    hetero show RUN | hetero stop RUN | hetero logs RUN --host algo-2 --group data_group
+    hetero show RUN | hetero follow RUN | hetero stop RUN | hetero logs RUN --host algo-2 --group data_group
     hetero sweep examples/sweep.json --follow ; hetero report SWEEP_ID --open
-    hetero prices --types ml.p4d.24xlarge ml.c5.18xlarge
+    hetero prices ml.p4d.24xlarge ml.c5.18xlarge
     hetero local examples/pytorch-heterogeneous.json --channel train=build/images ; hetero demo
 
 The deployed stack (`--stack`, default HeteroTrainingPlatform) is found in `--region` with `--profile`'s
@@ -17,6 +17,7 @@ and a non-zero exit: 1 when the run or the request failed, 2 when the input was 
 from __future__ import annotations
 
 import json
+import sys
 import webbrowser
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -33,8 +35,10 @@ from hetero import api
 app = typer.Typer(help="The whole life of a training run on the platform: validate, run and follow, inspect, stop, sweep, report.",
                   no_args_is_help=True, rich_markup_mode="markdown",
                   epilog="Examples: hetero run examples/pytorch-heterogeneous.json --follow · hetero runs --json · hetero logs RUN --host algo-2")
-out = Console()
-err = Console(stderr=True)
+# Text from outside (log lines, AWS errors, spec fields, failure reasons) is escaped before Rich sees it:
+# "[rank0]" or "[/]" in a line is text, not markup.
+out = Console(emoji=False)
+err = Console(stderr=True, emoji=False)
 
 Stack = Annotated[str, typer.Option(help="The platform's CloudFormation stack.", envvar="HETERO_STACK")]
 Region = Annotated[str | None, typer.Option(help="The stack's AWS region.", envvar="AWS_REGION")]
@@ -46,7 +50,7 @@ SUCCEEDED = "SUCCEEDED"
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]hetero:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]hetero:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -55,7 +59,8 @@ def platform(stack: str, region: str | None, profile: str | None) -> api.Platfor
 
 
 def emit_json(value: Any) -> None:
-    out.print_json(json.dumps(value, default=str))
+    # Written as it is: no colour or wrapping ever (FORCE_COLOR included), so that a pipe reads JSON.
+    sys.stdout.write(json.dumps(value, default=str, indent=2) + "\n")
 
 
 # Offline ---------------------------------------------------------------------------------------------
@@ -80,9 +85,9 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
     else:
         for verdict in verdicts:
             if verdict["ok"]:
-                out.print(f"[green]ok[/]      {verdict['spec']}", highlight=False)
+                out.print(f"[green]ok[/]      {escape(verdict['spec'])}", highlight=False)
             else:
-                out.print(f"[red]refused[/] {verdict['error']}", highlight=False, soft_wrap=True)
+                out.print(f"[red]refused[/] {escape(verdict['error'])}", highlight=False, soft_wrap=True)
     if not all(verdict["ok"] for verdict in verdicts):
         raise typer.Exit(2)
 
@@ -94,43 +99,51 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
 def run(spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")],
         name: Annotated[str | None, typer.Option(help="The run's id (default: run_name and the time).")] = None,
         follow: Annotated[bool, typer.Option("--follow", "-f", help="Watch it to the end; exit 0 only if it succeeded.")] = False,
-        poll_s: Annotated[float, typer.Option(help="Seconds between looks when following.", min=0.1)] = 5.0,
+        poll_s: Annotated[float, typer.Option(help="Seconds between looks when following.", min=1.0)] = 5.0,
         stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, quiet: Quiet = False,
         as_json: AsJson = False) -> None:
-    """Start a training run from a spec (refused before anything starts if the spec is bad)."""
-    try:
-        api.validate(spec)
-    except api.ClientFacingError as error:
-        fail(str(error), 2)
+    """Start a training run from a spec (refused before anything starts if the spec or the name is bad).
+
+    Example: `hetero run examples/pytorch-heterogeneous.json --follow`"""
     target = platform(stack, region, profile)
-    started = guarded(lambda: api.launch(spec, target, name))
+    started = guarded(lambda: api.launch(spec, target, name))  # validates the spec and name before any AWS call
     if not quiet:
-        err.print(f"started run [bold]{started.name}[/]", highlight=False)
+        err.print(f"started run [bold]{escape(started.name)}[/]", highlight=False)
     if not follow:
-        emit_json({"run": started.name, "execution_arn": started.execution_arn}) if as_json else out.print(started.name, highlight=False)
+        emit_json({"run": started.name, "execution_arn": started.execution_arn}) if as_json else out.print(started.name, highlight=False, markup=False)
         return
-    status = watch(started, target, poll_s, quiet)
-    show_result(started, target, as_json)
-    raise typer.Exit(0 if status == SUCCEEDED else 1)
+    final = watch(started, target, poll_s, quiet)
+    show_result(started, target, as_json, final)
+    raise typer.Exit(0 if final.status == SUCCEEDED else 1)
+
+
+@app.command("follow")
+def follow_run(run_id: Annotated[str, typer.Argument(metavar="RUN")],
+               poll_s: Annotated[float, typer.Option(help="Seconds between looks.", min=1.0)] = 5.0,
+               stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, quiet: Quiet = False,
+               as_json: AsJson = False) -> None:
+    """Follow a run already started (after Ctrl-C, or from another terminal) to its end; exit 0 only if it
+    succeeded."""
+    target = platform(stack, region, profile)
+    started = api.run_of(run_id, target)
+    final = watch(started, target, poll_s, quiet)
+    show_result(started, target, as_json, final)
+    raise typer.Exit(0 if final.status == SUCCEEDED else 1)
 
 
 @app.command()
 def sweep(spec: Annotated[Path, typer.Argument(help="The sweep input (JSON).")],
           name: Annotated[str | None, typer.Option(help="The sweep's id (default: sweep_name and the time).")] = None,
           follow: Annotated[bool, typer.Option("--follow", "-f", help="Wait for the end; exit 0 only if it succeeded.")] = False,
-          poll_s: Annotated[float, typer.Option(min=0.1)] = 10.0,
+          poll_s: Annotated[float, typer.Option(min=1.0)] = 10.0,
           stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, quiet: Quiet = False) -> None:
     """Start a benchmark sweep; `hetero report SWEEP_ID` shows its report when it ends."""
-    try:
-        api.validate_sweep(spec)
-    except api.ClientFacingError as error:
-        fail(str(error), 2)
     target = platform(stack, region, profile)
     started = guarded(lambda: api.launch_sweep(spec, target, name))
-    out.print(started.name, highlight=False)
+    out.print(started.name, highlight=False, markup=False)
     if follow:
-        status = watch(started, target, poll_s, quiet)
-        raise typer.Exit(0 if status == SUCCEEDED else 1)
+        final = watch(started, target, poll_s, quiet)
+        raise typer.Exit(0 if final.status == SUCCEEDED else 1)
 
 
 @app.command()
@@ -141,11 +154,17 @@ def runs(limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
     if as_json:
         emit_json(rows)
         return
-    table = Table("run", "status", "started", "job", "step p50 (ms)", "$ per 1k steps")
-    for row in rows:
-        table.add_row(row["run"], coloured(row["status"]), row["started"][:16].replace("T", " "), row["job_status"] or "–",
-                      number(row["step_time_ms"], 1), number(row["cost_per_1k_steps_usd"], 4))
-    out.print(table)
+    headers = ("run", "status", "started", "job", "step p50 (ms)", "$ per 1k steps")
+    cells = [(row["run"], row["status"], row["started"][:16].replace("T", " "), row["job_status"] or "–",
+              number(row["step_time_ms"], 1), number(row["cost_per_1k_steps_usd"], 4)) for row in rows]
+    if not out.is_terminal:  # a pipe: tab-separated lines, every id whole (as gh prints for scripts)
+        sys.stdout.write("".join("\t".join(line) + "\n" for line in [headers, *cells]))
+        return
+    table = Table(*headers)
+    for run_id, status, *rest in cells:
+        table.add_row(escape(run_id), coloured(status), *rest)
+    # The run id is what show, stop and logs take: a narrow terminal wraps the table instead of cutting it.
+    out.print(table, crop=False, width=max(out.width, 60 + max([3, *(len(row["run"]) for row in rows)])))
 
 
 @app.command()
@@ -156,12 +175,13 @@ def show(run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = a
     described = guarded(lambda: api.describe(api.run_of(run_id, target), target))
     outcome = guarded(lambda: api.result(run_id, target))
     if as_json:
-        emit_json({"run": run_id, "status": described["status"], "started": described["startDate"],
-                   "stopped": described.get("stopDate"), "error": described.get("error"), "result": outcome})
+        emit_json({"run": run_id, "status": described["status"], "started": described["startDate"].isoformat(timespec="seconds"),
+                   "stopped": described["stopDate"].isoformat(timespec="seconds") if described.get("stopDate") else None,
+                   "error": described.get("error"), "cause": described.get("cause"), "result": outcome})
         return
-    out.print(f"[bold]{run_id}[/]  {coloured(described['status'])}  started {described['startDate']:%Y-%m-%d %H:%M:%S}", highlight=False)
+    out.print(f"[bold]{escape(run_id)}[/]  {coloured(described['status'])}  started {described['startDate']:%Y-%m-%d %H:%M:%S}", highlight=False)
     if described.get("error"):
-        out.print(f"{described['error']}: {described.get('cause', '')}", highlight=False, soft_wrap=True)
+        out.print(f"{described['error']}: {described.get('cause', '')}", highlight=False, soft_wrap=True, markup=False)
     if outcome:
         out.print(result_table(outcome))
 
@@ -190,7 +210,7 @@ def logs(run_id: Annotated[str, typer.Argument(metavar="RUN")],
         emit_json([{"host": name, "line": line} for name, line in lines])
         return
     for name, line in lines:
-        out.print(f"[cyan]\\[{name}][/] {line}", highlight=False, markup=True, soft_wrap=True)
+        out.print(f"[cyan]\\[{name}][/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -203,7 +223,10 @@ def report(sweep_id: Annotated[str, typer.Argument(metavar="SWEEP_ID")],
     saved = None
     if chart:
         saved = out_dir / f"{sweep_id}-chart.png"
-        saved.write_bytes(chart)
+        try:
+            saved.write_bytes(chart)
+        except OSError as error:
+            fail(f"cannot save the chart to {saved}: {error.strerror or error}", 2)
     if as_json:
         emit_json(report_json | {"chart": str(saved) if saved else None})
     else:
@@ -215,7 +238,7 @@ def report(sweep_id: Annotated[str, typer.Argument(metavar="SWEEP_ID")],
 
 
 @app.command()
-def prices(types: Annotated[list[str] | None, typer.Option("--types", help="Instance types (default: the catalog's).")] = None,
+def prices(types: Annotated[list[str] | None, typer.Argument(help="Instance types (default: the catalog's).", show_default=False)] = None,
            stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """$/hour of SageMaker training instances: the Price List API (cached by the platform), else the dated
     fallback table; always with the source and date."""
@@ -225,8 +248,12 @@ def prices(types: Annotated[list[str] | None, typer.Option("--types", help="Inst
     target = platform(stack, region, profile)
     wanted = list(types or sorted(CATALOG))
     day = datetime.now(UTC).strftime("%Y-%m-%d")
+    from lambdas.core.pricing import PRICING_REGION
+
+    # The Price List API answers in a few regions only; the prices asked for are the stack's region's.
+    pricing = target.session.client("pricing", region_name=PRICING_REGION, config=api.RETRIES)
     quoted = guarded(lambda: prices_for(wanted, region=target.session.region_name or "us-east-1", day=day,
-                                       pricing=target.client("pricing"), s3=target.client("s3"), bucket=target.results_bucket))
+                                       pricing=pricing, s3=target.client("s3"), bucket=target.results_bucket))
     rows = {name: quoted.usd_per_hour.get(name) for name in wanted}
     if as_json:
         emit_json({"source": quoted.source, "date": quoted.date, "usd_per_hour": rows})
@@ -244,17 +271,26 @@ def prices(types: Annotated[list[str] | None, typer.Option("--types", help="Inst
 def local(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")]) -> None:
     """Run a spec on the emulated cluster on this machine (the options of `python -m training.local run`:
     --channel train=DIR, --set key=value, --processes-per-host, --cpus ...)."""
-    from training.local.__main__ import main as local_main
-
+    local_main = emulator("training.local.__main__")
     raise typer.Exit(local_main(["run", str(spec), *ctx.args]) or 0)
 
 
 @app.command()
 def demo() -> None:
     """The demo: the example specs on the emulated cluster, compared, offline."""
-    from training.local.demo import main as demo_main
-
+    demo_main = emulator("training.local.demo")
     raise typer.Exit(demo_main([]) or 0)
+
+
+def emulator(module: str):
+    """The emulated cluster's entry point; it needs the trainers' packages (torch, grpc, ...), which the
+    client alone does not install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module).main
+    except ImportError as error:
+        fail(f"the emulated cluster needs the platform's environment ({error.name} is missing): run `make venv` and use .venv/bin/hetero")
 
 
 # Rendering -------------------------------------------------------------------------------------------
@@ -263,31 +299,41 @@ def demo() -> None:
 def guarded(action):
     try:
         return action()
-    except api.SpecRefused as error:
+    except api.InputRefused as error:
         fail(str(error), 2)
     except api.ClientFacingError as error:
         fail(str(error))
 
 
-def watch(started: api.Run, target: api.Platform, poll_s: float, quiet: bool) -> str:
-    """Follow a run to its end, a progress bar over its steps on stderr; its final status."""
-    status = "RUNNING"
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                  TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=err, disable=quiet, transient=False) as bar:
-        task = bar.add_task(started.name, total=None, metrics="")
-        for event in guarded(lambda: list_follow(started, target, poll_s)):
-            if event.kind == "progress":
-                shown = " ".join(f"{key}={value:g}" for key, value in event.metrics.items() if key in ("step_time_ms", "samples_per_s", "loss"))
-                bar.update(task, completed=event.step, total=event.steps, metrics=shown)
-            elif event.kind in ("execution", "job") and not quiet:
-                bar.console.print(f"{event.kind}: {coloured(event.status)} {event.message}".rstrip(), highlight=False)
-            elif event.kind == "done":
-                status = event.status
-    return status
+def watch(started: api.Run, target: api.Platform, poll_s: float, quiet: bool) -> api.Event:
+    """Follow a run to its end, a progress bar over its steps on stderr; its "done" event. Ctrl-C leaves
+    the run going and says how to come back to it."""
+    final = api.Event("done", status="UNKNOWN")
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[steps]}"),
+                      TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=err, disable=quiet) as bar:
+            task = bar.add_task(escape(started.name), total=None, steps="", metrics="")
+            for event in events_of(started, target, poll_s):
+                if event.kind == "progress":
+                    shown = " ".join(f"{key}={value:g}" for key, value in event.metrics.items() if key in ("step_time_ms", "samples_per_s", "loss"))
+                    bar.update(task, completed=event.step, total=event.steps, steps=f"{event.step}/{event.steps} steps", metrics=shown)
+                elif event.kind in ("execution", "job") and not quiet:
+                    bar.console.print(f"{event.kind}: {coloured(event.status)} {escape(event.message)}".rstrip(), highlight=False)
+                elif event.kind == "warning":
+                    bar.console.print(f"[yellow]warning:[/] {escape(event.message)} (still following)", highlight=False)
+                elif event.kind == "done":
+                    final = event
+    except KeyboardInterrupt:
+        err.print(f"run {escape(started.name)} goes on: `hetero follow {escape(started.name)}` to come back, "
+                  f"`hetero stop {escape(started.name)}` to stop it", highlight=False)
+        raise typer.Exit(130) from None
+    if final.message:
+        err.print(f"{coloured(final.status)}: {escape(final.message)}", highlight=False, soft_wrap=True)
+    return final
 
 
-def list_follow(started: api.Run, target: api.Platform, poll_s: float):
-    # A generator's errors surface while iterating: wrap each step so they reach `guarded` as one line.
+def events_of(started: api.Run, target: api.Platform, poll_s: float):
+    # A generator's errors surface while iterating: each becomes one line and an exit here.
     events = api.follow(started, target, poll_s)
     while True:
         try:
@@ -298,14 +344,15 @@ def list_follow(started: api.Run, target: api.Platform, poll_s: float):
             fail(str(error))
 
 
-def show_result(started: api.Run, target: api.Platform, as_json: bool) -> None:
+def show_result(started: api.Run, target: api.Platform, as_json: bool, final: api.Event) -> None:
     outcome = guarded(lambda: api.result(started, target))
     if as_json:
-        emit_json({"run": started.name, "result": outcome})
+        error, _, cause = final.message.partition(": ")
+        emit_json({"run": started.name, "status": final.status, "error": error or None, "cause": cause or None, "result": outcome})
     elif outcome:
         out.print(result_table(outcome))
     else:
-        err.print("no result.json for this run", highlight=False)
+        err.print("no result.json for this run (it ended before a job ran: see the error above)", highlight=False)
 
 
 def result_table(outcome: dict[str, Any]) -> Table:
@@ -314,13 +361,13 @@ def result_table(outcome: dict[str, Any]) -> Table:
     startup = outcome.get("startup") or {}
     for label, value in (
         ("status", coloured(outcome.get("status") or "–")),
-        ("job", f"{outcome.get('job_name') or '–'} ({outcome.get('job_status')})"),
-        ("failure", outcome.get("failure_reason") or "–"),
+        ("job", escape(f"{outcome.get('job_name') or '–'} ({outcome.get('job_status')})")),
+        ("failure", escape(outcome.get("failure_reason") or "–")),
         ("step time p50 / p90", f"{number(step.get('p50'), 1)} / {number(step.get('p90'), 1)} ms"),
         ("samples/s", number(outcome.get("samples_per_s"), 1)),
         ("$/hour", number(outcome.get("usd_per_hour"), 3)),
         ("$ per 1k steps", number(outcome.get("cost_per_1k_steps_usd"), 4)),
-        ("run cost", f"${number(outcome.get('run_cost_usd'), 2)}"),
+        ("run cost", "–" if outcome.get("run_cost_usd") is None else f"${outcome['run_cost_usd']:.2f}"),
         ("first batch", "–" if startup.get("billed_to_first_batch_s") is None else f"{startup['billed_to_first_batch_s']:.1f} s after billing began"),
     ):
         table.add_row(label, value)

@@ -81,7 +81,7 @@ def test_run_follow_shows_the_job_its_steps_and_the_result_and_exits_0(run, tmp_
     harness = run(Scenario(summary=SUMMARY, runs_for_s=2.0))
     deploy(harness)
     write_logs(harness, HOST_LINES)
-    result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-ok", "--follow", "--poll-s", "0.3"])
+    result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-ok", "--follow", "--poll-s", "1"])
     assert result.exit_code == 0, result.output + result.stderr
     assert "started run cli-ok" in result.stderr and "10/10 steps" in result.stderr
     assert "job: InProgress" in result.stderr and "SUCCEEDED" in result.stderr
@@ -92,25 +92,59 @@ def test_run_follow_shows_the_job_its_steps_and_the_result_and_exits_0(run, tmp_
 def test_run_follow_of_a_failing_run_shows_why_and_exits_1(run, tmp_path: Path) -> None:
     harness = run(Scenario(final_status="Failed", failure_reason="AlgorithmError: trainer exited with 137"))
     deploy(harness)
-    result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-bad", "--follow", "--poll-s", "0.3", "--json"])
+    result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-bad", "--follow", "--poll-s", "1", "--json"])
     assert result.exit_code == 1, result.output
     assert "FAILED" in result.stderr
     document = json.loads(result.stdout)
-    assert document["run"] == "cli-bad" and document["result"]["failure_reason"].startswith("AlgorithmError")
+    assert document["run"] == "cli-bad" and document["status"] == "FAILED" and document["error"] == "TrainingJobFailed"
+    assert document["result"]["failure_reason"].startswith("AlgorithmError")
+
+
+def test_a_run_refused_by_the_deployment_before_any_job_says_why(run, tmp_path: Path) -> None:
+    """Offline validation passes; the deployment's cost ceiling refuses it at the start."""
+    harness = run(Scenario())
+    deploy(harness)
+    costly = SPEC | {"max_runtime_s": 5 * 24 * 3600, "instance_groups": [
+        SPEC["instance_groups"][0], SPEC["instance_groups"][1] | {"instance_type": "ml.p4d.24xlarge", "count": 20}]}
+    result = runner().invoke(app, ["run", str(spec_file(tmp_path, costly)), "--name", "cli-costly", "--follow", "--poll-s", "1"])
+    assert result.exit_code == 1
+    assert "InvalidJobSpec" in result.stderr and "above the ceiling of $1,000.00" in result.stderr.replace("\n", " ")
+    assert harness.training_jobs() == []
+
+
+def test_text_from_outside_is_shown_as_it_is_and_json_stays_json(run, tmp_path: Path) -> None:
+    """Log lines, failure reasons and spec fields are text, not Rich markup; --json is plain JSON even
+    when colour is forced."""
+    harness = run(Scenario(final_status="Failed", failure_reason="expected input[batch, 3, 224, 224] got [b, 1] [/]"))
+    deploy(harness)
+    write_logs(harness, {"algo-1": ["[rank0]: RuntimeError: bad [/] :thumbs_up:"]})
+    assert runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-text", "--follow", "--poll-s", "1"]).exit_code == 1
+    lines = runner().invoke(app, ["logs", "cli-text"])
+    assert lines.exit_code == 0 and "[algo-1] [rank0]: RuntimeError: bad [/] :thumbs_up:" in lines.stdout
+    shown = runner().invoke(app, ["show", "cli-text"], terminal_width=200)
+    assert "expected input[batch, 3, 224, 224] got [b, 1] [/]" in shown.stdout
+    odd = spec_file(tmp_path, SPEC | {"[/]": 1})
+    checked = runner().invoke(app, ["validate", str(odd), "--json"], env={"FORCE_COLOR": "1"})
+    assert checked.exit_code == 2 and json.loads(checked.stdout)[0]["field"] == "[/]"
 
 
 def test_runs_show_and_stop(run, tmp_path: Path) -> None:
     harness = run(Scenario(summary=SUMMARY, runs_for_s=30))
     deploy(harness)
-    started = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-long", "--quiet"])
-    assert started.exit_code == 0 and started.stdout.strip() == "cli-long"
+    long_name = "vision-hetero-" + "x" * 50 + "-20261201-101500"  # a long id, as the default names are
+    started = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", long_name, "--quiet"])
+    assert started.exit_code == 0 and started.stdout.strip() == long_name
     listed = runner().invoke(app, ["runs", "--json"])
-    assert listed.exit_code == 0 and [row["run"] for row in json.loads(listed.stdout)] == ["cli-long"]
+    assert listed.exit_code == 0 and [row["run"] for row in json.loads(listed.stdout)] == [long_name]
     assert json.loads(listed.stdout)[0]["status"] == "RUNNING"
+    table = runner().invoke(app, ["runs"], terminal_width=80)
+    assert f"{long_name}\tRUNNING\t" in table.stdout  # a pipe gets whole ids, tab-separated: what the other commands take
+    assert runner().invoke(app, ["stop", long_name]).exit_code == 0
+    assert harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + f":{long_name}", timeout_s=30)["status"] == "ABORTED"
+    # Another run of its own name (the platform refuses a run name whose job is still running).
+    started = runner().invoke(app, ["run", str(spec_file(tmp_path, SPEC | {"run_name": "second"})), "--name", "cli-long", "--quiet"])
     shown = runner().invoke(app, ["show", "cli-long", "--json"])
     assert shown.exit_code == 0 and json.loads(shown.stdout)["status"] == "RUNNING"
-    table = runner().invoke(app, ["runs"])
-    assert "cli-long" in table.stdout and "RUNNING" in table.stdout
     stopped = runner().invoke(app, ["stop", "cli-long"])
     assert stopped.exit_code == 0 and "stopping cli-long" in stopped.stdout
     assert harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":cli-long", timeout_s=30)["status"] == "ABORTED"
@@ -161,6 +195,10 @@ def test_bad_specs_are_refused_by_validate_and_by_run_before_anything_starts(run
     assert started.exit_code == 2 and "instance_groups" in started.stderr
     assert harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"] == []
     assert runner().invoke(app, ["run", str(tmp_path / "absent.json")]).exit_code == 2
+    for name in ("a.b", "x" * 81):
+        named = runner().invoke(app, ["run", str(EXAMPLES / "pytorch-heterogeneous.json"), "--name", name])
+        assert named.exit_code == 2 and "--name" in named.stderr
+    assert harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"] == []
 
 
 def test_a_missing_stack_is_one_clear_line(run, tmp_path: Path) -> None:
@@ -178,3 +216,12 @@ def test_missing_credentials_are_one_clear_line(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     result = runner().invoke(app, ["runs", "--region", REGION])
     assert result.exit_code == 1 and "no AWS credentials" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_local_hands_its_options_to_the_emulated_cluster(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    bad = spec_file(tmp_path, SPEC | {"instance_groups": []})
+    result = runner().invoke(app, ["local", str(bad), "--channel", f"train={tmp_path}", "--set", "steps=3"])
+    assert result.exit_code == 2  # the emulated cluster's own refusal, with its exit code
+    assert "JobSpecError: instance_groups: must be a non-empty list" in capfd.readouterr().err + result.stderr
+    unknown = runner().invoke(app, ["local", str(EXAMPLES / "pytorch-heterogeneous.json"), "--no-such-option"])
+    assert unknown.exit_code == 2
