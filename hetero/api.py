@@ -387,10 +387,21 @@ def stop(run: Run, platform: Platform | None = None) -> str:
     return status
 
 
+def seconds(duration: str) -> float:
+    """30s, 10m, 2h, 1d → seconds. Pure."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", duration.strip())
+    if not match:
+        raise ValueError(f"--since {duration!r}: a number and s, m, h or d (30s, 10m, 2h, 1d)")
+    return float(match.group(1)) * units[match.group(2)]
+
+
 def log_lines(run: Run, platform: Platform | None = None, hosts: set[str] | None = None, groups: set[str] | None = None,
-              limit: int = 10_000) -> list[tuple[str, str]]:
+              limit: int = 10_000, since: float | None = None) -> list[tuple[str, str]]:
     """(host, line) of the run's job, oldest first, for the given hosts and/or instance groups (a host's
-    group is what its launcher logged: SageMaker names streams by host only)."""
+    group is what its launcher logged: SageMaker names streams by host only), at most ``limit`` lines
+    from ``since`` (epoch seconds) on. With ``since`` and groups, a host whose launcher line is older
+    than ``since`` is not known to be in the group."""
     platform = platform or Platform()
     job = job_name(run, platform)
     if job is None:
@@ -401,6 +412,8 @@ def log_lines(run: Run, platform: Platform | None = None, hosts: set[str] | None
     # from their launchers' lines, so a group filter reads every stream.
     for prefix in ([f"{job}/{host}-" for host in sorted(hosts)] if hosts and not groups else [f"{job}/"]):
         kwargs: dict[str, Any] = {"logGroupName": TRAINING_LOG_GROUP, "logStreamNamePrefix": prefix}
+        if since is not None:
+            kwargs["startTime"] = int(since * 1000)
         while len(events) < limit:
             page = call(logs.filter_log_events, missing=f"no logs for job {job} yet", **kwargs)
             events += page.get("events", [])

@@ -40,7 +40,7 @@ app = typer.Typer(help="The whole life of a training run on the platform: valida
 out = Console(emoji=False)
 err = Console(stderr=True, emoji=False)
 
-Stack = Annotated[str, typer.Option(help="The platform's CloudFormation stack.", envvar="HETERO_STACK")]
+Stack = Annotated[str | None, typer.Option(help="The platform's CloudFormation stack (default HeteroTrainingPlatform).", envvar="HETERO_STACK")]
 Region = Annotated[str | None, typer.Option(help="The stack's AWS region.", envvar="AWS_REGION")]
 Profile = Annotated[str | None, typer.Option(help="AWS CLI profile for the credentials.", envvar="AWS_PROFILE")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout, for scripts.")]
@@ -54,8 +54,17 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def platform(stack: str, region: str | None, profile: str | None) -> api.Platform:
-    return api.Platform(stack=stack, region=region, profile=profile)
+@app.callback()
+def where(ctx: typer.Context, stack: Stack = None, region: Region = None, profile: Profile = None) -> None:
+    """--stack, --region and --profile may come before the command too, as the AWS CLI takes them."""
+    ctx.obj = {"stack": stack, "region": region, "profile": profile}
+
+
+def platform(ctx: typer.Context, stack: str | None, region: str | None, profile: str | None) -> api.Platform:
+    """The platform the command's options name, else the ones given before the command, else the defaults."""
+    given = (ctx.parent.obj if ctx.parent is not None else None) or {}
+    return api.Platform(stack=stack or given.get("stack") or api.DEFAULT_STACK, region=region or given.get("region"),
+                        profile=profile or given.get("profile"))
 
 
 def emit_json(value: Any) -> None:
@@ -96,16 +105,16 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
 
 
 @app.command()
-def run(spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")],
+def run(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")],
         name: Annotated[str | None, typer.Option(help="The run's id (default: run_name and the time).")] = None,
         follow: Annotated[bool, typer.Option("--follow", "-f", help="Watch it to the end; exit 0 only if it succeeded.")] = False,
         poll_s: Annotated[float, typer.Option(help="Seconds between looks when following.", min=1.0)] = 5.0,
-        stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, quiet: Quiet = False,
+        stack: Stack = None, region: Region = None, profile: Profile = None, quiet: Quiet = False,
         as_json: AsJson = False) -> None:
     """Start a training run from a spec (refused before anything starts if the spec or the name is bad).
 
     Example: `hetero run examples/pytorch-heterogeneous.json --follow`"""
-    target = platform(stack, region, profile)
+    target = platform(ctx, stack, region, profile)
     started = guarded(lambda: api.launch(spec, target, name))  # validates the spec and name before any AWS call
     if not quiet:
         err.print(f"started run [bold]{escape(started.name)}[/]", highlight=False)
@@ -118,13 +127,13 @@ def run(spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")],
 
 
 @app.command("follow")
-def follow_run(run_id: Annotated[str, typer.Argument(metavar="RUN")],
+def follow_run(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")],
                poll_s: Annotated[float, typer.Option(help="Seconds between looks.", min=1.0)] = 5.0,
-               stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, quiet: Quiet = False,
+               stack: Stack = None, region: Region = None, profile: Profile = None, quiet: Quiet = False,
                as_json: AsJson = False) -> None:
     """Follow a run already started (after Ctrl-C, or from another terminal) to its end; exit 0 only if it
     succeeded."""
-    target = platform(stack, region, profile)
+    target = platform(ctx, stack, region, profile)
     started = api.run_of(run_id, target)
     final = watch(started, target, poll_s, quiet)
     show_result(started, target, as_json, final)
@@ -132,13 +141,13 @@ def follow_run(run_id: Annotated[str, typer.Argument(metavar="RUN")],
 
 
 @app.command()
-def sweep(spec: Annotated[Path, typer.Argument(help="The sweep input (JSON).")],
+def sweep(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The sweep input (JSON).")],
           name: Annotated[str | None, typer.Option(help="The sweep's id (default: sweep_name and the time).")] = None,
           follow: Annotated[bool, typer.Option("--follow", "-f", help="Wait for the end; exit 0 only if it succeeded.")] = False,
           poll_s: Annotated[float, typer.Option(min=1.0)] = 10.0,
-          stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, quiet: Quiet = False) -> None:
+          stack: Stack = None, region: Region = None, profile: Profile = None, quiet: Quiet = False) -> None:
     """Start a benchmark sweep; `hetero report SWEEP_ID` shows its report when it ends."""
-    target = platform(stack, region, profile)
+    target = platform(ctx, stack, region, profile)
     started = guarded(lambda: api.launch_sweep(spec, target, name))
     out.print(started.name, highlight=False, markup=False)
     if follow:
@@ -147,10 +156,10 @@ def sweep(spec: Annotated[Path, typer.Argument(help="The sweep input (JSON).")],
 
 
 @app.command()
-def runs(limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
-         stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
+def runs(ctx: typer.Context, limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
+         stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """Recent runs, newest first: status, step time, cost per 1k steps."""
-    rows = guarded(lambda: api.runs(platform(stack, region, profile), limit))
+    rows = guarded(lambda: api.runs(platform(ctx, stack, region, profile), limit))
     if as_json:
         emit_json(rows)
         return
@@ -168,10 +177,10 @@ def runs(limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
 
 
 @app.command()
-def show(run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = api.DEFAULT_STACK, region: Region = None,
+def show(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = None, region: Region = None,
          profile: Profile = None, as_json: AsJson = False) -> None:
     """A run's status and result."""
-    target = platform(stack, region, profile)
+    target = platform(ctx, stack, region, profile)
     described = guarded(lambda: api.describe(api.run_of(run_id, target), target))
     outcome = guarded(lambda: api.result(run_id, target))
     if as_json:
@@ -187,10 +196,10 @@ def show(run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = a
 
 
 @app.command()
-def stop(run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = api.DEFAULT_STACK, region: Region = None,
+def stop(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = None, region: Region = None,
          profile: Profile = None) -> None:
     """Stop a run: its execution ends and the platform stops its training job."""
-    target = platform(stack, region, profile)
+    target = platform(ctx, stack, region, profile)
     was = guarded(lambda: api.stop(api.run_of(run_id, target), target))
     if was == "RUNNING":
         out.print(f"stopping {run_id}: its training job is stopped by the platform", highlight=False)
@@ -199,13 +208,23 @@ def stop(run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = a
 
 
 @app.command()
-def logs(run_id: Annotated[str, typer.Argument(metavar="RUN")],
+def logs(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")],
          host: Annotated[list[str] | None, typer.Option(help="Only this host's lines (algo-2); repeatable.")] = None,
          group: Annotated[list[str] | None, typer.Option(help="Only this instance group's hosts; repeatable.")] = None,
-         stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
+         tail: Annotated[int | None, typer.Option(help="Only the last N lines.", min=1)] = None,
+         since: Annotated[str | None, typer.Option(help="Only lines of the last 30s, 10m, 2h or 1d.")] = None,
+         stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """The job's log lines, host by host tagged, filterable by host and by instance group."""
-    target = platform(stack, region, profile)
-    lines = guarded(lambda: api.log_lines(api.run_of(run_id, target), target, set(host or ()), set(group or ())))
+    target = platform(ctx, stack, region, profile)
+    start = None
+    if since is not None:
+        try:
+            start = datetime.now(UTC).timestamp() - api.seconds(since)
+        except ValueError as error:
+            fail(str(error), 2)
+    lines = guarded(lambda: api.log_lines(api.run_of(run_id, target), target, set(host or ()), set(group or ()), since=start))
+    if tail is not None:
+        lines = lines[-tail:]
     if as_json:
         emit_json([{"host": name, "line": line} for name, line in lines])
         return
@@ -214,12 +233,12 @@ def logs(run_id: Annotated[str, typer.Argument(metavar="RUN")],
 
 
 @app.command()
-def report(sweep_id: Annotated[str, typer.Argument(metavar="SWEEP_ID")],
+def report(ctx: typer.Context, sweep_id: Annotated[str, typer.Argument(metavar="SWEEP_ID")],
            open_chart: Annotated[bool, typer.Option("--open", help="Open the saved chart.")] = False,
            out_dir: Annotated[Path, typer.Option(help="Where chart.png is saved.")] = Path("."),
-           stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
+           stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """A finished sweep's report, rendered; its chart saved as <SWEEP_ID>-chart.png."""
-    markdown, report_json, chart = guarded(lambda: api.sweep_report(sweep_id, platform(stack, region, profile)))
+    markdown, report_json, chart = guarded(lambda: api.sweep_report(sweep_id, platform(ctx, stack, region, profile)))
     saved = None
     if chart:
         saved = out_dir / f"{sweep_id}-chart.png"
@@ -238,14 +257,14 @@ def report(sweep_id: Annotated[str, typer.Argument(metavar="SWEEP_ID")],
 
 
 @app.command()
-def prices(types: Annotated[list[str] | None, typer.Argument(help="Instance types (default: the catalog's).", show_default=False)] = None,
-           stack: Stack = api.DEFAULT_STACK, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
+def prices(ctx: typer.Context, types: Annotated[list[str] | None, typer.Argument(help="Instance types (default: the catalog's).", show_default=False)] = None,
+           stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """$/hour of SageMaker training instances: the Price List API (cached by the platform), else the dated
     fallback table; always with the source and date."""
     from lambdas.core.catalog import CATALOG
     from lambdas.core.pricing import prices_for
 
-    target = platform(stack, region, profile)
+    target = platform(ctx, stack, region, profile)
     wanted = list(types or sorted(CATALOG))
     day = datetime.now(UTC).strftime("%Y-%m-%d")
     from lambdas.core.pricing import PRICING_REGION

@@ -165,6 +165,10 @@ def test_logs_are_filtered_by_host_and_by_instance_group(run, tmp_path: Path) ->
     assert by_group.exit_code == 0 and "[algo-2] step=10/10" in by_group.stdout and "algo-1" not in by_group.stdout
     everything = json.loads(runner().invoke(app, ["logs", "cli-logs", "--json"]).stdout)
     assert len(everything) == 5
+    last = json.loads(runner().invoke(app, ["logs", "cli-logs", "--json", "--tail", "2"]).stdout)
+    assert [line["line"] for line in last] == [line["line"] for line in everything[-2:]]
+    assert len(json.loads(runner().invoke(app, ["logs", "cli-logs", "--json", "--since", "1h"]).stdout)) == 5
+    assert runner().invoke(app, ["logs", "cli-logs", "--since", "yesterday"]).exit_code == 2
     assert runner().invoke(app, ["stop", "cli-logs"]).exit_code == 0  # no execution outlives the test's fake AWS
     assert harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":cli-logs", timeout_s=30)["status"] == "ABORTED"
 
@@ -206,6 +210,11 @@ def test_a_missing_stack_is_one_clear_line(run, tmp_path: Path) -> None:
     result = runner().invoke(app, ["runs"])
     assert result.exit_code == 1 and result.stderr.strip() == (
         "hetero: stack 'HeteroTrainingPlatform' not found: deploy the platform (`cdk deploy`) or pass --stack/--region")
+    # The AWS CLI's options may come before the command too; the command's own win.
+    before = runner().invoke(app, ["--stack", "Elsewhere", "runs"])
+    assert before.exit_code == 1 and "stack 'Elsewhere' not found" in before.stderr
+    both = runner().invoke(app, ["--stack", "Elsewhere", "show", "x", "--stack", "Mine"])
+    assert both.exit_code == 1 and "stack 'Mine' not found" in both.stderr
 
 
 def test_missing_credentials_are_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
