@@ -149,13 +149,35 @@ def test_a_trainer_counts_each_epoch_of_two_replicated_data_hosts_exactly_once(i
 
     with data_host(images, hosts=2, host_index=0) as first, data_host(images, hosts=2, host_index=1) as second:
         dataset = DataServiceDataset([first.target, second.target], 8, TOKEN, "test")
-        # Two epochs of each host's 48-image share: 6 batches each.
+        # Until two epochs of each host's 48-image share went to training (12 batches each; a host's batches
+        # are handed over in the order it made them). Arrived is not enough: some wait in the queue.
+        def handed_over(host: str) -> int:
+            return sum(count for count, _ in dataset.stats.ledger.as_dict()["epochs"].get(host, {}).values())
+
         batches = iter(dataset)
-        taken = take_until(batches, lambda: all(state.batches >= 12 for state in dataset.stats.hosts.values()), timeout_s=60)
-        report = epoch_report(dataset.stats.ledger.as_dict(), {first.target: 48, second.target: 48}, per_host=False)
+        taken = take_until(batches, lambda: all(handed_over(host) >= 96 for host in (first.target, second.target)), timeout_s=60)
+        report = epoch_report(dataset.stats.ledger.as_dict(), {"channel": 96}, per_host=False)
     assert report["exactly_once"][:2] == ["0", "1"] and report["not_exactly_once"] == [] and report["duplicates"] == 0, report
     # What was handed over, not what arrived: the batches still queued are in no epoch.
     assert 96 * len(report["exactly_once"]) + sum(report["incomplete"].values()) == taken * 8
+
+
+def test_a_trainer_of_a_replicated_channel_starts_without_waiting_for_every_data_host(images: Path, tmp_path: Path) -> None:
+    """Its epochs are the channel's, so one Describe tells their size: a data host that never comes up
+    (here algo-2: nothing listens at its address) leaves training to the others, as the client does."""
+    import json
+
+    from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
+    from training.cluster import BASE_DIR_ENV, HOST_ADDRESSES_ENV
+    from training.trainers.pytorch_vision import build_trainer
+
+    with data_host(images, hosts=2) as live:
+        hyperparameters = platform_hyperparameters(data_service_port=live.settings.port, data_connect_timeout_s=3, model="cnn",
+                                                   cnn_width=8, image_size=32, batch_size=8, steps=10)
+        base = write_host_tree(tmp_path / "algo-3", hetero_resource_config("algo-3"), hyperparameters)
+        addresses = {"algo-1": live.settings.bind_address, "algo-2": "127.0.77.254", "algo-3": "127.0.0.1"}
+        trainer = build_trainer({BASE_DIR_ENV: str(base), HOST_ADDRESSES_ENV: json.dumps(addresses)})
+    assert trainer.source == "data_service" and trainer.epoch_samples == {"channel": 96} and not trainer.sharded
 
 
 def take_until(iterator: Iterator, done, timeout_s: float = 15.0) -> int:

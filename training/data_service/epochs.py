@@ -8,7 +8,7 @@ batches prefetched when training ends were never trained), and keeps per data ho
 turns and the sum of a 64-bit hash of their sample ids (``EpochLedger``): a few integers per epoch,
 whatever the dataset's size, so every rank's ledger is gathered at the end for nothing. Summed over the
 ranks, an epoch whose count equals the samples it holds (a sharded channel: each host's own shard, whose ids
-are its own; a replicated one: the channel, whose epoch the hosts split, DatasetInfo.epoch_samples summed)
+are its own; a replicated one: the channel, whose epoch the hosts split)
 and whose hash sum equals that of exactly those samples had each once (splitmix64 is a bijection: one sample twice and one missing
 never collide; other differences collide with probability ~2⁻⁶⁴); more turns, or the same count with another
 sum, did not. An epoch with fewer turns is ``incomplete``: one being read when training ended, or one whose
@@ -46,6 +46,13 @@ def hash_sum(ids: np.ndarray) -> int:
     return int(sample_hash(ids).sum(dtype=np.uint64)) & _MASK
 
 
+def _credit(book: dict[int, list[int]], epoch: int, count: int, digest: int) -> None:
+    """Add ``count`` turns with hash sum ``digest`` to ``book``'s epoch (receipts add up, sums modulo 2⁶⁴)."""
+    entry = book.setdefault(int(epoch), [0, 0])
+    entry[0] += count
+    entry[1] = (entry[1] + digest) & _MASK
+
+
 @dataclass
 class EpochLedger:
     """One trainer process's receipts, per data host (its address) and epoch: [turns, hash sum]."""
@@ -67,9 +74,7 @@ class EpochLedger:
             book = self.epochs.setdefault(scope, {})
             for epoch in np.unique(epochs).tolist():
                 chosen = epochs == epoch
-                entry = book.setdefault(int(epoch), [0, 0])
-                entry[0] += int(chosen.sum())
-                entry[1] = (entry[1] + hash_sum(sample_ids[chosen])) & _MASK
+                _credit(book, epoch, int(chosen.sum()), hash_sum(sample_ids[chosen]))
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -85,27 +90,23 @@ def merge(ledgers: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         total["untagged_batches"] += ledger.get("untagged_batches", 0)
         for scope, book in ledger.get("epochs", {}).items():
             for epoch, (count, digest) in book.items():
-                entry = total["epochs"].setdefault(scope, {}).setdefault(int(epoch), [0, 0])
-                entry[0] += count
-                entry[1] = (entry[1] + digest) & _MASK
+                _credit(total["epochs"].setdefault(scope, {}), epoch, count, digest)
     return total
 
 
 def epoch_report(receipts: Mapping[str, Any], samples: Mapping[str, int], per_host: bool) -> dict[str, Any]:
-    """What the summary says about epochs (see the module docstring). ``samples``: per data host, the
-    samples one of its epochs holds. ``per_host``: each host serves its own shard (ids are its own);
-    else the hosts split each of the channel's epochs, which is checked whole: the hosts' receipts of
-    epoch e together against the channel's samples (the sum of the hosts' parts)."""
+    """What the summary says about epochs (see the module docstring). ``per_host``: each host serves its
+    own shard (ids are its own), ``samples`` gives each host's shard size; else the hosts split each of the
+    channel's epochs, which is checked whole: the hosts' receipts of epoch e together against the
+    channel's samples (``samples`` is {"channel": n})."""
     books: Mapping[str, Mapping[int, list[int]]] = receipts.get("epochs", {})
     expected = dict(samples)
     if not per_host:
         channel: dict[int, list[int]] = {}
         for book in books.values():
             for epoch, (count, digest) in book.items():
-                entry = channel.setdefault(int(epoch), [0, 0])
-                entry[0] += count
-                entry[1] = (entry[1] + digest) & _MASK
-        books, expected = {"channel": channel}, {"channel": sum(samples.values())} if samples else {}
+                _credit(channel, epoch, count, digest)
+        books = {"channel": channel}
     exact, broken, incomplete = [], [], {}
     duplicates = 0
     for scope in sorted(books):

@@ -323,9 +323,8 @@ def slot_tags(indices: list[int], spares: list[int], epochs: list[int], slots: l
 
 
 class DataServiceServicer(pb_grpc.DataServiceServicer):
-    def __init__(self, settings: ServerSettings, folder: ImageDataset, producer: BatchSource, host_index: int = 0) -> None:
+    def __init__(self, settings: ServerSettings, folder: ImageDataset, producer: BatchSource) -> None:
         self._settings = settings
-        self._host_index = host_index
         self._folder = folder
         self._producer = producer
         self._lock = threading.Lock()
@@ -358,7 +357,6 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             workers=self._settings.workers,
             sharded=self._settings.sharded,
             labels_are_indices=bool(self._folder.shard_ends),
-            epoch_samples=epoch_share(len(self._folder), self._host_index, self._settings.hosts, self._settings.sharded),
         )
 
     def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -448,7 +446,7 @@ def serve(
         hosts=settings.hosts,
         sharded=settings.sharded,
     )
-    servicer = DataServiceServicer(settings, folder, producer, host_index)
+    servicer = DataServiceServicer(settings, folder, producer)
     server = grpc.server(
         # One thread per open stream (every trainer process of every DNN host holds one), plus the
         # control calls: a stream beyond the pool would wait for a thread and never get a batch.

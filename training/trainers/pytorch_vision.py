@@ -213,8 +213,8 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         self.source = source
         self.local_folder = local_folder
         self.service = service
-        # The samples one epoch of each data host (by address) holds: what the summary's epoch
-        # accounting checks the trainers' receipts against.
+        # The samples one epoch holds: per data host (by address) for a sharded channel, else the
+        # channel's ({"channel": n}): what the summary's epoch accounting checks receipts against.
         self.epoch_samples = dict(epoch_samples or {})
         self.sharded = sharded  # each data host serves its own shard: its epochs are checked on their own
         self.cpus = cpus
@@ -416,10 +416,15 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
                 f"data host {info.host} makes batches of {info.batch_size} × {tuple(info.sample_shape)}, "
                 f"this trainer expects {config.batch_size} × {config.augment_config.sample_shape}"
             )
-        # Every host: a sharded channel's classes, and the samples each host's epoch holds.
-        infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
-        classes = shard_classes(infos) if info.sharded else list(info.classes)
-        epoch_samples = {address: int(host.epoch_samples) for address, host in zip(addresses, infos, strict=True)}
+        # The samples an epoch holds: each host's own shard (every host must answer: their classes must
+        # agree too), or the whole channel, whose epochs the hosts split (one answer suffices, and a data
+        # host that never comes up leaves training to the others).
+        if info.sharded:
+            infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
+            classes = shard_classes(infos)
+            epoch_samples = {address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
+        else:
+            classes, epoch_samples = list(info.classes), {"channel": int(info.num_samples)}
         service = DataServiceDataset(
             addresses,
             config.batch_size,
