@@ -171,19 +171,24 @@ def read_json(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
 def validate(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """The spec, checked with the platform's own rules (offline: the deployment's bucket allow-list and
     cost ceiling are checked again when the run starts). Raises SpecRefused naming the field."""
-    name, raw = read_json(source)
-    try:
-        validate_job_spec(raw)
-    except JobSpecError as error:
-        raise SpecRefused(name, error.field, error.problem) from None
-    return raw
+    return _checked(*read_json(source), sweep=False)
 
 
 def validate_sweep(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A sweep's input, checked as the plan step checks it (every configuration as a run)."""
+    return _checked(*read_json(source), sweep=True)
+
+
+def validate_any(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A run's spec, or a sweep's input when it has a sweep_name: the file read once."""
     name, raw = read_json(source)
+    return _checked(name, raw, sweep=isinstance(raw, dict) and "sweep_name" in raw)
+
+
+def _checked(name: str, raw: Any, sweep: bool) -> Any:
     try:
-        plan_sweep(raw)
-    except SweepSpecError as error:
+        plan_sweep(raw) if sweep else validate_job_spec(raw)
+    except (JobSpecError, SweepSpecError) as error:
         raise SpecRefused(name, error.field, error.problem) from None
     return raw
 

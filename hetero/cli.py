@@ -82,8 +82,7 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
     verdicts = []
     for path in specs:
         try:
-            _name, raw = api.read_json(path)
-            (api.validate_sweep if isinstance(raw, dict) and "sweep_name" in raw else api.validate)(path)
+            api.validate_any(path)
             verdicts.append({"spec": str(path), "ok": True})
         except api.SpecRefused as error:
             verdicts.append({"spec": str(path), "ok": False, "field": error.field, "error": str(error)})

@@ -293,10 +293,12 @@ class TrainingLoop(ABC, Generic[BatchT]):
         self._checkpoint(step)
         loss = self.loss_value(loss)
         self.barrier()
+        # One collective for both: every rank's waits and its first batch.
+        ranks = self.gather((wait_ms, first_batch_s))
         # The longest wait of any rank, per step (equal lengths: every rank timed the same steps).
-        wait_ms = elementwise_max(self.gather(wait_ms))
+        wait_ms = elementwise_max([waits for waits, _ in ranks])
         # Training starts when the last rank has its first batch (a rank that trained no step has none).
-        first_batches = [value for value in self.gather(first_batch_s) if value == value]
+        first_batches = [first for _, first in ranks if first == first]
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
         summary["time_to_first_batch_s"] = round(max(first_batches), 3) if first_batches else None
         # The instants too (wall clock, NTP-synced on SageMaker): results.py counts from the job's billing start.
