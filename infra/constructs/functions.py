@@ -127,21 +127,26 @@ class TrainingRunFunctions(Construct):
             return fn
 
         self.validate = function(FunctionSpec("ValidateSpec", "validate_spec", "Validate a training run's job spec"))
+        launch_settings = {
+            "IMAGE_URIS": stack.to_json_string(image_uris),
+            "SAGEMAKER_ROLE_ARN": sagemaker_role.role_arn,
+            "OUTPUT_S3_URI": results.s3_url_for_object("artifacts/"),
+            "CHECKPOINT_S3_URI": results.s3_url_for_object("checkpoints/"),
+            "CONTROL_S3_URI": results.s3_url_for_object("control/"),
+            "NEURON_CACHE_S3_URI": results.s3_url_for_object("neuron-cache/"),
+            "JOB_TAGS": stack.to_json_string({"platform": prefix}),
+        } | ({"VPC_CONFIG": stack.to_json_string(vpc_config)} if vpc_config else {})
+        # What a launch needs besides the spec, as the launch function reads it; the stack exports the same
+        # (its LaunchSettings output) for launching one job without the state machine (`hetero run --direct`).
+        self.launch_settings = {"JOB_NAME_PREFIX": prefix} | policy_environment | launch_settings
         self.launch = function(
             FunctionSpec("LaunchJob", "launch_job", "CreateTrainingJob with instance groups for a job spec"),
-            {
-                "IMAGE_URIS": stack.to_json_string(image_uris),
-                "SAGEMAKER_ROLE_ARN": sagemaker_role.role_arn,
-                "OUTPUT_S3_URI": results.s3_url_for_object("artifacts/"),
-                "CHECKPOINT_S3_URI": results.s3_url_for_object("checkpoints/"),
-                "CONTROL_S3_URI": results.s3_url_for_object("control/"),
-                "NEURON_CACHE_S3_URI": results.s3_url_for_object("neuron-cache/"),
-                "JOB_TAGS": stack.to_json_string({"platform": prefix}),
+            launch_settings | {
                 "DEADLINE_GRACE_S": str(deadline_grace_s),
                 "POLL_INTERVAL_S": str(poll_interval_s),
                 "START_TIMEOUT_S": str(start_timeout_s),
                 "RELAUNCH_BACKOFF_S": str(capacity_backoff_s),
-            } | ({"VPC_CONFIG": stack.to_json_string(vpc_config)} if vpc_config else {}),
+            },
         )
         self.collect = function(FunctionSpec("CollectResults", "collect_results", "Write results/<run id>/result.json", 60))
         self.stop = function(FunctionSpec("StopJob", "stop_job", "Stop a run's training job after a failure or an abort"))

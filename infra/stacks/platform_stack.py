@@ -60,3 +60,5 @@ class PlatformStack(Stack):
         CfnOutput(self, "TrainingRunStateMachine", value=workflow.state_machine.state_machine_arn)
         CfnOutput(self, "BenchmarkSweepStateMachine", value=sweep.state_machine.state_machine_arn)
         CfnOutput(self, "BenchmarksDashboard", value=sweep.dashboard.dashboard_name)
+        CfnOutput(self, "LaunchSettings", value=self.to_json_string(functions.launch_settings),
+                  description="The launch function's settings: images, SageMaker role, locations, spec policy (hetero run --direct)")

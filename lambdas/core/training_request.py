@@ -12,7 +12,10 @@ What the request carries, and why:
 * the container contract as HyperParameters: the user's trainer settings plus the platform settings
   (role map, ports, timeouts), built by training/hyperparameters.py, the module the container parses
   them with;
-* MetricDefinitions from training/metrics.py, the module the trainer prints them with;
+* MetricDefinitions from training/metrics.py, the module the trainer prints them with (with at least one
+  definition SageMaker keeps the metrics' time series: EnableSageMakerMetricsTimeSeries would add nothing);
+* OutputDataConfig's compression stated, not left to SageMaker's default: the results are read back from
+  output.tar.gz as gzip (lambdas/core/results.py);
 * CheckpointConfig per run (checkpoints/<run id>/); ``resume_from`` adds a resume channel of the earlier
   run's checkpoints on the DNN hosts, which seed this run's own (training/launcher.py), a
   stopping condition, tags, and in VPC mode the VpcConfig (infra/constructs/training_network.py).
@@ -20,6 +23,7 @@ What the request carries, and why:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +65,21 @@ class LaunchSettings:
     vpc_config: Mapping[str, Any] | None = None
 
 
+def settings_from_environment(environ: Mapping[str, str]) -> LaunchSettings:
+    """The launch settings from the launch function's environment, which the stack also exports (its
+    LaunchSettings output) for launches without the state machine (hetero/direct.py)."""
+    return LaunchSettings(
+        image_uris=json.loads(environ["IMAGE_URIS"]),
+        role_arn=environ["SAGEMAKER_ROLE_ARN"],
+        output_s3_uri=environ["OUTPUT_S3_URI"],
+        checkpoint_s3_uri=environ["CHECKPOINT_S3_URI"],
+        control_s3_uri=environ["CONTROL_S3_URI"],
+        tags=json.loads(environ.get("JOB_TAGS", "{}")),
+        neuron_cache_s3_uri=environ.get("NEURON_CACHE_S3_URI", ""),
+        vpc_config=json.loads(environ["VPC_CONFIG"]) if environ.get("VPC_CONFIG") else None,
+    )
+
+
 def job_name(prefix: str, run_name: str, suffix: str) -> str:
     """``<platform prefix>-<run name>-<suffix>``, unique per execution. The prefix lets IAM scope the
     platform's SageMaker permissions to its own jobs; run names are ≤ 40 characters, leaving room."""
@@ -81,14 +100,18 @@ def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict
     return user | platform.to_hyperparameters()
 
 
-def token_uri(settings: LaunchSettings, name: str) -> str:
-    """The S3 prefix of a job's platform channel: its shutdown token lies there."""
+def token_uri(settings: LaunchSettings, key: str) -> str:
+    """The S3 prefix of a job's platform channel (control/<key>/, the key its job's name or, for a direct
+    launch, its run's id): its shutdown token lies there."""
     if not settings.control_s3_uri:
         raise RequestError("no control location is configured for the jobs' shutdown tokens")
-    return f"{settings.control_s3_uri.rstrip('/')}/{name}/"
+    return f"{settings.control_s3_uri.rstrip('/')}/{key}/"
 
 
-def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, run_id: str) -> dict[str, Any]:
+def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, run_id: str, control_key: str | None = None) -> dict[str, Any]:
+    """The request for job ``name`` of run ``run_id``. Its shutdown token lies under control/<control_key>/,
+    by default the job's name; a launch that learns the job's name only as it is sent (the SageMaker
+    SDK's ModelTrainer names jobs <base>-<time>: hetero/sdk.py) keys it by the run instead."""
     try:
         image = settings.image_uris[spec.variant]
     except KeyError:
@@ -108,16 +131,15 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
             "TrainingImage": image,
             "TrainingInputMode": "File",
             "MetricDefinitions": [{"Name": metric, "Regex": regex} for metric, regex in METRIC_DEFINITIONS.items()],
-            "EnableSageMakerMetricsTimeSeries": True,
         },
         "HyperParameters": container_hyperparameters(spec, platform),
         "RoleArn": settings.role_arn,
         "InputDataConfig": [
             *(_channel(spec, channel) for channel in spec.inputs),
-            _platform_channel(spec, PLATFORM_CHANNEL, token_uri(settings, name), spec.instance_groups),
+            _platform_channel(spec, PLATFORM_CHANNEL, token_uri(settings, control_key or name), spec.instance_groups),
             *([_platform_channel(spec, RESUME_CHANNEL, checkpoint_uri(settings, spec.resume_from), [spec.dnn_group])] if spec.resume_from else []),
         ],
-        "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri},
+        "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri, "CompressionType": "GZIP"},
         "ResourceConfig": _resources(spec, settings.volume_size_gb),
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
         "CheckpointConfig": {"S3Uri": checkpoint_uri(settings, run_id), "LocalPath": CHECKPOINT_LOCAL_PATH},

@@ -24,7 +24,6 @@ whose job is running already is refused (RunNameInUse) before anything is create
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from dataclasses import replace
@@ -38,7 +37,7 @@ from lambdas.core.deadlines import next_backoff_s, poll_plan
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, split_s3_uri, validate_job_spec
 from lambdas.core.results import ResultExistsError
-from lambdas.core.training_request import LaunchSettings, checkpoint_uri, create_training_job_request, token_uri
+from lambdas.core.training_request import checkpoint_uri, create_training_job_request, settings_from_environment, token_uri
 from training.hyperparameters import TOKEN_FILE
 
 logger = Logger(service="launch-job")
@@ -76,19 +75,6 @@ class NothingToResume(RuntimeError):
 class RunNameInUse(RuntimeError):
     """Another execution's job of the same run name is running: two runs of one name at once would
     compete for the same results and, resuming, the same checkpoints."""
-
-
-def settings_from_environment(environ: dict[str, str]) -> LaunchSettings:
-    return LaunchSettings(
-        image_uris=json.loads(environ["IMAGE_URIS"]),
-        role_arn=environ["SAGEMAKER_ROLE_ARN"],
-        output_s3_uri=environ["OUTPUT_S3_URI"],
-        checkpoint_s3_uri=environ["CHECKPOINT_S3_URI"],
-        control_s3_uri=environ["CONTROL_S3_URI"],
-        tags=json.loads(environ.get("JOB_TAGS", "{}")),
-        neuron_cache_s3_uri=environ.get("NEURON_CACHE_S3_URI", ""),
-        vpc_config=json.loads(environ["VPC_CONFIG"]) if environ.get("VPC_CONFIG") else None,
-    )
 
 
 # How SageMaker reports a capacity shortage: a Failed job whose FailureReason starts "CapacityError: Unable

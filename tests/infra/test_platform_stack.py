@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aws_cdk.assertions import Match, Template
 
-from tests.infra.conftest import ASSET_HASH, deployed_references, state_machine_definition, state_machine_logical_id
+from tests.infra.conftest import ASSET_HASH, deployed_references, render, state_machine_definition, state_machine_logical_id
 from training.variants import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,6 +131,22 @@ def test_the_functions_that_check_specs_carry_the_deployments_policy(template_js
         assert (variables["RUN_COST_CEILING_USD"], variables["SWEEP_COST_CEILING_USD"]) == ("1000.0", "5000.0")
         assert json.loads(variables["CEILING_PRICES"])["ml.trn1.32xlarge"] > 0
         assert "BucketsDatasets" in json.dumps(variables["INPUT_BUCKETS"])
+
+
+def test_the_stack_exports_the_launch_functions_settings_for_direct_launches(template_json) -> None:
+    """`hetero run --direct` launches with the launch function's own settings, read from this output."""
+    from lambdas.core.job_spec import SpecPolicy
+    from lambdas.core.training_request import settings_from_environment
+
+    references = deployed_references(template_json)
+    exported = json.loads(render(template_json["Outputs"]["LaunchSettings"]["Value"], references))
+    (launch,) = [r for key, r in resources(template_json, "AWS::Lambda::Function").items() if key.startswith("TrainingRunFunctionsLaunchJob")]
+    variables = render(launch["Properties"]["Environment"]["Variables"], references)
+    assert exported == {key: variables[key] for key in exported}
+    assert {"JOB_NAME_PREFIX", "IMAGE_URIS", "SAGEMAKER_ROLE_ARN", "CONTROL_S3_URI", "INPUT_BUCKETS", "RUN_COST_CEILING_USD"} <= exported.keys()
+    settings = settings_from_environment(exported)
+    assert set(settings.image_uris) == set(VARIANTS) and settings.role_arn.startswith("<SageMakerExecution")
+    assert SpecPolicy.from_environment(exported).run_cost_ceiling_usd == 1000.0
 
 
 def test_functions_run_traced_on_the_latest_python(template: Template, template_json) -> None:
