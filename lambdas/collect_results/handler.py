@@ -16,15 +16,9 @@ from aws_lambda_powertools import Logger
 
 from lambdas.clients import client, object_size_or_none, put_new_object, read_object_or_none
 from lambdas.core.execution import run_id
-from lambdas.core.job_spec import split_s3_uri, validate_job_spec
+from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
-from lambdas.core.results import (
-    MAX_ARCHIVE_BYTES,
-    ResultExistsError,
-    SummaryUnreadable,
-    result_document,
-    summary_from_output_archive,
-)
+from lambdas.core.results import ResultExistsError, read_summary, result_document
 
 logger = Logger(service="collect-results")
 
@@ -36,10 +30,10 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     describe = client("sagemaker").describe_training_job(TrainingJobName=job_name) if job_name else None
     failure = event.get("failure")
     # A failure recorded by the state machine needs no figures: the archive is not read then.
-    summary, problem = _summary(describe) if describe and not failure else (None, None)
+    summary, problem = read_summary(describe, object_size_or_none, read_object_or_none) if describe and not failure else (None, None)
     document = result_document(
         run_id=run_id(event["execution_arn"]),
-        spec=spec,
+        groups=[(group.instance_type, group.count) for group in spec.instance_groups],
         raw_spec=event["spec"],
         job_name=job_name,
         describe=describe,
@@ -63,24 +57,3 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         document = existing
     logger.info("result written", extra={"key": key, "status": document["status"]})
     return {"result_uri": f"s3://{bucket}/{key}", "status": document["status"], "step_time_ms": document["step_time_ms"]}
-
-
-def _summary(describe: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(the trainer's summary or None, why it could not be read or None)."""
-    output = describe.get("OutputDataConfig", {}).get("S3OutputPath", "").rstrip("/")
-    if not output.startswith("s3://"):
-        return None, None
-    bucket, prefix = split_s3_uri(output)
-    key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
-    size = object_size_or_none(bucket, key)
-    if size is None:
-        return None, None
-    if size > MAX_ARCHIVE_BYTES:
-        return None, f"output.tar.gz is {size} bytes, more than the {MAX_ARCHIVE_BYTES} the platform reads"
-    archive = read_object_or_none(bucket, key)
-    if archive is None:
-        return None, None
-    try:
-        return summary_from_output_archive(archive), None
-    except SummaryUnreadable as error:
-        return None, str(error)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from lambdas.core.job_spec import JobSpec
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost
 
 SUMMARY_NAME = "summary.json"
@@ -51,6 +50,29 @@ def summary_from_output_archive(archive: bytes) -> dict[str, Any] | None:
     except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SummaryUnreadable(f"output.tar.gz cannot be read: {type(error).__name__}: {error}") from None
     return None
+
+
+def read_summary(describe: Mapping[str, Any], size_of: Callable[[str, str], int | None],
+                 read: Callable[[str, str], bytes | None]) -> tuple[dict[str, Any] | None, str | None]:
+    """(the trainer's summary or None, why it could not be read or None) of a described job, from its
+    output.tar.gz; ``size_of`` and ``read`` (bucket, key) are the caller's S3 (None: no such object)."""
+    output = describe.get("OutputDataConfig", {}).get("S3OutputPath", "").rstrip("/")
+    if not output.startswith("s3://"):
+        return None, None
+    bucket, _, prefix = output.removeprefix("s3://").partition("/")
+    key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
+    size = size_of(bucket, key)
+    if size is None:
+        return None, None
+    if size > MAX_ARCHIVE_BYTES:
+        return None, f"output.tar.gz is {size} bytes, more than the {MAX_ARCHIVE_BYTES} the platform reads"
+    archive = read(bucket, key)
+    if archive is None:
+        return None, None
+    try:
+        return summary_from_output_archive(archive), None
+    except SummaryUnreadable as error:
+        return None, str(error)
 
 
 def run_verdict(job_status: str, summary: Mapping[str, Any] | None, summary_problem: str | None) -> tuple[str, str | None]:
@@ -108,10 +130,10 @@ def _seconds(value: Any) -> float | None:
 
 
 def result_document(
-    *,
+    *,  # groups: (instance type, count) of each instance group, what the run is billed for
     run_id: str,
-    spec: JobSpec,
-    raw_spec: Mapping[str, Any],
+    groups: Sequence[tuple[str, int]],
+    raw_spec: Mapping[str, Any] | None,
     job_name: str | None,
     describe: Mapping[str, Any] | None,
     summary: Mapping[str, Any] | None,
@@ -123,7 +145,6 @@ def result_document(
     describe = describe or {}
     job_status = describe.get("TrainingJobStatus", "NotStarted")
     status, verdict = run_verdict(job_status, summary, summary_problem)
-    groups = [(group.instance_type, group.count) for group in spec.instance_groups]
     try:
         usd_per_hour: float | None = hourly_cost(groups, prices)
         price_note = None
@@ -135,7 +156,7 @@ def result_document(
     return {
         "run_id": run_id,
         "job_name": job_name,
-        "spec": dict(raw_spec),
+        "spec": dict(raw_spec) if raw_spec is not None else None,
         "status": status,
         "job_status": job_status,
         # Earlier launch attempts of this run that failed for want of capacity: {job_name, failure_reason}.
