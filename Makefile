@@ -16,15 +16,28 @@ REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requ
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.requirements-$(REQUIREMENTS_HASH)
 PROTO := training/data_service/data_service.proto
+# The client with the SageMaker Python SDK (hetero/sdk.py), apart: the SDK brings mlflow and pins of its own.
+SDK_VENV := .venv-sdk
+SDK_PY := $(SDK_VENV)/bin/python
+SDK_STAMP := $(SDK_VENV)/.requirements-$(shell cat pyproject.toml requirements/client.txt requirements/sdk.txt requirements/sdk-test.txt | sha256sum | cut -c1-16)
 NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json | sha256sum | cut -c1-16)
 # jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv node test demo bench bench-gpu lint proto synth deploy clean
+.PHONY: venv sdk-venv node test demo bench bench-gpu lint proto synth deploy clean
 
 venv: $(STAMP)
 
 node: $(NODE_STAMP)
+
+sdk-venv: $(SDK_STAMP)
+
+$(SDK_STAMP):
+	@test -x $(SDK_PY) || $(PYTHON) -m venv $(SDK_VENV)
+	$(SDK_PY) -m pip install --quiet --disable-pip-version-check -r requirements/sdk-test.txt
+	$(SDK_PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@rm -f $(SDK_VENV)/.requirements-*
+	@touch $@
 
 $(NODE_STAMP):
 	npm ci --no-audit --no-fund --loglevel=error
@@ -40,9 +53,10 @@ $(STAMP):
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
-test: venv node
+test: venv node sdk-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+	$(SDK_PY) -m pytest tests/sdk --confcutdir=tests/sdk -p no:cacheprovider
 
 demo: venv
 	$(PY) -m training.local.demo
@@ -80,4 +94,4 @@ proto: venv
 		--python_out=. --grpc_python_out=. $(PROTO)
 
 clean:
-	rm -rf $(VENV) node_modules cdk.out build .pytest_cache .cache
+	rm -rf $(VENV) $(SDK_VENV) node_modules cdk.out build .pytest_cache .cache

@@ -117,12 +117,31 @@ class Platform:
     def results_bucket(self) -> str:
         return self.output("ResultsBucket")
 
+    @property
+    def launch_settings(self) -> dict[str, str]:
+        """The launch function's settings as the stack exports them (images, SageMaker role, locations,
+        the deployment's spec policy), for launches without the state machine (hetero/direct.py)."""
+        try:
+            settings = json.loads(self.output("LaunchSettings"))
+        except json.JSONDecodeError:
+            settings = None
+        if not isinstance(settings, dict):
+            raise ClientFacingError(f"stack {self.stack!r}: its LaunchSettings output is not a JSON object (redeploy with `cdk deploy`)")
+        return settings
+
 
 NOT_FOUND = ("ExecutionDoesNotExist", "NoSuchKey", "404", "ResourceNotFoundException", "ResourceNotFound")
 # S3 answers a missing key with 403 to a caller without s3:ListBucket: for reads that may find nothing yet.
 HIDDEN = ("AccessDenied", "403")
 TRANSIENT = ("ThrottlingException", "Throttling", "TooManyRequestsException", "RequestLimitExceeded", "SlowDown",
              "ServiceUnavailable", "InternalServerError", "InternalFailure", "RequestTimeout")
+
+
+def _missing_by_validation(code: str, message: str) -> bool:
+    """SageMaker answers a Describe of a job that does not exist with ValidationException ("Requested
+    resource not found.", moto: "Could not find training job ...")."""
+    lowered = message.lower()
+    return code == "ValidationException" and ("not found" in lowered or "could not find" in lowered)
 
 
 def call(method: Callable[..., Any], *, stack: str | None = None, missing: str | None = None, absent_ok: bool = False, **params: Any) -> Any:
@@ -141,7 +160,7 @@ def call(method: Callable[..., Any], *, stack: str | None = None, missing: str |
             raise ClientFacingError(f"stack {stack!r} not found: deploy the platform (`cdk deploy`) or pass --stack/--region") from None
         if absent_ok and (code in NOT_FOUND or code in HIDDEN):
             return None
-        if code in NOT_FOUND and missing:
+        if missing and (code in NOT_FOUND or _missing_by_validation(code, message)):
             raise ClientFacingError(missing) from None
         raise (TransientError if code in TRANSIENT else ClientFacingError)(f"{code}: {message}") from None
     except BotoCoreError as error:  # connection errors and the like (credentials and region are above)
@@ -313,16 +332,7 @@ def follow(run: Run, platform: Platform | None = None, poll_s: float = 5.0, slee
             if job is None or last.get("job_status") == "Failed":  # none yet, or a capacity relaunch may follow
                 job = job_name(run, platform) or job
             if job:
-                training = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job)
-                state = f"{job}/{training['TrainingJobStatus']}/{training.get('SecondaryStatus', '')}"
-                last["job_status"] = training["TrainingJobStatus"]
-                if last.get("job") != state:
-                    last["job"] = state
-                    yield Event("job", status=training["TrainingJobStatus"], message=f"{job}: {training.get('SecondaryStatus', '')}")
-                progress = latest_progress(platform, job, log_token)
-                if progress and progress != last.get("progress"):
-                    last["progress"] = progress
-                    yield Event("progress", step=progress[0], steps=progress[1], metrics=progress[2])
+                yield from job_events(platform, job, last, log_token)
         except TransientError as error:
             yield Event("warning", message=str(error))
             sleep(poll_s)
@@ -330,6 +340,46 @@ def follow(run: Run, platform: Platform | None = None, poll_s: float = 5.0, slee
         if status != "RUNNING":
             reason = ": ".join(part for part in (described.get("error"), described.get("cause")) if part)
             yield Event("done", status=status, message=reason)
+            return
+        sleep(poll_s)
+
+
+def job_events(platform: Platform, job: str, last: dict[str, Any], log_token: dict[str, str]) -> Iterator[Event]:
+    """One look at a training job: an event for its status if it changed, and one for its progress if its
+    hosts logged a newer step (``last`` and ``log_token`` carry what the previous look saw)."""
+    training = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job,
+                    missing=f"no training job {job!r} in this account and region")
+    state = f"{job}/{training['TrainingJobStatus']}/{training.get('SecondaryStatus', '')}"
+    last["job_status"] = training["TrainingJobStatus"]
+    last["failure_reason"] = training.get("FailureReason", "")
+    if last.get("job") != state:
+        last["job"] = state
+        yield Event("job", status=training["TrainingJobStatus"], message=f"{job}: {training.get('SecondaryStatus', '')}")
+    progress = latest_progress(platform, job, log_token)
+    if progress and progress != last.get("progress"):
+        last["progress"] = progress
+        yield Event("progress", step=progress[0], steps=progress[1], metrics=progress[2])
+
+
+# SageMaker's statuses of a job that has ended.
+JOB_ENDED = ("Completed", "Failed", "Stopped")
+
+
+def follow_job(job: str, platform: Platform | None = None, poll_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
+    """Events of one training job until it ends (a job launched without the state machine: hetero/direct.py):
+    its status transitions and step metrics, then "done" with its status and failure reason."""
+    platform = platform or Platform()
+    last: dict[str, Any] = {}
+    log_token: dict[str, str] = {}
+    while True:
+        try:
+            yield from job_events(platform, job, last, log_token)
+        except TransientError as error:
+            yield Event("warning", message=str(error))
+            sleep(poll_s)
+            continue
+        if last["job_status"] in JOB_ENDED:
+            yield Event("done", status=last["job_status"], message=last["failure_reason"])
             return
         sleep(poll_s)
 
@@ -411,6 +461,12 @@ def log_lines(run: Run, platform: Platform | None = None, hosts: set[str] | None
     job = job_name(run, platform)
     if job is None:
         raise ClientFacingError(f"run {run.name!r} has not launched a job yet")
+    return job_log_lines(job, platform, hosts, groups, limit, since)
+
+
+def job_log_lines(job: str, platform: Platform, hosts: set[str] | None = None, groups: set[str] | None = None,
+                  limit: int = 10_000, since: float | None = None) -> list[tuple[str, str]]:
+    """log_lines of a training job by its name."""
     logs = platform.client("logs")
     events: list[dict[str, Any]] = []
     # One host: CloudWatch filters by its streams' prefix (<job>/<host>-); the group's hosts are read

@@ -1,0 +1,233 @@
+"""One training job from the client, without the training-run state machine: `hetero run SPEC --direct`,
+or from a notebook:
+
+    from hetero import Platform, launch_direct, follow_job, job_result
+    platform = Platform(region="us-east-1")
+    job = launch_direct("examples/pytorch-heterogeneous.json", platform)    # sent through the SageMaker SDK
+    for event in follow_job(job.job_name, platform):
+        print(event)
+    print(job_result(job.job_name, platform)["cost_per_1k_steps_usd"])
+
+The request is the platform's own (lambdas/core/training_request.py) with the deployed stack's settings
+(its LaunchSettings output: images, SageMaker role, locations, spec policy). With `sagemaker-train`
+installed it goes through the SDK's ModelTrainer (hetero/sdk.py), which may send it only if it is that
+request, field by field; where it is not, or the SDK refuses it, boto3 sends the builder's request and
+the job says why (``fallback``). Without the SDK, boto3 sends it.
+
+Before anything is written or billed, the checks of a state-machine launch: the spec with the
+deployment's policy (input bucket allow-list, cost ceiling), the run id (no result of it, no checkpoints
+of it: a second job of one id would resume the first's last step and train nothing), resume_from's
+checkpoints. Then the job's shutdown token is written once, under control/<run id>/ (an id used before is
+refused there), and the job is created; a failed create takes the token back so the id can be used again.
+
+What a direct job goes without, being the state machine's: the start timeout and deadline watchdog
+(SageMaker's MaxRuntimeInSeconds still bounds it), capacity relaunches, the abort cleanup, result.json
+in S3 and sweeps. Its result is computed here (job_result), the way the collect function computes a run's.
+The caller's credentials need sagemaker:CreateTrainingJob on the platform's job names, iam:PassRole on its
+SageMaker role, and on the results bucket s3:ListBucket and s3:PutObject/DeleteObject under control/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+
+from hetero.api import (
+    ClientFacingError,
+    InputRefused,
+    Platform,
+    SpecRefused,
+    TransientError,
+    call,
+    check_name,
+    default_run_name,
+    read_json,
+)
+from lambdas.core.job_spec import JobSpec, JobSpecError, SpecPolicy, split_s3_uri, validate_job_spec
+from lambdas.core.price_performance import FALLBACK_PRICES
+from lambdas.core.results import read_summary, result_document
+from lambdas.core.service_limits import limit
+from lambdas.core.training_request import (
+    RequestError,
+    checkpoint_uri,
+    create_training_job_request,
+    settings_from_environment,
+    token_uri,
+)
+from training.hyperparameters import TOKEN_FILE
+
+# The direct job's tag naming its run (a state-machine run's job carries its execution's instead).
+RUN_TAG = "run_id"
+
+
+@dataclass(frozen=True)
+class DirectJob:
+    """A job launched without the state machine: its run id, its name, what sent it and, when the SDK was
+    passed over, why."""
+
+    run_id: str
+    job_name: str
+    sent_by: str
+    fallback: str | None = None
+    request: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything a direct launch needs, checked offline: the request for any job name."""
+
+    run_id: str
+    spec: JobSpec
+    prefix: str
+    settings: Any
+
+    @property
+    def base_job_name(self) -> str:
+        """<prefix>-<run name>-<6 hex of the run id>: the SDK adds the time to the second, and two runs of
+        one spec launched within a second (a notebook's loop) must not ask for one name. A run id is
+        launched once (its token is written once), so its jobs' names are its own."""
+        return f"{self.prefix}-{self.spec.run_name}-{hashlib.sha256(self.run_id.encode()).hexdigest()[:6]}"
+
+    def request(self, name: str) -> dict[str, Any]:
+        """The builder's request for job ``name``: <prefix>-<run name>-<suffix>, within SageMaker's rules for
+        a job name (IAM holds the platform's SageMaker permissions to its prefix)."""
+        problem = limit("TrainingJobName").problem(name)
+        if problem or not name.startswith(f"{self.base_job_name}-"):
+            raise ClientFacingError(f"{name!r} cannot be a job name of run {self.spec.run_name!r}: {problem or 'another prefix'}")
+        try:
+            return create_training_job_request(self.spec, self.settings, name=name, run_id=self.run_id, control_key=self.run_id)
+        except RequestError as error:
+            raise ClientFacingError(str(error)) from None
+
+
+def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: str | None = None) -> Launch:
+    """The spec checked with the deployment's policy and the run id with the platform's rules; no write."""
+    label, raw = read_json(source)
+    environment = platform.launch_settings
+    try:
+        spec = validate_job_spec(raw, SpecPolicy.from_environment(environment))
+    except JobSpecError as error:
+        raise SpecRefused(label, error.field, error.problem) from None
+    run = check_name(name or default_run_name(raw))
+    try:
+        settings = settings_from_environment(environment)
+        prefix = environment["JOB_NAME_PREFIX"]
+    except (KeyError, ValueError) as error:
+        raise ClientFacingError(f"stack {platform.stack!r}: its LaunchSettings output lacks {error} (redeploy with `cdk deploy`)") from None
+    launch = Launch(run_id=run, spec=spec, prefix=prefix, settings=replace(settings, tags=dict(settings.tags) | {RUN_TAG: run}))
+    launch.request(boto3_job_name(launch))  # a request can be built, before anything is written
+    return launch
+
+
+def boto3_job_name(launch: Launch, now: datetime | None = None) -> str:
+    """The job's name when boto3 sends it: as the SDK would name it, <prefix>-<run name>-<time>."""
+    return f"{launch.base_job_name}-{(now or datetime.now(UTC)):%Y%m%d%H%M%S}"
+
+
+def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None,
+                  use_sdk: bool = True) -> DirectJob:
+    """Check, then create one training job for the spec (see the module's docstring)."""
+    platform = platform or Platform()
+    launch = prepare(source, platform, name)
+    _check_run_id(launch, platform)
+    token = token_uri(launch.settings, launch.run_id)
+    bucket, prefix = split_s3_uri(token)
+    _write_token(platform, bucket, f"{prefix}{TOKEN_FILE}", launch.run_id)
+    try:
+        return _send(launch, platform, use_sdk)
+    except ClientFacingError as error:
+        # SageMaker refused the job: the token goes, so the id may be used again. Not after a dropped
+        # connection or throttling past the retries (the job may exist, and reads its token at its start).
+        if not isinstance(error, TransientError):
+            call(platform.client("s3").delete_object, Bucket=bucket, Key=f"{prefix}{TOKEN_FILE}")
+        raise
+
+
+def _send(launch: Launch, platform: Platform, use_sdk: bool) -> DirectJob:
+    from hetero import sdk
+
+    fallback = None
+    if use_sdk and sdk.available():
+        # A session of its own: the SDK makes its clients from it after the check is registered on it.
+        session = boto3.Session(profile_name=platform.profile, region_name=platform.session.region_name)
+        try:
+            created = call(sdk.send, request_for=launch.request, boto_session=session, base_job_name=launch.base_job_name)
+            return DirectJob(launch.run_id, created, sdk.sdk_version(), None, launch.request(created))
+        except (sdk.RequestMismatch, sdk.SdkRefused) as error:
+            fallback = f"the SDK's request differs from the platform's ({error}): sent by boto3"
+    elif use_sdk:
+        fallback = "sagemaker-train is not installed (pip install 'heterogeneous-training[sdk]'): sent by boto3"
+    name = boto3_job_name(launch)
+    request = launch.request(name)
+    call(platform.client("sagemaker").create_training_job, **request)
+    return DirectJob(launch.run_id, name, "boto3", fallback, request)
+
+
+def _check_run_id(launch: Launch, platform: Platform) -> None:
+    """Refuse a run id that has a result or checkpoints, or a resume_from that has none."""
+    s3 = platform.client("s3")
+    result_bucket, _ = split_s3_uri(launch.settings.checkpoint_s3_uri)
+
+    def holds_objects(uri: str) -> bool:
+        bucket, prefix = split_s3_uri(uri)
+        return call(s3.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
+
+    if holds_objects(f"s3://{result_bucket}/results/{launch.run_id}/"):
+        raise InputRefused(f"run id {launch.run_id!r} has a result already: pick another --name")
+    if holds_objects(checkpoint_uri(launch.settings, launch.run_id)):
+        raise InputRefused(f"run id {launch.run_id!r} has checkpoints already (a job of it would resume their last step): pick another --name")
+    if launch.spec.resume_from and not holds_objects(checkpoint_uri(launch.settings, launch.spec.resume_from)):
+        raise InputRefused(f"run {launch.spec.resume_from!r} left no checkpoints: name a run that wrote some, or leave resume_from out")
+
+
+def _write_token(platform: Platform, bucket: str, key: str, run: str) -> None:
+    """The job's shutdown token, written once: an id whose token exists was launched before."""
+    try:
+        call(platform.client("s3").put_object, Bucket=bucket, Key=key, Body=secrets.token_urlsafe(32).encode(),
+             ContentType="text/plain", IfNoneMatch="*")
+    except ClientFacingError as error:
+        if "PreconditionFailed" in str(error) or "ConditionalRequestConflict" in str(error):
+            raise InputRefused(f"run id {run!r} was launched before: pick another --name") from None
+        raise
+
+
+def stop_job(job: str, platform: Platform | None = None) -> str:
+    """Stop a direct job; returns the status it had."""
+    platform = platform or Platform()
+    sagemaker = platform.client("sagemaker")
+    status = call(sagemaker.describe_training_job, TrainingJobName=job, missing=f"no training job {job!r} in this account and region")["TrainingJobStatus"]
+    if status == "InProgress":
+        call(sagemaker.stop_training_job, TrainingJobName=job)
+    return status
+
+
+def job_result(job: str, platform: Platform | None = None, raw_spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A direct job's result, as result.json has a run's: status, step times, cost per 1k steps, start-up
+    times; from its description and its summary in output.tar.gz (the fallback price table's prices)."""
+    platform = platform or Platform()
+    s3 = platform.client("s3")
+    describe = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job,
+                    missing=f"no training job {job!r} in this account and region")
+
+    def size_of(bucket: str, key: str) -> int | None:
+        found = call(s3.head_object, Bucket=bucket, Key=key, absent_ok=True)
+        return None if found is None else int(found["ContentLength"])
+
+    def read(bucket: str, key: str) -> bytes | None:
+        found = call(s3.get_object, Bucket=bucket, Key=key, absent_ok=True)
+        return None if found is None else found["Body"].read()
+
+    summary, problem = read_summary(describe, size_of, read) if describe["TrainingJobStatus"] in ("Completed", "Failed", "Stopped") else (None, None)
+    tags = {tag["Key"]: tag["Value"] for tag in call(platform.client("sagemaker").list_tags, ResourceArn=describe["TrainingJobArn"]).get("Tags", [])}
+    resources = describe["ResourceConfig"]
+    groups = ([(group["InstanceType"], group["InstanceCount"]) for group in resources["InstanceGroups"]] if resources.get("InstanceGroups")
+              else [(resources["InstanceType"], resources["InstanceCount"])])
+    return result_document(run_id=tags.get(RUN_TAG, job), groups=groups, raw_spec=raw_spec, job_name=job, describe=describe,
+                           summary=summary, summary_problem=problem, prices=FALLBACK_PRICES)

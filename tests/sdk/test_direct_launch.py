@@ -1,0 +1,146 @@
+"""`hetero run --direct` through the real SageMaker Python SDK (ModelTrainer), against moto: the request the
+SDK sends is the platform builder's, field by field, for the example specs; where the SDK would send
+another (a SageMaker SDK config of the user's adding a field), the builder's request is sent instead and
+the job says why; bad input is refused before anything is written or created."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from hetero import sdk
+from hetero.api import ClientFacingError, InputRefused, Platform, SpecRefused
+from hetero.direct import RUN_TAG, job_result, launch_direct, prepare, stop_job
+from lambdas.core.job_spec import validate_job_spec
+from lambdas.core.price_performance import FALLBACK_PRICES
+from lambdas.core.training_request import create_training_job_request, settings_from_environment
+from tests.sdk.conftest import LAUNCH_SETTINGS, REGION, RESULTS
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# Heterogeneous PyTorch (a data group serving a DNN group), TensorFlow (tf.data.service), Trainium (three
+# channels, NeuronCore processes and the compile cache) and a single-group job (InstanceType, no groups).
+SPECS = ["pytorch-heterogeneous.json", "tensorflow-heterogeneous.json", "neuron-trn1-32xlarge.json", "pytorch-homogeneous.json"]
+
+
+def builders_request(raw: dict, job_name: str, run_id: str) -> dict:
+    """What lambdas/core/training_request.py makes for this job, computed here on its own."""
+    settings = settings_from_environment(LAUNCH_SETTINGS)
+    settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run_id})
+    return create_training_job_request(validate_job_spec(raw), settings, name=job_name, run_id=run_id, control_key=run_id)
+
+
+def platform() -> Platform:
+    return Platform(region=REGION)
+
+
+@pytest.mark.parametrize("example", SPECS)
+def test_modeltrainer_sends_the_builders_request_field_by_field(aws, example: str) -> None:
+    raw = json.loads((EXAMPLES / example).read_text())
+    through_sdk = launch_direct(EXAMPLES / example, platform(), name="through-sdk")
+    assert through_sdk.sent_by == sdk.sdk_version() and through_sdk.fallback is None
+    (sent,) = aws.created
+    assert sent["TrainingJobName"] == through_sdk.job_name and through_sdk.job_name.startswith(f"hetero-{raw['run_name']}-")
+    assert sdk.differences(builders_request(raw, through_sdk.job_name, "through-sdk"), sent) == []
+    # The same spec sent by boto3 (no SDK): the one request, but for its job's name and run id.
+    by_boto3 = launch_direct(EXAMPLES / example, platform(), name="by-boto3", use_sdk=False)
+    assert by_boto3.sent_by == "boto3"
+    second = aws.created[1]
+    assert sdk.differences(builders_request(raw, by_boto3.job_name, "by-boto3"), second) == []
+    as_one = json.dumps(second, sort_keys=True).replace(by_boto3.job_name, "<job>").replace("by-boto3", "<run>")
+    assert as_one == json.dumps(sent, sort_keys=True).replace(through_sdk.job_name, "<job>").replace("through-sdk", "<run>")
+    # What makes the job the platform's reached SageMaker: groups and routing, the container contract.
+    job = aws.sagemaker.describe_training_job(TrainingJobName=through_sdk.job_name)
+    assert job["HyperParameters"]["role_map"] == sent["HyperParameters"]["role_map"]
+    if len(raw["instance_groups"]) > 1:
+        assert [group["InstanceGroupName"] for group in sent["ResourceConfig"]["InstanceGroups"]] == [g["name"] for g in raw["instance_groups"]]
+        assert all("InstanceGroupNames" in channel["DataSource"]["S3DataSource"] for channel in sent["InputDataConfig"])
+    else:
+        assert sent["ResourceConfig"]["InstanceType"] == raw["instance_groups"][0]["instance_type"]
+    # Each job's shutdown token, under its run, where its platform channel reads it.
+    assert aws.keys("control/") == ["control/by-boto3/shutdown_token", "control/through-sdk/shutdown_token"]
+
+
+def test_the_captured_request_leaves_nothing_behind(aws) -> None:
+    raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    request = builders_request(raw, "hetero-vision-hetero-20261201000000", "a-run")
+    captured = sdk.captured_request(request, __import__("boto3").Session(region_name=REGION), "hetero-vision-hetero")
+    assert sdk.differences(request, captured) == ["TrainingJobName: sent " + repr(captured["TrainingJobName"]) + ", the builder's is 'hetero-vision-hetero-20261201000000'"]
+    assert aws.created == [] and aws.jobs() == []
+
+
+def test_a_request_the_sdk_would_change_is_sent_as_the_builders(aws, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An administrator's SageMaker SDK config (network isolation for every training job) makes
+    ModelTrainer add a field: its call is stopped before it leaves, and boto3 sends the builder's request."""
+    config = tmp_path / "sagemaker-config.yaml"
+    config.write_text("SchemaVersion: '1.0'\nSageMaker:\n  TrainingJob:\n    EnableNetworkIsolation: true\n")
+    monkeypatch.setenv("SAGEMAKER_ADMIN_CONFIG_OVERRIDE", str(config))
+    raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    job = launch_direct(raw, platform(), name="isolated")
+    assert job.sent_by == "boto3" and "EnableNetworkIsolation" in job.fallback
+    (sent,) = aws.created  # the SDK's request never left
+    assert "EnableNetworkIsolation" not in sent
+    assert sdk.differences(builders_request(raw, job.job_name, "isolated"), sent) == []
+    assert aws.jobs() == [job.job_name]
+
+
+def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None:
+    raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    elsewhere = raw | {"inputs": {"train": {"s3_uri": "s3://someone-elses-bucket/images/", "groups": ["data_group"]}}}
+    with pytest.raises(SpecRefused, match=r"inputs\.train"):
+        launch_direct(elsewhere, platform())  # the deployment's bucket allow-list
+    too_dear = raw | {"instance_groups": [raw["instance_groups"][0], raw["instance_groups"][1] | {"count": 20}], "max_runtime_s": 86400}
+    with pytest.raises(SpecRefused, match="ceiling"):
+        launch_direct(too_dear, platform())  # the deployment's cost ceiling
+    with pytest.raises(InputRefused, match="--name"):
+        launch_direct(raw, platform(), name="no spaces please")
+    aws.s3.put_object(Bucket=RESULTS, Key="checkpoints/trained-before/step-100.pt", Body=b"x")
+    with pytest.raises(InputRefused, match="checkpoints already"):
+        launch_direct(raw, platform(), name="trained-before")  # it would resume step 100 and train nothing new
+    with pytest.raises(InputRefused, match="left no checkpoints"):
+        launch_direct(raw | {"resume_from": "never-ran"}, platform(), name="resuming")
+    assert aws.created == [] and aws.keys("control/") == []
+    launch_direct(raw, platform(), name="once")
+    with pytest.raises(InputRefused, match="launched before"):
+        launch_direct(raw, platform(), name="once")
+    assert len(aws.created) == 1 and aws.keys("control/") == ["control/once/shutdown_token"]
+
+
+def test_a_job_sagemaker_refuses_takes_its_token_back(aws) -> None:
+    """The names the SDK may pick in the next seconds are taken: SageMaker refuses the job (ResourceInUse),
+    the error is one line, the token goes, and the run id may be launched again."""
+    raw = json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text())
+    launch_direct(raw, platform(), name="first")
+    request = dict(aws.created[0])
+    base, now = prepare(raw, platform(), "refused").base_job_name, datetime.now()
+    for seconds in range(0, 8):
+        aws.sagemaker.create_training_job(**(request | {"TrainingJobName": f"{base}-{now + timedelta(seconds=seconds):%Y%m%d%H%M%S}"}))
+    with pytest.raises(ClientFacingError, match="ResourceInUse"):
+        launch_direct(raw, platform(), name="refused")
+    assert aws.keys("control/refused/") == []
+
+
+def test_a_direct_jobs_result_and_stop(aws) -> None:
+    raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    running = launch_direct(raw, platform(), name="to-stop")
+    aws.start(running.job_name)
+    assert stop_job(running.job_name, platform()) == "InProgress"
+    assert aws.sagemaker.describe_training_job(TrainingJobName=running.job_name)["TrainingJobStatus"] in ("Stopping", "Stopped")
+    assert stop_job(running.job_name, platform()) in ("Stopping", "Stopped")  # not stopped twice
+    job = launch_direct(raw, platform(), name="to-finish")
+    aws.finish(job.job_name, {"step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 348.0, "steps": 500, "timed_steps": 480})
+    result = job_result(job.job_name, platform(), raw)
+    assert (result["run_id"], result["status"], result["spec"]) == ("to-finish", "Completed", raw)
+    # ml.c5.9xlarge + ml.p3.2xlarge by the fallback table, at 184 ms a step.
+    prices = FALLBACK_PRICES.usd_per_hour
+    assert result["usd_per_hour"] == pytest.approx(prices["ml.c5.9xlarge"] + prices["ml.p3.2xlarge"])
+    assert result["cost_per_1k_steps_usd"] == pytest.approx(result["usd_per_hour"] * 184.0 / 3600, rel=1e-3)
+    # A job that completed without its hosts' summary is no success.
+    assert job_result(running.job_name, platform())["status"] == "Stopping"
+    empty = launch_direct(raw, platform(), name="no-summary")
+    assert job_result(empty.job_name, platform())["failure_reason"].startswith("NoSummary")
+    with pytest.raises(ClientFacingError, match="no training job"):
+        job_result("hetero-nothing-20260101000000", platform())
