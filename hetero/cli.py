@@ -2,6 +2,7 @@
 
     hetero validate examples/*.json                         # the platform's checks, offline
     hetero run examples/pytorch-heterogeneous.json --follow # start, watch, print the result
+    hetero run examples/pytorch-heterogeneous.json --direct # one job without the state machine (SageMaker SDK)
     hetero runs                                             # recent runs: status, step time, $ per 1k steps
     hetero show RUN | hetero follow RUN | hetero stop RUN | hetero logs RUN --host algo-2 --group data_group
     hetero sweep examples/sweep.json --follow ; hetero report SWEEP_ID --open
@@ -30,7 +31,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hetero import api
+from hetero import api, direct
 
 app = typer.Typer(help="The whole life of a training run on the platform: validate, run and follow, inspect, stop, sweep, report.",
                   no_args_is_help=True, rich_markup_mode="markdown",
@@ -45,6 +46,7 @@ Region = Annotated[str | None, typer.Option(help="The stack's AWS region.", envv
 Profile = Annotated[str | None, typer.Option(help="AWS CLI profile for the credentials.", envvar="AWS_PROFILE")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout, for scripts.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")]
+Direct = Annotated[bool, typer.Option("--direct", help="RUN is a job launched with `run --direct` (its job name).")]
 
 SUCCEEDED = "SUCCEEDED"
 
@@ -108,12 +110,21 @@ def run(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job s
         name: Annotated[str | None, typer.Option(help="The run's id (default: run_name and the time).")] = None,
         follow: Annotated[bool, typer.Option("--follow", "-f", help="Watch it to the end; exit 0 only if it succeeded.")] = False,
         poll_s: Annotated[float, typer.Option(help="Seconds between looks when following.", min=1.0)] = 5.0,
+        launch_direct: Annotated[bool, typer.Option("--direct", help="One training job, without the state machine.")] = False,
+        sdk: Annotated[bool, typer.Option(help="With --direct: through the SageMaker SDK when installed (--no-sdk: boto3).")] = True,
         stack: Stack = None, region: Region = None, profile: Profile = None, quiet: Quiet = False,
         as_json: AsJson = False) -> None:
     """Start a training run from a spec (refused before anything starts if the spec or the name is bad).
 
+    With `--direct`, one training job without the state machine: the same request, sent through the
+    SageMaker Python SDK's ModelTrainer when it is installed (`pip install 'heterogeneous-training[sdk]'`)
+    and sends exactly that request, else by boto3; no watchdog, relaunch or result.json (see README).
+
     Example: `hetero run examples/pytorch-heterogeneous.json --follow`"""
     target = platform(ctx, stack, region, profile)
+    if launch_direct:
+        run_direct(spec, target, name, follow, poll_s, quiet, as_json, sdk)
+        return
     started = guarded(lambda: api.launch(spec, target, name))  # validates the spec and name before any AWS call
     if not quiet:
         err.print(f"started run [bold]{escape(started.name)}[/]", highlight=False)
@@ -128,11 +139,15 @@ def run(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job s
 @app.command("follow")
 def follow_run(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")],
                poll_s: Annotated[float, typer.Option(help="Seconds between looks.", min=1.0)] = 5.0,
+               is_job: Direct = False,
                stack: Stack = None, region: Region = None, profile: Profile = None, quiet: Quiet = False,
                as_json: AsJson = False) -> None:
     """Follow a run already started (after Ctrl-C, or from another terminal) to its end; exit 0 only if it
     succeeded."""
     target = platform(ctx, stack, region, profile)
+    if is_job:
+        follow_direct(run_id, target, poll_s, quiet, as_json)
+        return
     started = api.run_of(run_id, target)
     final = watch(started, target, poll_s, quiet)
     show_result(started, target, as_json, final)
@@ -176,10 +191,14 @@ def runs(ctx: typer.Context, limit: Annotated[int, typer.Option(min=1, max=1000)
 
 
 @app.command()
-def show(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = None, region: Region = None,
-         profile: Profile = None, as_json: AsJson = False) -> None:
+def show(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")], is_job: Direct = False, stack: Stack = None,
+         region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """A run's status and result."""
     target = platform(ctx, stack, region, profile)
+    if is_job:
+        outcome = guarded(lambda: direct.job_result(run_id, target))
+        emit_json(outcome) if as_json else out.print(result_table(outcome))
+        return
     described = guarded(lambda: api.describe(api.run_of(run_id, target), target))
     outcome = guarded(lambda: api.result(run_id, target))
     if as_json:
@@ -195,10 +214,16 @@ def show(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN"
 
 
 @app.command()
-def stop(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")], stack: Stack = None, region: Region = None,
-         profile: Profile = None) -> None:
+def stop(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN")], is_job: Direct = False, stack: Stack = None,
+         region: Region = None, profile: Profile = None) -> None:
     """Stop a run: its execution ends and the platform stops its training job."""
     target = platform(ctx, stack, region, profile)
+    if is_job:
+        was = guarded(lambda: direct.stop_job(run_id, target))
+        if was != "InProgress":
+            fail(f"job {run_id!r} is not running ({was})")
+        out.print(f"stopping job {run_id}", highlight=False, markup=False)
+        return
     was = guarded(lambda: api.stop(api.run_of(run_id, target), target))
     if was == "RUNNING":
         out.print(f"stopping {run_id}: its training job is stopped by the platform", highlight=False)
@@ -212,6 +237,7 @@ def logs(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN"
          group: Annotated[list[str] | None, typer.Option(help="Only this instance group's hosts; repeatable.")] = None,
          tail: Annotated[int | None, typer.Option(help="Only the last N lines.", min=1)] = None,
          since: Annotated[str | None, typer.Option(help="Only lines of the last 30s, 10m, 2h or 1d.")] = None,
+         is_job: Direct = False,
          stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """The job's log lines, host by host tagged, filterable by host and by instance group."""
     target = platform(ctx, stack, region, profile)
@@ -221,7 +247,10 @@ def logs(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN"
             start = datetime.now(UTC).timestamp() - api.seconds(since)
         except ValueError as error:
             fail(str(error), 2)
-    lines = guarded(lambda: api.log_lines(api.run_of(run_id, target), target, set(host or ()), set(group or ()), since=start))
+    if is_job:
+        lines = guarded(lambda: api.job_log_lines(run_id, target, set(host or ()), set(group or ()), since=start))
+    else:
+        lines = guarded(lambda: api.log_lines(api.run_of(run_id, target), target, set(host or ()), set(group or ()), since=start))
     if tail is not None:
         lines = lines[-tail:]
     if as_json:
@@ -323,15 +352,15 @@ def guarded(action):
         fail(str(error))
 
 
-def watch(started: api.Run, target: api.Platform, poll_s: float, quiet: bool) -> api.Event:
-    """Follow a run to its end, a progress bar over its steps on stderr; its "done" event. Ctrl-C leaves
-    the run going and says how to come back to it."""
+def watch(started: api.Run, target: api.Platform, poll_s: float, quiet: bool, events: Any = None, direct: bool = False) -> api.Event:
+    """Follow a run (or with ``direct`` a job, whose ``events`` are given) to its end, a progress bar over
+    its steps on stderr; its "done" event. Ctrl-C leaves the run going and says how to come back to it."""
     final = api.Event("done", status="UNKNOWN")
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[steps]}"),
                       TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=err, disable=quiet) as bar:
             task = bar.add_task(escape(started.name), total=None, steps="", metrics="")
-            for event in events_of(started, target, poll_s):
+            for event in events_of(started, target, poll_s, events):
                 if event.kind == "progress":
                     shown = " ".join(f"{key}={value:g}" for key, value in event.metrics.items() if key in ("step_time_ms", "samples_per_s", "loss"))
                     bar.update(task, completed=event.step, total=event.steps, steps=f"{event.step}/{event.steps} steps", metrics=shown)
@@ -342,17 +371,40 @@ def watch(started: api.Run, target: api.Platform, poll_s: float, quiet: bool) ->
                 elif event.kind == "done":
                     final = event
     except KeyboardInterrupt:
-        err.print(f"run {escape(started.name)} goes on: `hetero follow {escape(started.name)}` to come back, "
-                  f"`hetero stop {escape(started.name)}` to stop it", highlight=False)
+        kind, flag = ("job", " --direct") if direct else ("run", "")
+        err.print(f"{kind} {escape(started.name)} goes on: `hetero follow {escape(started.name)}{flag}` to come back, "
+                  f"`hetero stop {escape(started.name)}{flag}` to stop it", highlight=False)
         raise typer.Exit(130) from None
     if final.message:
         err.print(f"{coloured(final.status)}: {escape(final.message)}", highlight=False, soft_wrap=True)
     return final
 
 
-def events_of(started: api.Run, target: api.Platform, poll_s: float):
+def run_direct(spec: Path, target: api.Platform, name: str | None, follow: bool, poll_s: float, quiet: bool, as_json: bool,
+               use_sdk: bool) -> None:
+    job = guarded(lambda: direct.launch_direct(spec, target, name, use_sdk=use_sdk))
+    if not quiet:
+        err.print(f"started job [bold]{escape(job.job_name)}[/] (run {escape(job.run_id)}), sent by {escape(job.sent_by)}", highlight=False, soft_wrap=True)
+    if job.fallback:  # said even with --quiet: the user asked for the SDK
+        err.print(f"[yellow]note:[/] {escape(job.fallback)}", highlight=False, soft_wrap=True)
+    if not follow:
+        summary = {"job_name": job.job_name, "run": job.run_id, "sent_by": job.sent_by, "fallback": job.fallback}
+        emit_json(summary) if as_json else out.print(job.job_name, highlight=False, markup=False)
+        return
+    follow_direct(job.job_name, target, poll_s, quiet, as_json, raw_spec=api.read_json(spec)[1])
+
+
+def follow_direct(job: str, target: api.Platform, poll_s: float, quiet: bool, as_json: bool, raw_spec: Any = None) -> None:
+    """Follow a direct job to its end, then its result; exit 0 only if it completed with figures."""
+    final = watch(api.Run(job, ""), target, poll_s, quiet, events=lambda: api.follow_job(job, target, poll_s), direct=True)
+    outcome = guarded(lambda: direct.job_result(job, target, raw_spec))
+    emit_json(outcome) if as_json else out.print(result_table(outcome))
+    raise typer.Exit(0 if final.status == "Completed" and outcome["status"] == "Completed" else 1)
+
+
+def events_of(started: api.Run, target: api.Platform, poll_s: float, events: Any = None):
     # A generator's errors surface while iterating: each becomes one line and an exit here.
-    events = api.follow(started, target, poll_s)
+    events = events() if events else api.follow(started, target, poll_s)
     while True:
         try:
             yield next(events)

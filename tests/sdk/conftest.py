@@ -49,11 +49,15 @@ LAUNCH_SETTINGS = {
 _moto_create_training_job = SageMakerModelBackend.create_training_job
 
 
-def _refuse_a_name_in_use(self: SageMakerModelBackend, training_job_name: str, *args: Any, **kwargs: Any) -> Any:
-    """SageMaker refuses CreateTrainingJob for a name that exists (ResourceInUse); moto 5 overwrites it."""
+def _create_training_job(self: SageMakerModelBackend, training_job_name: str, *args: Any, **kwargs: Any) -> Any:
+    """CreateTrainingJob as SageMaker answers it: ResourceInUse for a name that exists (moto 5 overwrites
+    the job), and a new job InProgress (moto's is Completed at once); the test ends it (Aws.finish)."""
     if training_job_name in self.training_jobs:
         raise JsonRESTError("ResourceInUse", f"a training job named {training_job_name} exists already")
-    return _moto_create_training_job(self, training_job_name, *args, **kwargs)
+    created = _moto_create_training_job(self, training_job_name, *args, **kwargs)
+    job = self.training_jobs[training_job_name]
+    job.training_job_status, job.secondary_status = "InProgress", "Starting"
+    return created
 
 
 def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
@@ -81,20 +85,16 @@ class Aws:
     def jobs(self) -> list[str]:
         return sorted(job["TrainingJobName"] for job in self.sagemaker.list_training_jobs()["TrainingJobSummaries"])
 
-    def start(self, job_name: str) -> None:
-        """The job runs (moto's jobs are Completed at once)."""
-        job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
-        job.training_job_status, job.secondary_status = "InProgress", "Training"
-
-    def finish(self, job_name: str, summary: dict[str, Any], billable_s: int = 600) -> None:
-        """The job completes, its hosts' summary in output.tar.gz as SageMaker uploads it."""
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-            data = json.dumps(summary).encode()
-            info = tarfile.TarInfo("summary.json")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        self.s3.put_object(Bucket=RESULTS, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=buffer.getvalue())
+    def finish(self, job_name: str, summary: dict[str, Any] | None, billable_s: int = 600) -> None:
+        """The job completes, its hosts' summary (if any) in output.tar.gz as SageMaker uploads it."""
+        if summary is not None:
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+                data = json.dumps(summary).encode()
+                info = tarfile.TarInfo("summary.json")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            self.s3.put_object(Bucket=RESULTS, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=buffer.getvalue())
         job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
         job.training_job_status = job.secondary_status = "Completed"
         job.billable_time_in_seconds = billable_s
@@ -117,7 +117,7 @@ def aws(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[Aws]:
         return convert(self, api_params, operation_model, *args, **kwargs)
 
     monkeypatch.setattr(BaseClient, "_convert_to_request_dict", record)
-    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", _refuse_a_name_in_use)
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", _create_training_job)
     monkeypatch.setattr(SageMakerResponse, "stop_training_job", _stop_training_job, raising=False)
     with mock_aws():
         s3 = boto3.client("s3", region_name=REGION)

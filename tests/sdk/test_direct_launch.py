@@ -126,7 +126,6 @@ def test_a_job_sagemaker_refuses_takes_its_token_back(aws) -> None:
 def test_a_direct_jobs_result_and_stop(aws) -> None:
     raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
     running = launch_direct(raw, platform(), name="to-stop")
-    aws.start(running.job_name)
     assert stop_job(running.job_name, platform()) == "InProgress"
     assert aws.sagemaker.describe_training_job(TrainingJobName=running.job_name)["TrainingJobStatus"] in ("Stopping", "Stopped")
     assert stop_job(running.job_name, platform()) in ("Stopping", "Stopped")  # not stopped twice
@@ -141,6 +140,7 @@ def test_a_direct_jobs_result_and_stop(aws) -> None:
     # A job that completed without its hosts' summary is no success.
     assert job_result(running.job_name, platform())["status"] == "Stopping"
     empty = launch_direct(raw, platform(), name="no-summary")
+    aws.finish(empty.job_name, None)
     assert job_result(empty.job_name, platform())["failure_reason"].startswith("NoSummary")
     with pytest.raises(ClientFacingError, match="no training job"):
         job_result("hetero-nothing-20260101000000", platform())

@@ -16,11 +16,13 @@ from typer.testing import CliRunner
 
 from hetero.cli import app
 from tests.infra.conftest import REGION
-from tests.lambdas.conftest import RESULTS_BUCKET
+from tests.lambdas.conftest import ENVIRONMENT, RESULTS_BUCKET
 from tests.workflows.conftest import EXAMPLES, SPEC, Scenario
 
 SUMMARY = {"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "samples_per_s": 347.8}
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+LAUNCH_SETTINGS = ("JOB_NAME_PREFIX", "IMAGE_URIS", "SAGEMAKER_ROLE_ARN", "OUTPUT_S3_URI", "CHECKPOINT_S3_URI", "CONTROL_S3_URI",
+                   "INPUT_BUCKETS", "RUN_COST_CEILING_USD", "SWEEP_COST_CEILING_USD", "CEILING_PRICES")
 
 
 def runner() -> CliRunner:
@@ -33,7 +35,9 @@ def deploy(harness) -> None:
         "Resources": {"Queue": {"Type": "AWS::SQS::Queue"}},
         "Outputs": {"TrainingRunStateMachine": {"Value": harness.state_machine_arn},
                     "BenchmarkSweepStateMachine": {"Value": harness.sweep_arn},
-                    "ResultsBucket": {"Value": RESULTS_BUCKET}},
+                    "ResultsBucket": {"Value": RESULTS_BUCKET},
+                    # The launch function's settings (tests/infra checks the stack exports exactly those).
+                    "LaunchSettings": {"Value": json.dumps({key: ENVIRONMENT[key] for key in LAUNCH_SETTINGS})}},
     }
     boto3.client("cloudformation", region_name=REGION).create_stack(StackName="HeteroTrainingPlatform", TemplateBody=json.dumps(template))
 
@@ -152,6 +156,33 @@ def test_runs_show_and_stop(run, tmp_path: Path) -> None:
     assert again.exit_code == 1 and "is not running (ABORTED)" in again.stderr
     unknown = runner().invoke(app, ["show", "no-such-run"])
     assert unknown.exit_code == 1 and "no run 'no-such-run'" in unknown.stderr
+
+
+def test_run_direct_without_the_sdk_sends_the_builders_request_by_boto3_and_says_so(run, tmp_path: Path) -> None:
+    """This environment has no SageMaker SDK (tests/sdk/ checks the SDK's path in .venv-sdk)."""
+    harness = run(Scenario(summary=SUMMARY))
+    deploy(harness)
+    elsewhere = SPEC | {"inputs": {"train": {"s3_uri": "s3://someone-elses-bucket/x/", "groups": ["data_group"]}}}
+    refused = runner().invoke(app, ["run", str(spec_file(tmp_path, elsewhere)), "--direct"])
+    assert refused.exit_code == 2 and "inputs.train" in refused.stderr and harness.training_jobs() == []
+    started = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--direct", "--name", "direct-1"])
+    assert started.exit_code == 0, started.output
+    (job,) = harness.training_jobs()
+    assert started.stdout.strip() == job and job.startswith("hetero-vision-hetero-")
+    assert "sent by boto3" in started.stderr and "sagemaker-train is not installed" in started.stderr
+    described = harness.sagemaker.describe_training_job(TrainingJobName=job)
+    assert described["InputDataConfig"][-1]["DataSource"]["S3DataSource"]["S3Uri"] == f"s3://{RESULTS_BUCKET}/control/direct-1/"
+    assert harness.s3.get_object(Bucket=RESULTS_BUCKET, Key="control/direct-1/shutdown_token")["Body"].read()
+    shown = runner().invoke(app, ["show", job, "--direct", "--json"])  # moto's job completed at once, without figures
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["failure_reason"].startswith("NoSummary")
+    stopped = runner().invoke(app, ["stop", job, "--direct"])
+    assert stopped.exit_code == 1 and "is not running (Completed)" in stopped.stderr
+    write_logs(harness, {"algo-1": ["host algo-1 is in instance group data_group", "serving"],
+                         "algo-2": ["host algo-2 is in instance group dnn_group", "step=1/500 loss=2.3"]}).join()
+    logs = runner().invoke(app, ["logs", job, "--direct", "--group", "dnn_group", "--json"])
+    assert logs.exit_code == 0 and [line["line"] for line in json.loads(logs.stdout)] == ["host algo-2 is in instance group dnn_group", "step=1/500 loss=2.3"]
+    again = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--direct", "--name", "direct-1"])
+    assert again.exit_code == 2 and "launched before" in again.stderr and len(harness.training_jobs()) == 1
 
 
 def test_logs_are_filtered_by_host_and_by_instance_group(run, tmp_path: Path) -> None:
