@@ -35,7 +35,7 @@ sdk-venv: $(SDK_STAMP)
 $(SDK_STAMP):
 	@test -x $(SDK_PY) || $(PYTHON) -m venv $(SDK_VENV)
 	$(SDK_PY) -m pip install --quiet --disable-pip-version-check -r requirements/sdk-test.txt
-	$(SDK_PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(SDK_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@rm -f $(SDK_VENV)/.requirements-*
 	@touch $@
 

@@ -110,12 +110,13 @@ class Launch:
 def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: str | None = None) -> Launch:
     """The spec checked with the deployment's policy and the run id with the platform's rules; no write."""
     label, raw = read_json(source)
-    environment = platform.launch_settings
     try:
-        spec = validate_job_spec(raw, SpecPolicy.from_environment(environment))
+        validate_job_spec(raw)  # offline first: a bad spec is told before any AWS call
+        run = check_name(name or default_run_name(raw))
+        environment = platform.launch_settings
+        spec = validate_job_spec(raw, SpecPolicy.from_environment(environment))  # the deployment's allow-list and ceiling
     except JobSpecError as error:
         raise SpecRefused(label, error.field, error.problem) from None
-    run = check_name(name or default_run_name(raw))
     try:
         settings = settings_from_environment(environment)
         prefix = environment["JOB_NAME_PREFIX"]
@@ -127,8 +128,9 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
 
 
 def boto3_job_name(launch: Launch, now: datetime | None = None) -> str:
-    """The job's name when boto3 sends it: as the SDK would name it, <prefix>-<run name>-<time>."""
-    return f"{launch.base_job_name}-{(now or datetime.now(UTC)):%Y%m%d%H%M%S}"
+    """The job's name when boto3 sends it: as the SDK would name it, <base>-<time> within SageMaker's 63
+    characters (a 40-character run name leaves 8 digits of the time: the base is the run's own)."""
+    return f"{launch.base_job_name}-{(now or datetime.now(UTC)):%Y%m%d%H%M%S}"[:63]
 
 
 def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None,
@@ -160,8 +162,10 @@ def _send(launch: Launch, platform: Platform, use_sdk: bool) -> DirectJob:
         try:
             created = call(sdk.send, request_for=launch.request, boto_session=session, base_job_name=launch.base_job_name)
             return DirectJob(launch.run_id, created, sdk.sdk_version(), None, launch.request(created))
-        except (sdk.RequestMismatch, sdk.SdkRefused) as error:
+        except sdk.RequestMismatch as error:
             fallback = f"the SDK's request differs from the platform's ({error}): sent by boto3"
+        except sdk.SdkRefused as error:
+            fallback = f"{error}: sent by boto3"
     elif use_sdk:
         fallback = "sagemaker-train is not installed (pip install 'heterogeneous-training[sdk]'): sent by boto3"
     name = boto3_job_name(launch)
@@ -173,13 +177,12 @@ def _send(launch: Launch, platform: Platform, use_sdk: bool) -> DirectJob:
 def _check_run_id(launch: Launch, platform: Platform) -> None:
     """Refuse a run id that has a result or checkpoints, or a resume_from that has none."""
     s3 = platform.client("s3")
-    result_bucket, _ = split_s3_uri(launch.settings.checkpoint_s3_uri)
 
     def holds_objects(uri: str) -> bool:
         bucket, prefix = split_s3_uri(uri)
         return call(s3.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
-    if holds_objects(f"s3://{result_bucket}/results/{launch.run_id}/"):
+    if holds_objects(f"s3://{platform.results_bucket}/results/{launch.run_id}/"):
         raise InputRefused(f"run id {launch.run_id!r} has a result already: pick another --name")
     if holds_objects(checkpoint_uri(launch.settings, launch.run_id)):
         raise InputRefused(f"run id {launch.run_id!r} has checkpoints already (a job of it would resume their last step): pick another --name")

@@ -40,8 +40,9 @@ from typing import Any
 
 CREATE_TRAINING_JOB = "provide-client-params.sagemaker.CreateTrainingJob"
 CREATED = "after-call.sagemaker.CreateTrainingJob"
-# The SDK's job names: <base_job_name>-<14 digits of local time>.
+# The SDK's job names: <base_job_name>-<14 digits of local time>, cut at SageMaker's 63 characters.
 NAME_PATTERN_DIGITS = 14
+MAX_NAME = 63
 
 
 class RequestMismatch(RuntimeError):
@@ -53,7 +54,7 @@ class RequestMismatch(RuntimeError):
 
 
 class SdkRefused(RuntimeError):
-    """The SDK refused the request before building it (a field it cannot take): nothing was sent."""
+    """The SDK refused the request (a field it cannot take) or failed before sending it: nothing was sent."""
 
 
 class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -219,17 +220,20 @@ def send(request_for: Callable[[str], dict[str, Any]], boto_session: Any, base_j
     removes = [_on(boto_session, CREATE_TRAINING_JOB, check), _on(boto_session, CREATED, created)]
     try:
         try:
-            trainer = model_trainer(request_for(f"{base_job_name}-{'0' * NAME_PATTERN_DIGITS}"), boto_session, base_job_name)
+            # The request but for its name, which the SDK picks: <base>-<time>, cut at 63 characters.
+            trainer = model_trainer(request_for(f"{base_job_name}-{'0' * NAME_PATTERN_DIGITS}"[:MAX_NAME]), boto_session, base_job_name)
         except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
             raise SdkRefused(f"ModelTrainer refused the request: {error}") from None
         try:
             _train(trainer)
         except RequestMismatch:
             raise
-        except Exception:
+        except Exception as error:
             if seen.get("created"):  # the job exists; what failed came after (the SDK's describe of it)
                 return seen["name"]
-            raise
+            if "name" not in seen:  # it failed before its request was built: nothing was sent
+                raise SdkRefused(f"ModelTrainer failed before sending: {type(error).__name__}: {error}") from None
+            raise  # sent and refused by SageMaker, or lost on the way (the job may exist): not sent again
     finally:
         for remove in removes:
             remove()

@@ -10,6 +10,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import boto3
 import pytest
 
 from hetero import sdk
@@ -67,7 +68,7 @@ def test_modeltrainer_sends_the_builders_request_field_by_field(aws, example: st
 def test_the_captured_request_leaves_nothing_behind(aws) -> None:
     raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
     request = builders_request(raw, "hetero-vision-hetero-20261201000000", "a-run")
-    captured = sdk.captured_request(request, __import__("boto3").Session(region_name=REGION), "hetero-vision-hetero")
+    captured = sdk.captured_request(request, boto3.Session(region_name=REGION), "hetero-vision-hetero")
     assert sdk.differences(request, captured) == ["TrainingJobName: sent " + repr(captured["TrainingJobName"]) + ", the builder's is 'hetero-vision-hetero-20261201000000'"]
     assert aws.created == [] and aws.jobs() == []
 
@@ -85,6 +86,15 @@ def test_a_request_the_sdk_would_change_is_sent_as_the_builders(aws, tmp_path: P
     assert "EnableNetworkIsolation" not in sent
     assert sdk.differences(builders_request(raw, job.job_name, "isolated"), sent) == []
     assert aws.jobs() == [job.job_name]
+
+
+def test_a_forty_character_run_name_fits_a_job_name_either_way(aws) -> None:
+    raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text()) | {"run_name": "r" * 40}
+    through_sdk = launch_direct(raw, platform(), name="long-sdk")
+    by_boto3 = launch_direct(raw, platform(), name="long-boto3", use_sdk=False)
+    assert through_sdk.fallback is None and through_sdk.sent_by != "boto3"
+    assert len(through_sdk.job_name) == len(by_boto3.job_name) == 63 and through_sdk.job_name[-8:].isdigit()
+    assert [sent["TrainingJobName"] for sent in aws.created] == [through_sdk.job_name, by_boto3.job_name]
 
 
 def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None:
