@@ -117,10 +117,12 @@ def run(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job s
     """Start a training run from a spec (refused before anything starts if the spec or the name is bad).
 
     With `--direct`, one training job without the state machine: the same request, sent through the
-    SageMaker Python SDK's ModelTrainer when it is installed (`pip install 'heterogeneous-training[sdk]'`)
+    SageMaker Python SDK's ModelTrainer when it is installed (`pip install -e '.[sdk]'`)
     and sends exactly that request, else by boto3; no watchdog, relaunch or result.json (see README).
 
     Example: `hetero run examples/pytorch-heterogeneous.json --follow`"""
+    if not sdk and not launch_direct:
+        fail("--no-sdk goes with --direct (a run is launched by the platform's state machine)", 2)
     target = platform(ctx, stack, region, profile)
     if launch_direct:
         run_direct(spec, target, name, follow, poll_s, quiet, as_json, sdk)
@@ -387,18 +389,19 @@ def run_direct(spec: Path, target: api.Platform, name: str | None, follow: bool,
         err.print(f"started job [bold]{escape(job.job_name)}[/] (run {escape(job.run_id)}), sent by {escape(job.sent_by)}", highlight=False, soft_wrap=True)
     if job.fallback:  # said even with --quiet: the user asked for the SDK
         err.print(f"[yellow]note:[/] {escape(job.fallback)}", highlight=False, soft_wrap=True)
+    launched = {"job_name": job.job_name, "run": job.run_id, "sent_by": job.sent_by, "fallback": job.fallback}
     if not follow:
-        summary = {"job_name": job.job_name, "run": job.run_id, "sent_by": job.sent_by, "fallback": job.fallback}
-        emit_json(summary) if as_json else out.print(job.job_name, highlight=False, markup=False)
+        emit_json(launched) if as_json else out.print(job.job_name, highlight=False, markup=False)
         return
-    follow_direct(job.job_name, target, poll_s, quiet, as_json, raw_spec=api.read_json(spec)[1])
+    follow_direct(job.job_name, target, poll_s, quiet, as_json, raw_spec=api.read_json(spec)[1], launched=launched)
 
 
-def follow_direct(job: str, target: api.Platform, poll_s: float, quiet: bool, as_json: bool, raw_spec: Any = None) -> None:
+def follow_direct(job: str, target: api.Platform, poll_s: float, quiet: bool, as_json: bool, raw_spec: Any = None,
+                  launched: dict[str, Any] | None = None) -> None:
     """Follow a direct job to its end, then its result; exit 0 only if it completed with figures."""
     final = watch(api.Run(job, ""), target, poll_s, quiet, events=lambda: api.follow_job(job, target, poll_s), direct=True)
     outcome = guarded(lambda: direct.job_result(job, target, raw_spec))
-    emit_json(outcome) if as_json else out.print(result_table(outcome))
+    emit_json((launched or {}) | outcome) if as_json else out.print(result_table(outcome))
     raise typer.Exit(0 if final.status == "Completed" and outcome["status"] == "Completed" else 1)
 
 

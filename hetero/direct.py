@@ -15,16 +15,17 @@ request, field by field; where it is not, or the SDK refuses it, boto3 sends the
 the job says why (``fallback``). Without the SDK, boto3 sends it.
 
 Before anything is written or billed, the checks of a state-machine launch: the spec with the
-deployment's policy (input bucket allow-list, cost ceiling), the run id (no result of it, no checkpoints
-of it: a second job of one id would resume the first's last step and train nothing), resume_from's
-checkpoints. Then the job's shutdown token is written once, under control/<run id>/ (an id used before is
-refused there), and the job is created; a failed create takes the token back so the id can be used again.
+deployment's policy (input bucket allow-list, cost ceiling), the run id (no checkpoints of it: a second
+job of one id would resume the first's last step and train nothing), resume_from's checkpoints. A direct
+run keeps its checkpoints and token under checkpoints/direct/<run id>/ and control/direct/<run id>/,
+where no state-machine run's id (an execution name, without "/") can reach. The token is written once
+(an id launched before is refused there), then the job is created; a create SageMaker refuses takes the
+token back so the id can be used again. These checks are the client's: the caller's own IAM permissions
+are what the account enforces (the stack's DirectLaunchPolicy, see the README).
 
 What a direct job goes without, being the state machine's: the start timeout and deadline watchdog
 (SageMaker's MaxRuntimeInSeconds still bounds it), capacity relaunches, the abort cleanup, result.json
 in S3 and sweeps. Its result is computed here (job_result), the way the collect function computes a run's.
-The caller's credentials need sagemaker:CreateTrainingJob on the platform's job names, iam:PassRole on its
-SageMaker role, and on the results bucket s3:ListBucket and s3:PutObject/DeleteObject under control/.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import boto3
 
 from hetero.api import (
     ClientFacingError,
@@ -65,6 +64,10 @@ from training.hyperparameters import TOKEN_FILE
 
 # The direct job's tag naming its run (a state-machine run's job carries its execution's instead).
 RUN_TAG = "run_id"
+# A direct run keeps its checkpoints and token under this (checkpoints/direct/<run id>/, control/direct/
+# <run id>/): a state-machine run's id, an execution name, has no "/", so the two never share a prefix.
+DIRECT = "direct"
+SDK_INSTALL = "pip install -e '.[sdk]' in the repository"
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ class Launch:
     settings: Any
 
     @property
+    def key(self) -> str:
+        """Where the run's checkpoints and token lie, under checkpoints/ and control/."""
+        return f"{DIRECT}/{self.run_id}"
+
+    @property
     def base_job_name(self) -> str:
         """<prefix>-<run name>-<6 hex of the run id>: the SDK adds the time to the second, and two runs of
         one spec launched within a second (a notebook's loop) must not ask for one name. A run id is
@@ -102,9 +110,14 @@ class Launch:
         if problem or not name.startswith(f"{self.base_job_name}-"):
             raise ClientFacingError(f"{name!r} cannot be a job name of run {self.spec.run_name!r}: {problem or 'another prefix'}")
         try:
-            return create_training_job_request(self.spec, self.settings, name=name, run_id=self.run_id, control_key=self.run_id)
+            return create_training_job_request(self.spec, self.settings, name=name, run_id=self.key, control_key=self.key)
         except RequestError as error:
             raise ClientFacingError(str(error)) from None
+
+
+def default_direct_run_id(raw: Mapping[str, Any]) -> str:
+    """<run_name>-<UTC time>-<4 hex>: a notebook's loop launches several in one second."""
+    return f"{default_run_name(raw)}-{secrets.token_hex(2)}"
 
 
 def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: str | None = None) -> Launch:
@@ -112,7 +125,7 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
     label, raw = read_json(source)
     try:
         validate_job_spec(raw)  # offline first: a bad spec is told before any AWS call
-        run = check_name(name or default_run_name(raw))
+        run = check_name(name or default_direct_run_id(raw))
         environment = platform.launch_settings
         spec = validate_job_spec(raw, SpecPolicy.from_environment(environment))  # the deployment's allow-list and ceiling
     except JobSpecError as error:
@@ -128,64 +141,102 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
 
 
 def boto3_job_name(launch: Launch, now: datetime | None = None) -> str:
-    """The job's name when boto3 sends it: as the SDK would name it, <base>-<time> within SageMaker's 63
-    characters (a 40-character run name leaves 8 digits of the time: the base is the run's own)."""
+    """The job's name when boto3 sends it: <base>-<UTC time> (the SDK puts its machine's local time there),
+    within SageMaker's 63 characters (a 40-character run name leaves 8 digits of the time: the base is
+    the run's own)."""
     return f"{launch.base_job_name}-{(now or datetime.now(UTC)):%Y%m%d%H%M%S}"[:63]
 
 
 def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None,
                   use_sdk: bool = True) -> DirectJob:
     """Check, then create one training job for the spec (see the module's docstring)."""
+    from hetero import sdk
+
     platform = platform or Platform()
     launch = prepare(source, platform, name)
+    through_sdk = use_sdk and sdk.available()  # known before anything is written
     _check_run_id(launch, platform)
-    token = token_uri(launch.settings, launch.run_id)
-    bucket, prefix = split_s3_uri(token)
-    _write_token(platform, bucket, f"{prefix}{TOKEN_FILE}", launch.run_id)
+    bucket, prefix = split_s3_uri(token_uri(launch.settings, launch.key))
+    token = f"{prefix}{TOKEN_FILE}"
+    _write_token(platform, bucket, token, launch.run_id)
     try:
-        return _send(launch, platform, use_sdk)
+        job = _send(launch, platform, through_sdk)
     except ClientFacingError as error:
         # SageMaker refused the job: the token goes, so the id may be used again. Not after a dropped
         # connection or throttling past the retries (the job may exist, and reads its token at its start).
         if not isinstance(error, TransientError):
-            call(platform.client("s3").delete_object, Bucket=bucket, Key=f"{prefix}{TOKEN_FILE}")
+            _take_back(platform, bucket, token, error)
         raise
+    except BaseException as error:  # the SDK's own failure once its request had left: the job may exist
+        raise ClientFacingError(f"the launch of run {launch.run_id!r} failed, and its job may exist "
+                                f"(`aws sagemaker list-training-jobs --name-contains {launch.base_job_name}`): {error}") from error
+    if use_sdk and not through_sdk:
+        return replace(job, fallback=f"sagemaker-train is not installed ({SDK_INSTALL}): sent by boto3")
+    return job
 
 
-def _send(launch: Launch, platform: Platform, use_sdk: bool) -> DirectJob:
-    from hetero import sdk
+def _take_back(platform: Platform, bucket: str, key: str, cause: ClientFacingError) -> None:
+    try:
+        call(platform.client("s3").delete_object, Bucket=bucket, Key=key)
+    except ClientFacingError as error:
+        raise ClientFacingError(f"{cause}; and its token s3://{bucket}/{key} could not be deleted ({error}): "
+                                "launch under another name") from None
 
+
+def _send(launch: Launch, platform: Platform, through_sdk: bool) -> DirectJob:
     fallback = None
-    if use_sdk and sdk.available():
-        # A session of its own: the SDK makes its clients from it after the check is registered on it.
-        session = boto3.Session(profile_name=platform.profile, region_name=platform.session.region_name)
+    if through_sdk:
+        from hetero import sdk
+
         try:
-            created = call(sdk.send, request_for=launch.request, boto_session=session, base_job_name=launch.base_job_name)
+            try:
+                created = call(sdk.send, request_for=launch.request, boto_session=platform.session, base_job_name=launch.base_job_name)
+            except sdk.NameInUse as taken:
+                created = _ours(launch, platform, taken.name, str(taken))
             return DirectJob(launch.run_id, created, sdk.sdk_version(), None, launch.request(created))
-        except sdk.RequestMismatch as error:
-            fallback = f"the SDK's request differs from the platform's ({error}): sent by boto3"
-        except sdk.SdkRefused as error:
+        except (sdk.RequestMismatch, sdk.SdkRefused) as error:
             fallback = f"{error}: sent by boto3"
-    elif use_sdk:
-        fallback = "sagemaker-train is not installed (pip install 'heterogeneous-training[sdk]'): sent by boto3"
     name = boto3_job_name(launch)
     request = launch.request(name)
-    call(platform.client("sagemaker").create_training_job, **request)
+    try:
+        call(platform.client("sagemaker").create_training_job, **request)
+    except ClientFacingError as error:
+        if not str(error).startswith("ResourceInUse"):
+            raise
+        _ours(launch, platform, name, str(error))
     return DirectJob(launch.run_id, name, "boto3", fallback, request)
 
 
+def _ours(launch: Launch, platform: Platform, name: str, refusal: str) -> str:
+    """After ResourceInUse: ``name`` if its job is this run's (a create retried after a lost answer, which
+    botocore does on a timeout, meets the job it made), else the refusal."""
+    if _run_of(name, platform) != launch.run_id:
+        raise ClientFacingError(refusal)
+    return name
+
+
+def _run_of(job: str, platform: Platform) -> str | None:
+    """The run id a job is tagged with, or None (no such job, or no tag)."""
+    sagemaker = platform.client("sagemaker")
+    described = call(sagemaker.describe_training_job, TrainingJobName=job, absent_ok=True)
+    if described is None:
+        return None
+    tags = call(sagemaker.list_tags, ResourceArn=described["TrainingJobArn"]).get("Tags", [])
+    return next((tag["Value"] for tag in tags if tag["Key"] == RUN_TAG), None)
+
+
 def _check_run_id(launch: Launch, platform: Platform) -> None:
-    """Refuse a run id that has a result or checkpoints, or a resume_from that has none."""
+    """Refuse a run id that has checkpoints (a job of it would resume their last step and train nothing), or
+    a resume_from that has none."""
     s3 = platform.client("s3")
 
     def holds_objects(uri: str) -> bool:
         bucket, prefix = split_s3_uri(uri)
         return call(s3.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
-    if holds_objects(f"s3://{platform.results_bucket}/results/{launch.run_id}/"):
-        raise InputRefused(f"run id {launch.run_id!r} has a result already: pick another --name")
-    if holds_objects(checkpoint_uri(launch.settings, launch.run_id)):
-        raise InputRefused(f"run id {launch.run_id!r} has checkpoints already (a job of it would resume their last step): pick another --name")
+    if holds_objects(checkpoint_uri(launch.settings, launch.key)):
+        raise InputRefused(f"run id {launch.run_id!r} has checkpoints already (a job of it would resume their last step): "
+                           "launch under another name")
     if launch.spec.resume_from and not holds_objects(checkpoint_uri(launch.settings, launch.spec.resume_from)):
         raise InputRefused(f"run {launch.spec.resume_from!r} left no checkpoints: name a run that wrote some, or leave resume_from out")
 
@@ -197,40 +248,69 @@ def _write_token(platform: Platform, bucket: str, key: str, run: str) -> None:
              ContentType="text/plain", IfNoneMatch="*")
     except ClientFacingError as error:
         if "PreconditionFailed" in str(error) or "ConditionalRequestConflict" in str(error):
-            raise InputRefused(f"run id {run!r} was launched before: pick another --name") from None
+            raise InputRefused(f"run id {run!r} was launched before: launch under another name") from None
         raise
 
 
 def stop_job(job: str, platform: Platform | None = None) -> str:
-    """Stop a direct job; returns the status it had."""
+    """Stop a direct job of this platform (tagged with its run id; any other job is refused); returns the
+    status it had."""
     platform = platform or Platform()
     sagemaker = platform.client("sagemaker")
-    status = call(sagemaker.describe_training_job, TrainingJobName=job, missing=f"no training job {job!r} in this account and region")["TrainingJobStatus"]
-    if status == "InProgress":
+    described = _described(job, platform)
+    if _tags(described, platform).get(RUN_TAG) is None or not job.startswith(f"{platform.launch_settings.get('JOB_NAME_PREFIX')}-"):
+        raise InputRefused(f"job {job!r} is not a direct job of this platform (`hetero stop RUN` stops a run's)")
+    if described["TrainingJobStatus"] == "InProgress":
         call(sagemaker.stop_training_job, TrainingJobName=job)
-    return status
+    return described["TrainingJobStatus"]
 
 
 def job_result(job: str, platform: Platform | None = None, raw_spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A direct job's result, as result.json has a run's: status, step times, cost per 1k steps, start-up
     times; from its description and its summary in output.tar.gz (the fallback price table's prices)."""
     platform = platform or Platform()
-    s3 = platform.client("s3")
-    describe = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job,
-                    missing=f"no training job {job!r} in this account and region")
-
-    def size_of(bucket: str, key: str) -> int | None:
-        found = call(s3.head_object, Bucket=bucket, Key=key, absent_ok=True)
-        return None if found is None else int(found["ContentLength"])
-
-    def read(bucket: str, key: str) -> bytes | None:
-        found = call(s3.get_object, Bucket=bucket, Key=key, absent_ok=True)
-        return None if found is None else found["Body"].read()
-
-    summary, problem = read_summary(describe, size_of, read) if describe["TrainingJobStatus"] in ("Completed", "Failed", "Stopped") else (None, None)
-    tags = {tag["Key"]: tag["Value"] for tag in call(platform.client("sagemaker").list_tags, ResourceArn=describe["TrainingJobArn"]).get("Tags", [])}
+    describe = _described(job, platform)
+    ended = describe["TrainingJobStatus"] in ("Completed", "Failed", "Stopped")
+    summary, problem = read_summary(describe, *_s3_readers(platform)) if ended else (None, None)
     resources = describe["ResourceConfig"]
     groups = ([(group["InstanceType"], group["InstanceCount"]) for group in resources["InstanceGroups"]] if resources.get("InstanceGroups")
               else [(resources["InstanceType"], resources["InstanceCount"])])
-    return result_document(run_id=tags.get(RUN_TAG, job), groups=groups, raw_spec=raw_spec, job_name=job, describe=describe,
-                           summary=summary, summary_problem=problem, prices=FALLBACK_PRICES)
+    return result_document(run_id=_tags(describe, platform).get(RUN_TAG, job), groups=groups, raw_spec=raw_spec, job_name=job,
+                           describe=describe, summary=summary, summary_problem=problem, prices=FALLBACK_PRICES)
+
+
+def _described(job: str, platform: Platform) -> dict[str, Any]:
+    return call(platform.client("sagemaker").describe_training_job, TrainingJobName=job,
+                missing=f"no training job {job!r} in this account and region")
+
+
+def _tags(described: Mapping[str, Any], platform: Platform) -> dict[str, str]:
+    tags = call(platform.client("sagemaker").list_tags, ResourceArn=described["TrainingJobArn"]).get("Tags", [])
+    return {tag["Key"]: tag["Value"] for tag in tags}
+
+
+def _s3_readers(platform: Platform) -> tuple[Any, Any]:
+    """(size of, bytes of) an S3 object, None when there is none; a refused read is an error, not an absent
+    object (a completed job's summary unread would read as a job without figures)."""
+    s3 = platform.client("s3")
+
+    def absent(error: ClientFacingError) -> bool:
+        return str(error).split(":", 1)[0] in ("NoSuchKey", "404", "NotFound")
+
+    def size_of(bucket: str, key: str) -> int | None:
+        try:
+            return int(call(s3.head_object, Bucket=bucket, Key=key)["ContentLength"])
+        except ClientFacingError as error:
+            if absent(error):
+                return None
+            raise ClientFacingError(f"cannot read s3://{bucket}/{key} ({error}): the caller needs s3:GetObject there") from None
+
+    def read(bucket: str, key: str) -> bytes | None:
+        try:
+            return call(s3.get_object, Bucket=bucket, Key=key)["Body"].read()
+        except ClientFacingError as error:
+            if absent(error):
+                return None
+            raise ClientFacingError(f"cannot read s3://{bucket}/{key} ({error}): the caller needs s3:GetObject there") from None
+
+    return size_of, read

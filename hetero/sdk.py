@@ -3,11 +3,11 @@
 names, the platform's image and role, its container contract as hyperparameters), and sent only if what
 the SDK sends *is* that request. hetero/direct.py uses it when the SDK is installed:
 
-    pip install 'heterogeneous-training[sdk]'     # requirements/sdk.txt: sagemaker-train and the client
+    pip install -e '.[sdk]'     # in the repository: requirements/sdk.txt, sagemaker-train and the client
 
-The proof, on every launch: a handler on the session's botocore events
-(``provide-client-params.sagemaker.CreateTrainingJob``) sees the SDK's request once the SDK has built it
-and before botocore sends it, compares it field by field with the builder's request for the job name the
+The proof, on every launch: a handler on the botocore events of the client the SDK sends with
+(``before-parameter-build.sagemaker.CreateTrainingJob``, the last before botocore validates and
+serializes) sees the SDK's request once the SDK has built it and before it leaves, compares it field by field with the builder's request for the job name the
 SDK chose (lambdas/core/training_request.py), and stops the call (RequestMismatch, nothing sent) on any
 difference. hetero/direct.py then sends the builder's request itself and says why.
 
@@ -16,8 +16,8 @@ the example specs: tests/sdk/):
 
 * the job's exact name: ModelTrainer names it ``<base_job_name>-<YYYYmmddHHMMSS>``; so the builder keys
   the job's shutdown token by the run (``control_key``), which is known before the name;
-* ``AlgorithmSpecification.EnableSageMakerMetricsTimeSeries``: ModelTrainer's AlgorithmSpecification has
-  no such field. The builder leaves it out: SageMaker keeps the time series of any job with
+* ``AlgorithmSpecification.EnableSageMakerMetricsTimeSeries``: ModelTrainer builds its
+  AlgorithmSpecification without it (sagemaker-core's shape has the field; ModelTrainer has no way to it). The builder leaves it out: SageMaker keeps the time series of any job with
   MetricDefinitions (CreateTrainingJob's documentation), and every request of the platform has them;
 * its role check: ModelTrainer simulates the role (iam:SimulatePrincipalPolicy) against the SDK's generic
   training policy (EC2 network interfaces and PutMetricData on ``*``, ...) and refuses a role without
@@ -34,11 +34,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-CREATE_TRAINING_JOB = "provide-client-params.sagemaker.CreateTrainingJob"
+# The last event before botocore validates and serializes a request: the parameters as they will leave.
+CHECKED = "before-parameter-build.sagemaker.CreateTrainingJob"
 CREATED = "after-call.sagemaker.CreateTrainingJob"
 # The SDK's job names: <base_job_name>-<14 digits of local time>, cut at SageMaker's 63 characters.
 NAME_PATTERN_DIGITS = 14
@@ -46,15 +48,26 @@ MAX_NAME = 63
 
 
 class RequestMismatch(RuntimeError):
-    """The SDK would have sent another request than the builder's: nothing was sent."""
+    """The SDK would have sent another request than the builder's: nothing was sent. Its message names the
+    fields only: it is raised inside ModelTrainer.train, whose telemetry reports the failure's text to
+    the SDK's endpoint; the values are in ``differences``."""
 
     def __init__(self, differences: list[str]) -> None:
-        super().__init__("; ".join(differences))
+        fields = sorted({line.split(":", 1)[0] for line in differences})
+        super().__init__(f"the SDK's request differs in {', '.join(fields)}")
         self.differences = differences
 
 
 class SdkRefused(RuntimeError):
     """The SDK refused the request (a field it cannot take) or failed before sending it: nothing was sent."""
+
+
+class NameInUse(RuntimeError):
+    """SageMaker answered ResourceInUse: a job of the name the SDK chose exists (``name``)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"ResourceInUse: {message}")
+        self.name = name
 
 
 class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -64,11 +77,15 @@ class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
 
 
 def available() -> bool:
-    """Whether `sagemaker-train` is installed in this environment."""
+    """Whether `sagemaker-train` is installed in this environment and imports."""
     try:
-        return importlib.util.find_spec("sagemaker.train") is not None
-    except ModuleNotFoundError:  # no `sagemaker` package at all
+        if importlib.util.find_spec("sagemaker.train") is None:
+            return False
+        import sagemaker.core.resources  # noqa: F401 - what send() needs, imported now rather than mid-launch
+        import sagemaker.train  # noqa: F401
+    except Exception:  # no `sagemaker` package, or one that does not import
         return False
+    return True
 
 
 def sdk_version() -> str:
@@ -99,19 +116,24 @@ def differences(expected: Any, sent: Any, where: str = "") -> list[str]:
     return []
 
 
+_ROLE_SWITCH = threading.Lock()
+
+
 @contextlib.contextmanager
 def _role_check_off() -> Iterator[None]:
-    """The SDK's switch for its role check, on for the trainer's construction only (see the module's
-    docstring); the variable's earlier value comes back after."""
-    before = os.environ.get("SAGEMAKER_VALIDATE_ROLE")
-    os.environ["SAGEMAKER_VALIDATE_ROLE"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("SAGEMAKER_VALIDATE_ROLE", None)
-        else:
-            os.environ["SAGEMAKER_VALIDATE_ROLE"] = before
+    """The SDK's switch for its role check (an environment variable, so process-wide: one trainer is built
+    under it at a time), off for the trainer's construction only (see the module's docstring); the
+    variable's earlier value comes back after."""
+    with _ROLE_SWITCH:
+        before = os.environ.get("SAGEMAKER_VALIDATE_ROLE")
+        os.environ["SAGEMAKER_VALIDATE_ROLE"] = "false"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("SAGEMAKER_VALIDATE_ROLE", None)
+            else:
+                os.environ["SAGEMAKER_VALIDATE_ROLE"] = before
 
 
 def model_trainer(request: Mapping[str, Any], boto_session: Any, base_job_name: str) -> Any:
@@ -175,35 +197,49 @@ def channels(request: Mapping[str, Any]) -> list[Any]:
     return made
 
 
-def _on(boto_session: Any, event: str, handler: Callable[..., Any]) -> Callable[[], None]:
-    """Register ``handler`` on the session's events; returns its unregistering. Register before the SDK
-    makes its clients: a botocore client copies the session's handlers when it is made."""
+def _sagemaker_client(boto_session: Any) -> Any:
+    """The SageMaker client ModelTrainer creates jobs with: sagemaker-core caches one per boto3 session
+    (and region and config: TrainingJob.create passes neither), for the life of the process."""
+    from sagemaker.core.resources import Base
+
+    return Base.get_sagemaker_client(session=boto_session)
+
+
+@contextlib.contextmanager
+def _handlers(boto_session: Any, handlers: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
+    """``handlers`` (event → handler) on the client the SDK will send with, for the block only. A
+    botocore client copies its session's handlers when it is made, and sagemaker-core keeps the client:
+    handlers are put on that client itself, and taken off it after (else a later call would meet them)."""
+    events = _sagemaker_client(boto_session).meta.events
     unique = f"hetero-{uuid.uuid4()}"
-    boto_session.events.register(event, handler, unique_id=unique)
-    return lambda: boto_session.events.unregister(event, unique_id=unique)
+    for event, handler in handlers.items():
+        events.register(event, handler, unique_id=unique)
+    try:
+        yield
+    finally:
+        for event in handlers:
+            events.unregister(event, unique_id=unique)
 
 
 def captured_request(request: Mapping[str, Any], boto_session: Any, base_job_name: str) -> dict[str, Any]:
     """What the SDK would send for ``request``, stopped before it leaves (nothing is created)."""
     def capture(params: dict[str, Any], **_: Any) -> None:
-        raise _Captured(params)
+        raise _Captured(dict(params))
 
-    remove = _on(boto_session, CREATE_TRAINING_JOB, capture)
-    try:
-        _train(model_trainer(request, boto_session, base_job_name))
-    except _Captured as captured:
-        return captured.params
-    finally:
-        remove()
+    trainer = model_trainer(request, boto_session, base_job_name)
+    with _handlers(boto_session, {CHECKED: capture}):
+        try:
+            _train(trainer)
+        except _Captured as captured:
+            return captured.params
     raise RuntimeError("the SDK finished without a CreateTrainingJob call")
 
 
 def send(request_for: Callable[[str], dict[str, Any]], boto_session: Any, base_job_name: str) -> str:
     """Create the job through ModelTrainer, if the SDK's request is ``request_for(<the name it chose>)``
-    field by field; returns the job's name. Raises RequestMismatch or SdkRefused with nothing sent; the
-    service's own errors (botocore's ClientError) as they are.
-
-    ``boto_session`` should be one the SDK has made no client of yet (the check rides on its events)."""
+    field by field; returns the job's name. Raises RequestMismatch or SdkRefused when nothing was sent;
+    once the request has left, the service's errors as botocore raises them (ResourceInUse: this name's
+    job exists, which a retried create of ours meets: the caller tells whose it is)."""
     seen: dict[str, Any] = {}
 
     def check(params: dict[str, Any], **_: Any) -> None:
@@ -217,13 +253,12 @@ def send(request_for: Callable[[str], dict[str, Any]], boto_session: Any, base_j
         if http_response is not None and http_response.status_code < 300 and not (parsed or {}).get("Error"):
             seen["created"] = True
 
-    removes = [_on(boto_session, CREATE_TRAINING_JOB, check), _on(boto_session, CREATED, created)]
     try:
-        try:
-            # The request but for its name, which the SDK picks: <base>-<time>, cut at 63 characters.
-            trainer = model_trainer(request_for(f"{base_job_name}-{'0' * NAME_PATTERN_DIGITS}"[:MAX_NAME]), boto_session, base_job_name)
-        except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
-            raise SdkRefused(f"ModelTrainer refused the request: {error}") from None
+        # The request but for its name, which the SDK picks: <base>-<time>, cut at 63 characters.
+        trainer = model_trainer(request_for(f"{base_job_name}-{'0' * NAME_PATTERN_DIGITS}"[:MAX_NAME]), boto_session, base_job_name)
+    except Exception as error:  # a field it refuses (pydantic), its role check, another SDK release's API
+        raise SdkRefused(f"ModelTrainer refused the request ({_first_line(error)})") from error
+    with _handlers(boto_session, {CHECKED: check, CREATED: created}):
         try:
             _train(trainer)
         except RequestMismatch:
@@ -232,14 +267,18 @@ def send(request_for: Callable[[str], dict[str, Any]], boto_session: Any, base_j
             if seen.get("created"):  # the job exists; what failed came after (the SDK's describe of it)
                 return seen["name"]
             if "name" not in seen:  # it failed before its request was built: nothing was sent
-                raise SdkRefused(f"ModelTrainer failed before sending: {type(error).__name__}: {error}") from None
-            raise  # sent and refused by SageMaker, or lost on the way (the job may exist): not sent again
-    finally:
-        for remove in removes:
-            remove()
-    if "name" not in seen:  # the check never ran: the SDK sent nothing through this session
-        raise RuntimeError("ModelTrainer created no job through the checked session")
+                raise SdkRefused(f"ModelTrainer failed before sending ({_first_line(error)})") from error
+            answer = getattr(error, "response", {}).get("Error", {})
+            if answer.get("Code") == "ResourceInUse":
+                raise NameInUse(seen["name"], answer.get("Message", "")) from None
+            raise  # sent and refused by SageMaker, or lost on the way (the job may exist): never sent again here
+    if "name" not in seen:  # the check never ran: the SDK sent through another client (a new SDK release)
+        raise RuntimeError("ModelTrainer sent CreateTrainingJob through a client hetero does not check; use --no-sdk")
     return seen["name"]
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
 def _train(trainer: Any) -> None:

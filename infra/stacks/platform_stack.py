@@ -1,5 +1,5 @@
 """The platform in one stack: storage, training images, the SageMaker role (and in VPC mode its network),
-the functions, the
+the policy for direct launches, the functions, the
 training-run and benchmark-sweep state machines (with the sweep's schedule, dashboard and alarm), and the
 abort cleanup. It only composes constructs and exports what users need."""
 
@@ -16,11 +16,13 @@ from infra.constructs.abort_cleanup import AbortCleanup
 from infra.constructs.alarm_topic import AlarmTopic
 from infra.constructs.benchmark_sweep import BenchmarkSweep
 from infra.constructs.buckets import Buckets
+from infra.constructs.direct_launch import DirectLaunchPolicy
 from infra.constructs.execution_role import ExecutionRole
-from infra.constructs.functions import TrainingRunFunctions
+from infra.constructs.functions import TrainingRunFunctions, training_jobs_resource
 from infra.constructs.training_images import TrainingImages
 from infra.constructs.training_network import TrainingNetwork
 from infra.constructs.training_workflow import TrainingWorkflow
+from lambdas.core.catalog import CATALOG
 
 
 class PlatformStack(Stack):
@@ -51,6 +53,8 @@ class PlatformStack(Stack):
             max_concurrency=config.sweep_max_concurrency, timeout_h=config.sweep_timeout_h,
             log_retention_days=config.log_retention_days, schedule=config.sweep_schedule, policy=config.policy_for_synthesis(),
         )
+        direct = DirectLaunchPolicy(self, "DirectLaunch", prefix=config.prefix, jobs_arn=training_jobs_resource(self, config.prefix),
+                                    sagemaker_role=role.role, results=buckets.results, instance_types=sorted(CATALOG), vpc_config=vpc_config)
         self.alarms = AlarmTopic(self, "Alarms", email=config.alarm_email)
         self.alarms.notify_from_every_alarm_in(self)
         self.buckets, self.functions, self.workflow, self.sweep = buckets, functions, workflow, sweep
@@ -62,3 +66,5 @@ class PlatformStack(Stack):
         CfnOutput(self, "BenchmarksDashboard", value=sweep.dashboard.dashboard_name)
         CfnOutput(self, "LaunchSettings", value=self.to_json_string(functions.launch_settings),
                   description="The launch function's settings: images, SageMaker role, locations, spec policy (hetero run --direct)")
+        CfnOutput(self, "DirectLaunchPolicy", value=direct.policy.managed_policy_arn,
+                  description="Attach to the role of whoever launches with `hetero run --direct`")

@@ -25,7 +25,7 @@ def resources(template_json: dict[str, Any], kind: str) -> dict[str, Any]:
 def statements(template_json: dict[str, Any]) -> list[dict[str, Any]]:
     found = []
     for resource in template_json["Resources"].values():
-        if resource["Type"] in ("AWS::IAM::Policy", "AWS::IAM::Role"):
+        if resource["Type"] in ("AWS::IAM::Policy", "AWS::IAM::Role", "AWS::IAM::ManagedPolicy"):
             documents = [resource["Properties"].get("PolicyDocument")] + [
                 p["PolicyDocument"] for p in resource["Properties"].get("Policies", [])
             ]
@@ -102,12 +102,35 @@ def test_no_statement_allows_every_action(template_json) -> None:
 
 def test_pass_role_only_hands_our_sagemaker_role_to_sagemaker(template_json) -> None:
     passing = [s for s in statements(template_json) if "iam:PassRole" in as_list(s["Action"])]
-    assert len(passing) == 1
-    (statement,) = passing
-    assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}
-    (role_name,) = resources(template_json, "AWS::IAM::Role").keys() & {statement["Resource"]["Fn::GetAtt"][0]}
-    role = template_json["Resources"][role_name]
-    assert role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"Service": "sagemaker.amazonaws.com"}
+    assert len(passing) == 2  # the launch function's, and the direct launchers' (DirectLaunchPolicy)
+    for statement in passing:
+        assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}
+        (role_name,) = resources(template_json, "AWS::IAM::Role").keys() & {statement["Resource"]["Fn::GetAtt"][0]}
+        role = template_json["Resources"][role_name]
+        assert role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Principal"] == {"Service": "sagemaker.amazonaws.com"}
+
+
+def test_direct_launchers_may_create_only_the_platforms_jobs(template_json, in_vpc) -> None:
+    """What IAM can hold a direct CreateTrainingJob to: names, instance types, runtime, encryption, tags
+    (and in VPC mode the platform's network); the rest of the policy to its prefixes."""
+    from lambdas.core.catalog import CATALOG
+    from lambdas.core.job_spec import MAX_RUNTIME_S
+
+    for template in (template_json, in_vpc):
+        (policy,) = resources(template, "AWS::IAM::ManagedPolicy").values()
+        by_sid = {statement["Sid"]: statement for statement in policy["Properties"]["PolicyDocument"]["Statement"]}
+        create = by_sid["CreatePlatformJobs"]
+        assert create["Action"] == "sagemaker:CreateTrainingJob" and "training-job/hetero-*" in json.dumps(create["Resource"])
+        conditions = create["Condition"]
+        assert conditions["ForAllValues:StringEquals"]["sagemaker:InstanceTypes"] == sorted(CATALOG)
+        assert conditions["NumericLessThanEquals"] == {"sagemaker:MaxRuntimeInSeconds": MAX_RUNTIME_S}
+        assert conditions["Bool"] == {"sagemaker:InterContainerTrafficEncryption": "true"}
+        assert conditions["Null"]["sagemaker:InstanceTypes"] == "false" and conditions["StringEquals"] == {"aws:RequestTag/platform": "hetero"}
+        assert ("sagemaker:VpcSubnets" in conditions["ForAllValues:StringEquals"]) == (template is in_vpc)
+        assert set(by_sid["TagPlatformJobs"]["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"]) == {"platform", "run_name", "run_id"}
+        assert "control/direct/*" in json.dumps(by_sid["DirectRunTokens"]["Resource"])
+        assert by_sid["ListCheckpoints"]["Condition"] == {"StringLike": {"s3:prefix": ["checkpoints/*"]}}
+    assert "DirectLaunchPolicy" in template_json["Outputs"]
 
 
 # SageMaker actions without resource-level permissions: listing reads no job's data.

@@ -60,16 +60,21 @@ def _create_training_job(self: SageMakerModelBackend, training_job_name: str, *a
     return created
 
 
+STOPPED: list[str] = []
+
+
 def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
     """StopTrainingJob, which moto 5 lacks: the job is Stopping, as SageMaker answers at once."""
     job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
     job.training_job_status = job.secondary_status = "Stopping"
+    STOPPED.append(job.training_job_name)
     return EmptyResult()
 
 
 @dataclass
 class Aws:
     created: list[dict[str, Any]] = field(default_factory=list)  # every CreateTrainingJob botocore sent, as sent
+    stops: list[str] = field(default_factory=lambda: STOPPED)  # every job StopTrainingJob reached
 
     @property
     def s3(self) -> Any:
@@ -107,6 +112,7 @@ def aws(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[Aws]:
     for key in ("AWS_PROFILE", "SAGEMAKER_USER_CONFIG_OVERRIDE", "SAGEMAKER_ADMIN_CONFIG_OVERRIDE", "SAGEMAKER_VALIDATE_ROLE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no SageMaker SDK config of the machine's user
+    STOPPED.clear()
     recorded = Aws()
     convert = BaseClient._convert_to_request_dict
 

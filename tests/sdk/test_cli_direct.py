@@ -47,4 +47,7 @@ def test_run_direct_without_figures_exits_1_and_no_sdk_says_nothing_of_a_fallbac
     assert result.exit_code == 1
     outcome = json.loads(result.stdout)
     assert outcome["status"] == "Failed" and outcome["failure_reason"].startswith("NoSummary")
+    assert (outcome["sent_by"], outcome["fallback"]) == ("boto3", None)
     assert "sent by boto3" in result.stderr and "note:" not in result.stderr
+    misplaced = CliRunner().invoke(app, ["run", str(EXAMPLE), "--no-sdk", "--region", REGION])
+    assert misplaced.exit_code == 2 and "--no-sdk goes with --direct" in misplaced.stderr

@@ -31,7 +31,8 @@ def builders_request(raw: dict, job_name: str, run_id: str) -> dict:
     """What lambdas/core/training_request.py makes for this job, computed here on its own."""
     settings = settings_from_environment(LAUNCH_SETTINGS)
     settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run_id})
-    return create_training_job_request(validate_job_spec(raw), settings, name=job_name, run_id=run_id, control_key=run_id)
+    key = f"direct/{run_id}"  # a direct run's checkpoints and token: apart from every state-machine run's
+    return create_training_job_request(validate_job_spec(raw), settings, name=job_name, run_id=key, control_key=key)
 
 
 def platform() -> Platform:
@@ -62,15 +63,25 @@ def test_modeltrainer_sends_the_builders_request_field_by_field(aws, example: st
     else:
         assert sent["ResourceConfig"]["InstanceType"] == raw["instance_groups"][0]["instance_type"]
     # Each job's shutdown token, under its run, where its platform channel reads it.
-    assert aws.keys("control/") == ["control/by-boto3/shutdown_token", "control/through-sdk/shutdown_token"]
+    assert aws.keys("control/") == ["control/direct/by-boto3/shutdown_token", "control/direct/through-sdk/shutdown_token"]
+    assert sent["CheckpointConfig"]["S3Uri"] == f"s3://{RESULTS}/checkpoints/direct/through-sdk/"
 
 
-def test_the_captured_request_leaves_nothing_behind(aws) -> None:
+def test_the_checks_leave_nothing_behind_on_the_sdks_client(aws) -> None:
+    """sagemaker-core keeps one client per session for the process: a capture, then launches, then a
+    capture again on one session each meet only their own handlers."""
     raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
     request = builders_request(raw, "hetero-vision-hetero-20261201000000", "a-run")
-    captured = sdk.captured_request(request, boto3.Session(region_name=REGION), "hetero-vision-hetero")
+    session = boto3.Session(region_name=REGION)
+    captured = sdk.captured_request(request, session, "hetero-vision-hetero")
     assert sdk.differences(request, captured) == ["TrainingJobName: sent " + repr(captured["TrainingJobName"]) + ", the builder's is 'hetero-vision-hetero-20261201000000'"]
     assert aws.created == [] and aws.jobs() == []
+    shared = platform()
+    shared.session = session  # the launches below send through the SDK's client of this very session
+    first, second = launch_direct(raw, shared, name="one"), launch_direct(raw, shared, name="two")
+    assert first.fallback is None and second.fallback is None and len(aws.jobs()) == 2
+    assert sdk.captured_request(request, session, "hetero-vision-hetero")["TrainingJobName"].startswith("hetero-vision-hetero-")
+    assert len(aws.jobs()) == 2  # (a stale check of a launch would have refused this capture's request)
 
 
 def test_a_request_the_sdk_would_change_is_sent_as_the_builders(aws, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,11 +92,30 @@ def test_a_request_the_sdk_would_change_is_sent_as_the_builders(aws, tmp_path: P
     monkeypatch.setenv("SAGEMAKER_ADMIN_CONFIG_OVERRIDE", str(config))
     raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
     job = launch_direct(raw, platform(), name="isolated")
-    assert job.sent_by == "boto3" and "EnableNetworkIsolation" in job.fallback
+    assert job.sent_by == "boto3" and job.fallback == "the SDK's request differs in EnableNetworkIsolation: sent by boto3"
     (sent,) = aws.created  # the SDK's request never left
     assert "EnableNetworkIsolation" not in sent
     assert sdk.differences(builders_request(raw, job.job_name, "isolated"), sent) == []
     assert aws.jobs() == [job.job_name]
+
+
+def test_a_mismatch_names_fields_without_their_values() -> None:
+    """It is raised inside ModelTrainer.train, whose telemetry sends the failure's text to the SDK's endpoint."""
+    found = sdk.differences({"Environment": {}, "RoleArn": "arn:aws:iam::1:role/r"}, {"Environment": {"TOKEN": "s3cr3t"}, "RoleArn": "arn:aws:iam::1:role/x"})
+    error = sdk.RequestMismatch(found)
+    assert str(error) == "the SDK's request differs in Environment.TOKEN, RoleArn" and "s3cr3t" not in str(error)
+    assert any("s3cr3t" in line for line in error.differences)
+
+
+def test_an_sdk_that_refuses_its_config_falls_back_before_anything_is_sent(aws, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "sagemaker-config.yaml"
+    config.write_text("SchemaVersion: '1.0'\nSageMaker:\n  TrainingJob:\n    EnableNetworkIsolation: 'maybe'\n")
+    monkeypatch.setenv("SAGEMAKER_ADMIN_CONFIG_OVERRIDE", str(config))
+    raw = json.loads((EXAMPLES / "tensorflow-heterogeneous.json").read_text())
+    job = launch_direct(raw, platform(), name="bad-config")
+    assert job.sent_by == "boto3" and job.fallback.startswith("ModelTrainer refused the request (ValidationError")
+    (sent,) = aws.created
+    assert sdk.differences(builders_request(raw, job.job_name, "bad-config"), sent) == []
 
 
 def test_a_forty_character_run_name_fits_a_job_name_either_way(aws) -> None:
@@ -107,7 +137,7 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
         launch_direct(too_dear, platform())  # the deployment's cost ceiling
     with pytest.raises(InputRefused, match="--name"):
         launch_direct(raw, platform(), name="no spaces please")
-    aws.s3.put_object(Bucket=RESULTS, Key="checkpoints/trained-before/step-100.pt", Body=b"x")
+    aws.s3.put_object(Bucket=RESULTS, Key="checkpoints/direct/trained-before/step-100.pt", Body=b"x")
     with pytest.raises(InputRefused, match="checkpoints already"):
         launch_direct(raw, platform(), name="trained-before")  # it would resume step 100 and train nothing new
     with pytest.raises(InputRefused, match="left no checkpoints"):
@@ -116,29 +146,53 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
     launch_direct(raw, platform(), name="once")
     with pytest.raises(InputRefused, match="launched before"):
         launch_direct(raw, platform(), name="once")
-    assert len(aws.created) == 1 and aws.keys("control/") == ["control/once/shutdown_token"]
+    assert len(aws.created) == 1 and aws.keys("control/") == ["control/direct/once/shutdown_token"]
+    # Default ids: a notebook's loop launches several in one second.
+    assert len({launch_direct(raw, platform()).run_id for _ in range(3)}) == 3
+
+
+def take_names(aws, raw: dict, run_id: str, tagged_as: str) -> None:
+    """Create jobs of every name the SDK may pick for ``run_id`` in the next minute, tagged as run ``tagged_as``."""
+    launch = prepare(raw, platform(), run_id)
+    request = launch.request(f"{launch.base_job_name}-00000000000000")
+    request["Tags"] = [tag if tag["Key"] != RUN_TAG else {"Key": RUN_TAG, "Value": tagged_as} for tag in request["Tags"]]
+    now = datetime.now()
+    for seconds in range(60):
+        aws.sagemaker.create_training_job(**(request | {"TrainingJobName": f"{launch.base_job_name}-{now + timedelta(seconds=seconds):%Y%m%d%H%M%S}"}))
+    aws.created.clear()
 
 
 def test_a_job_sagemaker_refuses_takes_its_token_back(aws) -> None:
-    """The names the SDK may pick in the next seconds are taken: SageMaker refuses the job (ResourceInUse),
-    the error is one line, the token goes, and the run id may be launched again."""
+    """Another run's jobs hold the names the SDK may pick: SageMaker refuses the job (ResourceInUse), the
+    error is one line, the token goes, and the run id may be launched again."""
     raw = json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text())
-    launch_direct(raw, platform(), name="first")
-    request = dict(aws.created[0])
-    base, now = prepare(raw, platform(), "refused").base_job_name, datetime.now()
-    for seconds in range(0, 8):
-        aws.sagemaker.create_training_job(**(request | {"TrainingJobName": f"{base}-{now + timedelta(seconds=seconds):%Y%m%d%H%M%S}"}))
+    take_names(aws, raw, "refused", tagged_as="someone-else")
     with pytest.raises(ClientFacingError, match="ResourceInUse"):
         launch_direct(raw, platform(), name="refused")
-    assert aws.keys("control/refused/") == []
+    assert len(aws.created) == 1 and aws.keys("control/direct/refused/") == []
+
+
+def test_a_create_that_meets_its_own_job_is_the_launch(aws) -> None:
+    """A create retried after a lost answer meets the job its first attempt made (ResourceInUse): that job,
+    tagged with this run, is the launch; its token stays, for its hosts to read."""
+    raw = json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text())
+    take_names(aws, raw, "retried", tagged_as="retried")
+    job = launch_direct(raw, platform(), name="retried")
+    assert job.sent_by == sdk.sdk_version() and job.job_name in aws.jobs()
+    assert aws.keys("control/direct/retried/") == ["control/direct/retried/shutdown_token"]
 
 
 def test_a_direct_jobs_result_and_stop(aws) -> None:
     raw = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
     running = launch_direct(raw, platform(), name="to-stop")
     assert stop_job(running.job_name, platform()) == "InProgress"
-    assert aws.sagemaker.describe_training_job(TrainingJobName=running.job_name)["TrainingJobStatus"] in ("Stopping", "Stopped")
-    assert stop_job(running.job_name, platform()) in ("Stopping", "Stopped")  # not stopped twice
+    assert aws.sagemaker.describe_training_job(TrainingJobName=running.job_name)["TrainingJobStatus"] == "Stopping"
+    assert stop_job(running.job_name, platform()) == "Stopping" and aws.stops == [running.job_name]  # not stopped twice
+    request = dict(aws.created[0]) | {"TrainingJobName": "someone-elses-job", "Tags": []}
+    aws.sagemaker.create_training_job(**request)
+    with pytest.raises(InputRefused, match="not a direct job of this platform"):
+        stop_job("someone-elses-job", platform())
+    assert aws.stops == [running.job_name]
     job = launch_direct(raw, platform(), name="to-finish")
     aws.finish(job.job_name, {"step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 348.0, "steps": 500, "timed_steps": 480})
     result = job_result(job.job_name, platform(), raw)

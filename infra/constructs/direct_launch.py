@@ -1,0 +1,89 @@
+"""The IAM permissions of `hetero run --direct` (hetero/direct.py) as a managed policy to attach to a
+notebook's or a user's role: one training job of the platform without the state machine.
+
+The client's checks (the spec's rules, the deployment's bucket allow-list and cost ceiling) run on the
+caller's machine; what the account enforces is this policy. It holds a direct job to what IAM can say of
+a CreateTrainingJob: the platform's job names, the catalog's instance types, SageMaker's longest runtime
+the platform accepts, encrypted traffic between hosts, the platform's tags, and in VPC mode the
+platform's subnets and security group; the role passed is the platform's SageMaker role, to SageMaker
+only. IAM has no condition on an instance count, so the cost ceiling stays the client's; the role can
+read only the allowed input buckets, which holds the inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from aws_cdk import ArnFormat, Stack
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
+from lambdas.core.job_spec import MAX_RUNTIME_S
+
+# SageMaker's log group for training jobs (`hetero follow` and `hetero logs` read it).
+TRAINING_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+# The tags a direct job is created with (lambdas/core/training_request.py and hetero/direct.py): no other,
+# so a direct caller cannot tag a job as an execution's (the reconciler's execution_arn).
+DIRECT_TAG_KEYS = ["platform", "run_name", "run_id"]
+
+
+class DirectLaunchPolicy(Construct):
+    def __init__(self, scope: Construct, construct_id: str, *, prefix: str, jobs_arn: str, sagemaker_role: iam.IRole,
+                 results: s3.IBucket, instance_types: Sequence[str], vpc_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(scope, construct_id)
+        stack = Stack.of(self)
+        create_conditions: dict[str, Any] = {
+            "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": sorted(instance_types), "aws:TagKeys": DIRECT_TAG_KEYS},
+            # ForAllValues holds for an empty set too: the keys must be in the request.
+            "Null": {"sagemaker:InstanceTypes": "false", "sagemaker:MaxRuntimeInSeconds": "false"},
+            "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": MAX_RUNTIME_S},
+            "Bool": {"sagemaker:InterContainerTrafficEncryption": "true"},
+            "StringEquals": {"aws:RequestTag/platform": prefix},
+        }
+        if vpc_config:
+            create_conditions["ForAllValues:StringEquals"] |= {"sagemaker:VpcSubnets": list(vpc_config["Subnets"]),
+                                                               "sagemaker:VpcSecurityGroupIds": list(vpc_config["SecurityGroupIds"])}
+            create_conditions["Null"] |= {"sagemaker:VpcSubnets": "false", "sagemaker:VpcSecurityGroupIds": "false"}
+        self.policy = iam.ManagedPolicy(
+            self, "Policy",
+            description=f"hetero run --direct: one training job of the {prefix} platform without its state machine",
+            statements=[
+                iam.PolicyStatement(sid="CreatePlatformJobs", actions=["sagemaker:CreateTrainingJob"], resources=[jobs_arn],
+                                    conditions=create_conditions),
+                # CreateTrainingJob with Tags needs AddTags too; held to the tags a direct job carries.
+                iam.PolicyStatement(sid="TagPlatformJobs", actions=["sagemaker:AddTags"], resources=[jobs_arn],
+                                    conditions={"ForAllValues:StringEquals": {"aws:TagKeys": DIRECT_TAG_KEYS}}),
+                iam.PolicyStatement(sid="FollowAndStopPlatformJobs", resources=[jobs_arn],
+                                    actions=["sagemaker:DescribeTrainingJob", "sagemaker:ListTags", "sagemaker:StopTrainingJob"]),
+                iam.PolicyStatement(sid="PassTheSageMakerRole", actions=["iam:PassRole"], resources=[sagemaker_role.role_arn],
+                                    conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}),
+                # The run's shutdown token, written once under control/direct/<run id>/ and taken back if refused.
+                iam.PolicyStatement(sid="DirectRunTokens", actions=["s3:PutObject", "s3:DeleteObject"],
+                                    resources=[results.arn_for_objects("control/direct/*")]),
+                # Whether a run id has checkpoints (and resume_from's run), and a job's summary in output.tar.gz.
+                iam.PolicyStatement(sid="ListCheckpoints", actions=["s3:ListBucket"], resources=[results.bucket_arn],
+                                    conditions={"StringLike": {"s3:prefix": ["checkpoints/*"]}}),
+                iam.PolicyStatement(sid="ReadJobOutputs", actions=["s3:GetObject"], resources=[results.arn_for_objects("artifacts/*")]),
+                iam.PolicyStatement(sid="FindThePlatform", actions=["cloudformation:DescribeStacks"],
+                                    resources=[stack.format_arn(service="cloudformation", resource="stack",
+                                                                resource_name=f"{stack.stack_name}/*")]),
+                iam.PolicyStatement(sid="ReadJobLogs", actions=["logs:FilterLogEvents"],
+                                    resources=[stack.format_arn(service="logs", resource="log-group",
+                                                                resource_name=f"{TRAINING_LOG_GROUP}:*",
+                                                                arn_format=ArnFormat.COLON_RESOURCE_NAME)]),
+            ],
+        )
+        acknowledge(
+            self.policy,
+            "Direct jobs are held to the platform's job-name prefix (and by conditions to its instance types, runtime, "
+            "encryption and tags); tokens to control/direct/, outputs to artifacts/; the stack by its name; "
+            "SageMaker's training log group, whose streams are named by job.",
+            *wildcard_resources(
+                training_jobs_arn(stack, prefix), f"{arn_token(results)}/control/direct/*", f"{arn_token(results)}/artifacts/*",
+                f"arn:<AWS::Partition>:cloudformation:{stack.region}:<AWS::AccountId>:stack/{stack.stack_name}/*",
+                f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{TRAINING_LOG_GROUP}:*",
+            ),
+        )
