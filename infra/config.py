@@ -11,6 +11,7 @@ from typing import Any
 
 from lambdas.core.deadlines import worst_case_run_s
 from lambdas.core.job_spec import BUCKET_NAME, MAX_RUNTIME_S, SpecPolicy
+from lambdas.core.sweep import plan_sweep
 
 CONTEXT_KEY = "platform"
 
@@ -107,6 +108,15 @@ class PlatformConfig:
                 raise PlatformConfigError(f"{name} must be a positive number of US dollars, got {getattr(self, name)}")
         if any(not isinstance(price, int | float) or price <= 0 for price in self.ceiling_prices_usd_per_hour.values()):
             raise PlatformConfigError(f"ceiling_prices_usd_per_hour must map instance types to positive $/hour, got {self.ceiling_prices_usd_per_hour}")
+        if self.sweep_schedule is not None:
+            self._check_schedule(self.sweep_schedule)
+
+    def _check_schedule(self, schedule: Mapping[str, Any]) -> None:
+        """A schedule that would fail every week fails here, before anything is synthesized."""
+        unknown = sorted(set(schedule) - {"expression", "enabled", "input"})
+        if unknown or "expression" not in schedule or "input" not in schedule:
+            raise PlatformConfigError(f"sweep_schedule takes 'expression', 'input' and 'enabled' (default false); got {sorted(schedule)}")
+        plan_sweep(schedule["input"], self.policy_for_synthesis())  # raises SweepSpecError naming the field
 
     def base_image(self, variant: str) -> str:
         return self.base_images[variant].format(region=self.region)

@@ -51,7 +51,7 @@ class PlatformStack(Stack):
         sweep = BenchmarkSweep(
             self, "BenchmarkSweep", prefix=config.prefix, functions=functions, training_run=workflow.state_machine,
             max_concurrency=config.sweep_max_concurrency, timeout_h=config.sweep_timeout_h,
-            log_retention_days=config.log_retention_days, schedule=config.sweep_schedule, policy=config.policy_for_synthesis(),
+            log_retention_days=config.log_retention_days, schedule=config.sweep_schedule,
         )
         direct = DirectLaunchPolicy(self, "DirectLaunch", prefix=config.prefix, jobs_arn=training_jobs_resource(self, config.prefix),
                                     sagemaker_role=role.role, results=buckets.results, instance_types=sorted(CATALOG), vpc_config=vpc_config)

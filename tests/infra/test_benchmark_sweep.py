@@ -12,6 +12,7 @@ import pytest
 from aws_cdk.assertions import Template
 
 from app import build_app
+from infra.config import PlatformConfig, PlatformConfigError
 from lambdas.core.sweep import METRIC_NAMESPACE, SweepSpecError
 from tests.infra.conftest import state_machine_definition, state_machine_logical_id
 
@@ -82,6 +83,8 @@ def test_a_schedule_is_off_unless_enabled_and_a_bad_input_fails_synthesis() -> N
         build_app(context={"platform": {"sweep_schedule": SCHEDULE | {"input": SWEEP_INPUT | {"data_hosts": []}}}})
     with pytest.raises(SweepSpecError, match="above the sweep ceiling of \\$10.00"):
         build_app(context={"platform": {"sweep_schedule": SCHEDULE, "sweep_cost_ceiling_usd": 10}})
+    with pytest.raises(PlatformConfigError, match="sweep_schedule takes 'expression', 'input' and 'enabled'"):
+        PlatformConfig(sweep_schedule={"expression": SCHEDULE["expression"]})  # refused before any construct is made
 
 
 def test_allowed_input_buckets_are_the_ones_jobs_can_read(scheduled) -> None:
