@@ -3,9 +3,7 @@ moto lacks (StopTrainingJob), added to moto's SageMaker service the way moto imp
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +17,7 @@ from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
 
 from lambdas.clients import client
+from tests.archives import output_archive  # noqa: F401 - the Lambda and workflow tests import it from here
 
 ACCOUNT, REGION = "123456789012", "us-east-1"
 RESULTS_BUCKET = "results-bucket"
@@ -58,17 +57,6 @@ def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
     job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
     job.training_job_status = job.secondary_status = "Stopping"
     return EmptyResult()
-
-
-def output_archive(summary: dict) -> bytes:
-    """A job's output.tar.gz as SageMaker uploads it, holding the trainer's summary.json."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        data = json.dumps(summary).encode()
-        info = tarfile.TarInfo("summary.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 @dataclass

@@ -11,9 +11,7 @@ any client sends is recorded at the botocore layer (``Aws.created``), whoever bu
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +24,8 @@ from moto.core.exceptions import JsonRESTError
 from moto.core.responses import EmptyResult
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
+
+from tests.archives import output_archive
 
 REGION, ACCOUNT = "us-east-1", "123456789012"
 RESULTS, DATASETS = "results-bucket", "datasets-bucket"
@@ -93,13 +93,7 @@ class Aws:
     def finish(self, job_name: str, summary: dict[str, Any] | None, billable_s: int = 600) -> None:
         """The job completes, its hosts' summary (if any) in output.tar.gz as SageMaker uploads it."""
         if summary is not None:
-            buffer = io.BytesIO()
-            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-                data = json.dumps(summary).encode()
-                info = tarfile.TarInfo("summary.json")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-            self.s3.put_object(Bucket=RESULTS, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=buffer.getvalue())
+            self.s3.put_object(Bucket=RESULTS, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=output_archive(summary))
         job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
         job.training_job_status = job.secondary_status = "Completed"
         job.billable_time_in_seconds = billable_s
