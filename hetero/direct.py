@@ -17,8 +17,8 @@ the job says why (``fallback``). Without the SDK, boto3 sends it.
 Before anything is written or billed, the checks of a state-machine launch: the spec with the
 deployment's policy (input bucket allow-list, cost ceiling), the run id (no checkpoints of it: a second
 job of one id would resume the first's last step and train nothing), resume_from's checkpoints. A direct
-run keeps its checkpoints and token under checkpoints/direct/<run id>/ and control/direct/<run id>/,
-where no state-machine run's id (an execution name, without "/") can reach. The token is written once
+run keeps its checkpoints and token under checkpoints/direct.runs/<run id>/ and control/direct.runs/<run id>/,
+where no state-machine run's id (letters, digits, "-" and "_") can reach. The token is written once
 (an id launched before is refused there), then the job is created; a create SageMaker refuses takes the
 token back so the id can be used again. These checks are the client's: the caller's own IAM permissions
 are what the account enforces (the stack's DirectLaunchPolicy, see the README).
@@ -64,9 +64,10 @@ from training.hyperparameters import TOKEN_FILE
 
 # The direct job's tag naming its run (a state-machine run's job carries its execution's instead).
 RUN_TAG = "run_id"
-# A direct run keeps its checkpoints and token under this (checkpoints/direct/<run id>/, control/direct/
-# <run id>/): a state-machine run's id, an execution name, has no "/", so the two never share a prefix.
-DIRECT = "direct"
+# A direct run keeps its checkpoints and token under this (checkpoints/direct.runs/<run id>/, control/
+# direct.runs/<run id>/): a state-machine run's id (an execution name, or a resume_from) is letters,
+# digits, "-" and "_" (RUN_ID), never "direct.runs", so the two never share a prefix.
+DIRECT = "direct.runs"
 SDK_INSTALL = "pip install -e '.[sdk]' in the repository"
 
 
@@ -167,9 +168,12 @@ def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | N
         if not isinstance(error, TransientError):
             _take_back(platform, bucket, token, error)
         raise
-    except BaseException as error:  # the SDK's own failure once its request had left: the job may exist
+    except Exception as error:  # the SDK's own failure once its request had left: the job may exist
         raise ClientFacingError(f"the launch of run {launch.run_id!r} failed, and its job may exist "
                                 f"(`aws sagemaker list-training-jobs --name-contains {launch.base_job_name}`): {error}") from error
+    except BaseException as interrupted:  # Ctrl-C stays Ctrl-C (a notebook's loop must stop), with what to look for
+        interrupted.add_note(f"run {launch.run_id!r}: its job may exist (`aws sagemaker list-training-jobs --name-contains {launch.base_job_name}`)")
+        raise
     if use_sdk and not through_sdk:
         return replace(job, fallback=f"sagemaker-train is not installed ({SDK_INSTALL}): sent by boto3")
     return job
@@ -290,27 +294,19 @@ def _tags(described: Mapping[str, Any], platform: Platform) -> dict[str, str]:
 
 
 def _s3_readers(platform: Platform) -> tuple[Any, Any]:
-    """(size of, bytes of) an S3 object, None when there is none; a refused read is an error, not an absent
-    object (a completed job's summary unread would read as a job without figures)."""
+    """(size of, bytes of) an S3 object, None when there is none. Whether it exists is asked by a listing
+    (S3 answers a read of a missing key with 403 to a caller without s3:ListBucket, which DirectLaunchPolicy
+    grants on prefixes only); a refused read of one that exists is an error, not an absent summary."""
     s3 = platform.client("s3")
 
-    def absent(error: ClientFacingError) -> bool:
-        return str(error).split(":", 1)[0] in ("NoSuchKey", "404", "NotFound")
-
     def size_of(bucket: str, key: str) -> int | None:
-        try:
-            return int(call(s3.head_object, Bucket=bucket, Key=key)["ContentLength"])
-        except ClientFacingError as error:
-            if absent(error):
-                return None
-            raise ClientFacingError(f"cannot read s3://{bucket}/{key} ({error}): the caller needs s3:GetObject there") from None
+        listed = call(s3.list_objects_v2, Bucket=bucket, Prefix=key, MaxKeys=1).get("Contents", [])
+        return int(listed[0]["Size"]) if listed and listed[0]["Key"] == key else None
 
     def read(bucket: str, key: str) -> bytes | None:
         try:
             return call(s3.get_object, Bucket=bucket, Key=key)["Body"].read()
         except ClientFacingError as error:
-            if absent(error):
-                return None
-            raise ClientFacingError(f"cannot read s3://{bucket}/{key} ({error}): the caller needs s3:GetObject there") from None
+            raise ClientFacingError(f"cannot read s3://{bucket}/{key} ({error})") from None
 
     return size_of, read

@@ -6,8 +6,8 @@ the SDK sends *is* that request. hetero/direct.py uses it when the SDK is instal
     pip install -e '.[sdk]'     # in the repository: requirements/sdk.txt, sagemaker-train and the client
 
 The proof, on every launch: a handler on the botocore events of the client the SDK sends with
-(``before-parameter-build.sagemaker.CreateTrainingJob``, the last before botocore validates and
-serializes) sees the SDK's request once the SDK has built it and before it leaves, compares it field by field with the builder's request for the job name the
+(``before-parameter-build.sagemaker.CreateTrainingJob``, after which only botocore's own generic
+handlers and its serialization run) sees the SDK's request once the SDK has built it and before it leaves, compares it field by field with the builder's request for the job name the
 SDK chose (lambdas/core/training_request.py), and stops the call (RequestMismatch, nothing sent) on any
 difference. hetero/direct.py then sends the builder's request itself and says why.
 
@@ -209,16 +209,21 @@ def _sagemaker_client(boto_session: Any) -> Any:
 def _handlers(boto_session: Any, handlers: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
     """``handlers`` (event → handler) on the client the SDK will send with, for the block only. A
     botocore client copies its session's handlers when it is made, and sagemaker-core keeps the client:
-    handlers are put on that client itself, and taken off it after (else a later call would meet them)."""
-    events = _sagemaker_client(boto_session).meta.events
-    unique = f"hetero-{uuid.uuid4()}"
-    for event, handler in handlers.items():
-        events.register(event, handler, unique_id=unique)
+    handlers are put on that client itself, and taken off it after (else a later call would meet them).
+    They go on the session too, so that a client the SDK made anew (another release's cache) is checked
+    as well: fail closed. One unique id per handler (botocore drops a second registration of an id)."""
+    emitters = [_sagemaker_client(boto_session).meta.events, boto_session.events]
+    registered = []
     try:
+        for event, handler in handlers.items():
+            unique = f"hetero-{uuid.uuid4()}"
+            for emitter in emitters:
+                emitter.register(event, handler, unique_id=unique)
+                registered.append((emitter, event, unique))
         yield
     finally:
-        for event in handlers:
-            events.unregister(event, unique_id=unique)
+        for emitter, event, unique in registered:
+            emitter.unregister(event, unique_id=unique)
 
 
 def captured_request(request: Mapping[str, Any], boto_session: Any, base_job_name: str) -> dict[str, Any]:
@@ -256,9 +261,12 @@ def send(request_for: Callable[[str], dict[str, Any]], boto_session: Any, base_j
     try:
         # The request but for its name, which the SDK picks: <base>-<time>, cut at 63 characters.
         trainer = model_trainer(request_for(f"{base_job_name}-{'0' * NAME_PATTERN_DIGITS}"[:MAX_NAME]), boto_session, base_job_name)
+        checks = _handlers(boto_session, {CHECKED: check, CREATED: created})
+        checks.__enter__()
     except Exception as error:  # a field it refuses (pydantic), its role check, another SDK release's API
         raise SdkRefused(f"ModelTrainer refused the request ({_first_line(error)})") from error
-    with _handlers(boto_session, {CHECKED: check, CREATED: created}):
+    with contextlib.ExitStack() as leaving:
+        leaving.push(checks)
         try:
             _train(trainer)
         except RequestMismatch:

@@ -113,9 +113,13 @@ class PlatformConfig:
 
     def _check_schedule(self, schedule: Mapping[str, Any]) -> None:
         """A schedule that would fail every week fails here, before anything is synthesized."""
+        if not isinstance(schedule, Mapping):
+            raise PlatformConfigError(f"sweep_schedule must be an object with 'expression', 'input' and 'enabled'; got {schedule!r}")
         unknown = sorted(set(schedule) - {"expression", "enabled", "input"})
         if unknown or "expression" not in schedule or "input" not in schedule:
             raise PlatformConfigError(f"sweep_schedule takes 'expression', 'input' and 'enabled' (default false); got {sorted(schedule)}")
+        if not isinstance(schedule.get("enabled", False), bool):
+            raise PlatformConfigError(f"sweep_schedule.enabled must be true or false, got {schedule['enabled']!r}")
         plan_sweep(schedule["input"], self.policy_for_synthesis())  # raises SweepSpecError naming the field
 
     def base_image(self, variant: str) -> str:

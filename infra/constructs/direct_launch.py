@@ -6,8 +6,13 @@ caller's machine; what the account enforces is this policy. It holds a direct jo
 a CreateTrainingJob: the platform's job names, the catalog's instance types, SageMaker's longest runtime
 the platform accepts, encrypted traffic between hosts, the platform's tags, and in VPC mode the
 platform's subnets and security group; the role passed is the platform's SageMaker role, to SageMaker
-only. IAM has no condition on an instance count, so the cost ceiling stays the client's; the role can
-read only the allowed input buckets, which holds the inputs.
+only. Stop is held to direct jobs (tagged with a run id and no execution).
+
+What IAM cannot say: an instance count (the cost ceiling stays the client's), and the image, command,
+environment and S3 locations of a job. Whoever holds this policy can run code of their choosing as the
+platform's SageMaker role (read the input buckets, write the results bucket's artifacts/ and
+checkpoints/): attach it only to people trusted with that, as with anyone who may start the platform's
+jobs. A role of its own for direct jobs, writing only under direct prefixes, would narrow it.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ class DirectLaunchPolicy(Construct):
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
         create_conditions: dict[str, Any] = {
+            # Whether SageMaker fills sagemaker:InstanceTypes from ResourceConfig.InstanceGroups is not documented:
+            # ForAllValues holds for an empty set, so a heterogeneous job is not refused if it does not (the
+            # client's catalog check still holds it); a single-group job's type is bound either way.
             "ForAllValues:StringEquals": {"sagemaker:InstanceTypes": sorted(instance_types), "aws:TagKeys": DIRECT_TAG_KEYS},
-            # ForAllValues holds for an empty set too: the keys must be in the request.
-            "Null": {"sagemaker:InstanceTypes": "false", "sagemaker:MaxRuntimeInSeconds": "false"},
+            "Null": {"sagemaker:MaxRuntimeInSeconds": "false"},
             "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": MAX_RUNTIME_S},
             "Bool": {"sagemaker:InterContainerTrafficEncryption": "true"},
             "StringEquals": {"aws:RequestTag/platform": prefix},
@@ -55,17 +62,24 @@ class DirectLaunchPolicy(Construct):
                                     conditions=create_conditions),
                 # CreateTrainingJob with Tags needs AddTags too; held to the tags a direct job carries.
                 iam.PolicyStatement(sid="TagPlatformJobs", actions=["sagemaker:AddTags"], resources=[jobs_arn],
-                                    conditions={"ForAllValues:StringEquals": {"aws:TagKeys": DIRECT_TAG_KEYS}}),
-                iam.PolicyStatement(sid="FollowAndStopPlatformJobs", resources=[jobs_arn],
-                                    actions=["sagemaker:DescribeTrainingJob", "sagemaker:ListTags", "sagemaker:StopTrainingJob"]),
+                                    conditions={"ForAllValues:StringEquals": {"aws:TagKeys": DIRECT_TAG_KEYS},
+                                                "StringEquals": {"aws:RequestTag/platform": prefix}}),
+                iam.PolicyStatement(sid="FollowPlatformJobs", resources=[jobs_arn], actions=["sagemaker:DescribeTrainingJob", "sagemaker:ListTags"]),
+                # Stop only direct jobs: tagged with a run id, not with an execution (a state-machine run's).
+                iam.PolicyStatement(sid="StopDirectJobs", resources=[jobs_arn], actions=["sagemaker:StopTrainingJob"],
+                                    conditions={"Null": {"aws:ResourceTag/run_id": "false", "aws:ResourceTag/execution_arn": "true"}}),
                 iam.PolicyStatement(sid="PassTheSageMakerRole", actions=["iam:PassRole"], resources=[sagemaker_role.role_arn],
                                     conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}}),
-                # The run's shutdown token, written once under control/direct/<run id>/ and taken back if refused.
-                iam.PolicyStatement(sid="DirectRunTokens", actions=["s3:PutObject", "s3:DeleteObject"],
-                                    resources=[results.arn_for_objects("control/direct/*")]),
-                # Whether a run id has checkpoints (and resume_from's run), and a job's summary in output.tar.gz.
-                iam.PolicyStatement(sid="ListCheckpoints", actions=["s3:ListBucket"], resources=[results.bucket_arn],
-                                    conditions={"StringLike": {"s3:prefix": ["checkpoints/*"]}}),
+                # The run's shutdown token, written once (a conditional write: If-None-Match) under
+                # control/direct.runs/<run id>/, and taken back if SageMaker refuses the job.
+                iam.PolicyStatement(sid="WriteDirectRunTokensOnce", actions=["s3:PutObject"],
+                                    resources=[results.arn_for_objects("control/direct.runs/*")],
+                                    conditions={"Null": {"s3:if-none-match": "false"}}),
+                iam.PolicyStatement(sid="TakeBackDirectRunTokens", actions=["s3:DeleteObject"],
+                                    resources=[results.arn_for_objects("control/direct.runs/*")]),
+                # Whether a run id has checkpoints (and resume_from's run), and whether a job left output.tar.gz.
+                iam.PolicyStatement(sid="ListCheckpointsAndOutputs", actions=["s3:ListBucket"], resources=[results.bucket_arn],
+                                    conditions={"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*"]}}),
                 iam.PolicyStatement(sid="ReadJobOutputs", actions=["s3:GetObject"], resources=[results.arn_for_objects("artifacts/*")]),
                 iam.PolicyStatement(sid="FindThePlatform", actions=["cloudformation:DescribeStacks"],
                                     resources=[stack.format_arn(service="cloudformation", resource="stack",
@@ -79,10 +93,10 @@ class DirectLaunchPolicy(Construct):
         acknowledge(
             self.policy,
             "Direct jobs are held to the platform's job-name prefix (and by conditions to its instance types, runtime, "
-            "encryption and tags); tokens to control/direct/, outputs to artifacts/; the stack by its name; "
+            "encryption and tags); tokens to control/direct.runs/, outputs to artifacts/; the stack by its name; "
             "SageMaker's training log group, whose streams are named by job.",
             *wildcard_resources(
-                training_jobs_arn(stack, prefix), f"{arn_token(results)}/control/direct/*", f"{arn_token(results)}/artifacts/*",
+                training_jobs_arn(stack, prefix), f"{arn_token(results)}/control/direct.runs/*", f"{arn_token(results)}/artifacts/*",
                 f"arn:<AWS::Partition>:cloudformation:{stack.region}:<AWS::AccountId>:stack/{stack.stack_name}/*",
                 f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{TRAINING_LOG_GROUP}:*",
             ),

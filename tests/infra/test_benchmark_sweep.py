@@ -85,6 +85,8 @@ def test_a_schedule_is_off_unless_enabled_and_a_bad_input_fails_synthesis() -> N
         build_app(context={"platform": {"sweep_schedule": SCHEDULE, "sweep_cost_ceiling_usd": 10}})
     with pytest.raises(PlatformConfigError, match="sweep_schedule takes 'expression', 'input' and 'enabled'"):
         PlatformConfig(sweep_schedule={"expression": SCHEDULE["expression"]})  # refused before any construct is made
+    with pytest.raises(PlatformConfigError, match="enabled must be true or false"):
+        PlatformConfig(sweep_schedule=SCHEDULE | {"enabled": "false"})  # a string would read as on
 
 
 def test_allowed_input_buckets_are_the_ones_jobs_can_read(scheduled) -> None:

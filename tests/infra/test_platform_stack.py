@@ -125,11 +125,14 @@ def test_direct_launchers_may_create_only_the_platforms_jobs(template_json, in_v
         assert conditions["ForAllValues:StringEquals"]["sagemaker:InstanceTypes"] == sorted(CATALOG)
         assert conditions["NumericLessThanEquals"] == {"sagemaker:MaxRuntimeInSeconds": MAX_RUNTIME_S}
         assert conditions["Bool"] == {"sagemaker:InterContainerTrafficEncryption": "true"}
-        assert conditions["Null"]["sagemaker:InstanceTypes"] == "false" and conditions["StringEquals"] == {"aws:RequestTag/platform": "hetero"}
+        assert conditions["Null"]["sagemaker:MaxRuntimeInSeconds"] == "false" and conditions["StringEquals"] == {"aws:RequestTag/platform": "hetero"}
         assert ("sagemaker:VpcSubnets" in conditions["ForAllValues:StringEquals"]) == (template is in_vpc)
         assert set(by_sid["TagPlatformJobs"]["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"]) == {"platform", "run_name", "run_id"}
-        assert "control/direct/*" in json.dumps(by_sid["DirectRunTokens"]["Resource"])
-        assert by_sid["ListCheckpoints"]["Condition"] == {"StringLike": {"s3:prefix": ["checkpoints/*"]}}
+        assert "control/direct.runs/*" in json.dumps(by_sid["WriteDirectRunTokensOnce"]["Resource"])
+        assert by_sid["WriteDirectRunTokensOnce"]["Condition"] == {"Null": {"s3:if-none-match": "false"}}
+        assert by_sid["ListCheckpointsAndOutputs"]["Condition"] == {"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*"]}}
+        assert by_sid["StopDirectJobs"]["Condition"] == {"Null": {"aws:ResourceTag/run_id": "false", "aws:ResourceTag/execution_arn": "true"}}
+        assert by_sid["TagPlatformJobs"]["Condition"]["StringEquals"] == {"aws:RequestTag/platform": "hetero"}
     assert "DirectLaunchPolicy" in template_json["Outputs"]
 
 
@@ -319,6 +322,11 @@ def test_every_variant_has_an_image_and_trainium_jobs_share_a_compile_cache(temp
     ]
     sagemaker_role_statements = json.dumps(statements(template_json))
     assert "/neuron-cache/*" in sagemaker_role_statements
+    # The images' build context is the repository less what .dockerignore leaves out: no environment
+    # (.venv and .venv-sdk are GBs, staged again at every synthesis), no tests.
+    for image in manifest["dockerImages"].values():
+        context = Path(assembly.directory) / image["source"]["directory"]
+        assert (context / "training").is_dir() and not {".venv", ".venv-sdk", "node_modules", "tests"} & {p.name for p in context.iterdir()}
 
 
 @pytest.fixture(scope="module")

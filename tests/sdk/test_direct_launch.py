@@ -12,6 +12,8 @@ from pathlib import Path
 
 import boto3
 import pytest
+from moto.core.exceptions import JsonRESTError
+from moto.sagemaker.models import SageMakerModelBackend
 
 from hetero import sdk
 from hetero.api import ClientFacingError, InputRefused, Platform, SpecRefused
@@ -31,7 +33,7 @@ def builders_request(raw: dict, job_name: str, run_id: str) -> dict:
     """What lambdas/core/training_request.py makes for this job, computed here on its own."""
     settings = settings_from_environment(LAUNCH_SETTINGS)
     settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run_id})
-    key = f"direct/{run_id}"  # a direct run's checkpoints and token: apart from every state-machine run's
+    key = f"direct.runs/{run_id}"  # a direct run's checkpoints and token: apart from every state-machine run's
     return create_training_job_request(validate_job_spec(raw), settings, name=job_name, run_id=key, control_key=key)
 
 
@@ -63,8 +65,8 @@ def test_modeltrainer_sends_the_builders_request_field_by_field(aws, example: st
     else:
         assert sent["ResourceConfig"]["InstanceType"] == raw["instance_groups"][0]["instance_type"]
     # Each job's shutdown token, under its run, where its platform channel reads it.
-    assert aws.keys("control/") == ["control/direct/by-boto3/shutdown_token", "control/direct/through-sdk/shutdown_token"]
-    assert sent["CheckpointConfig"]["S3Uri"] == f"s3://{RESULTS}/checkpoints/direct/through-sdk/"
+    assert aws.keys("control/") == ["control/direct.runs/by-boto3/shutdown_token", "control/direct.runs/through-sdk/shutdown_token"]
+    assert sent["CheckpointConfig"]["S3Uri"] == f"s3://{RESULTS}/checkpoints/direct.runs/through-sdk/"
 
 
 def test_the_checks_leave_nothing_behind_on_the_sdks_client(aws) -> None:
@@ -137,7 +139,7 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
         launch_direct(too_dear, platform())  # the deployment's cost ceiling
     with pytest.raises(InputRefused, match="--name"):
         launch_direct(raw, platform(), name="no spaces please")
-    aws.s3.put_object(Bucket=RESULTS, Key="checkpoints/direct/trained-before/step-100.pt", Body=b"x")
+    aws.s3.put_object(Bucket=RESULTS, Key="checkpoints/direct.runs/trained-before/step-100.pt", Body=b"x")
     with pytest.raises(InputRefused, match="checkpoints already"):
         launch_direct(raw, platform(), name="trained-before")  # it would resume step 100 and train nothing new
     with pytest.raises(InputRefused, match="left no checkpoints"):
@@ -146,7 +148,7 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
     launch_direct(raw, platform(), name="once")
     with pytest.raises(InputRefused, match="launched before"):
         launch_direct(raw, platform(), name="once")
-    assert len(aws.created) == 1 and aws.keys("control/") == ["control/direct/once/shutdown_token"]
+    assert len(aws.created) == 1 and aws.keys("control/") == ["control/direct.runs/once/shutdown_token"]
     # Default ids: a notebook's loop launches several in one second.
     assert len({launch_direct(raw, platform()).run_id for _ in range(3)}) == 3
 
@@ -169,7 +171,7 @@ def test_a_job_sagemaker_refuses_takes_its_token_back(aws) -> None:
     take_names(aws, raw, "refused", tagged_as="someone-else")
     with pytest.raises(ClientFacingError, match="ResourceInUse"):
         launch_direct(raw, platform(), name="refused")
-    assert len(aws.created) == 1 and aws.keys("control/direct/refused/") == []
+    assert len(aws.created) == 1 and aws.keys("control/direct.runs/refused/") == []
 
 
 def test_a_create_that_meets_its_own_job_is_the_launch(aws) -> None:
@@ -179,7 +181,25 @@ def test_a_create_that_meets_its_own_job_is_the_launch(aws) -> None:
     take_names(aws, raw, "retried", tagged_as="retried")
     job = launch_direct(raw, platform(), name="retried")
     assert job.sent_by == sdk.sdk_version() and job.job_name in aws.jobs()
-    assert aws.keys("control/direct/retried/") == ["control/direct/retried/shutdown_token"]
+    assert aws.keys("control/direct.runs/retried/") == ["control/direct.runs/retried/shutdown_token"]
+
+
+def test_a_describe_refused_after_the_create_keeps_the_job_and_its_token(aws, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelTrainer describes the job it created; that call refused (a caller without DescribeTrainingJob)
+    leaves the job launched: it is returned, and its token stays for its hosts."""
+    refused = []
+
+    def refuse_once(self, *args, **kwargs):
+        if not refused:
+            refused.append(True)
+            raise JsonRESTError("AccessDeniedException", "not authorized to perform: sagemaker:DescribeTrainingJob")
+        return describe(self, *args, **kwargs)
+
+    describe = SageMakerModelBackend.describe_training_job
+    monkeypatch.setattr(SageMakerModelBackend, "describe_training_job", refuse_once)
+    job = launch_direct(EXAMPLES / "pytorch-heterogeneous.json", platform(), name="undescribed")
+    assert refused and job.sent_by == sdk.sdk_version() and aws.jobs() == [job.job_name]
+    assert aws.keys("control/direct.runs/undescribed/") == ["control/direct.runs/undescribed/shutdown_token"]
 
 
 def test_a_direct_jobs_result_and_stop(aws) -> None:

@@ -171,8 +171,8 @@ def test_run_direct_without_the_sdk_sends_the_builders_request_by_boto3_and_says
     assert started.stdout.strip() == job and job.startswith("hetero-vision-hetero-")
     assert "sent by boto3" in started.stderr and "sagemaker-train is not installed" in started.stderr
     described = harness.sagemaker.describe_training_job(TrainingJobName=job)
-    assert described["InputDataConfig"][-1]["DataSource"]["S3DataSource"]["S3Uri"] == f"s3://{RESULTS_BUCKET}/control/direct/direct-1/"
-    assert harness.s3.get_object(Bucket=RESULTS_BUCKET, Key="control/direct/direct-1/shutdown_token")["Body"].read()
+    assert described["InputDataConfig"][-1]["DataSource"]["S3DataSource"]["S3Uri"] == f"s3://{RESULTS_BUCKET}/control/direct.runs/direct-1/"
+    assert harness.s3.get_object(Bucket=RESULTS_BUCKET, Key="control/direct.runs/direct-1/shutdown_token")["Body"].read()
     shown = runner().invoke(app, ["show", job, "--direct", "--json"])  # moto's job completed at once, without figures
     assert shown.exit_code == 0 and json.loads(shown.stdout)["failure_reason"].startswith("NoSummary")
     stopped = runner().invoke(app, ["stop", job, "--direct"])
