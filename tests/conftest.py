@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Whatever the run puts in a temp folder (a cdk.out of ~70 MB for every synthesis, which the CDK never
+# removes; the emulated hosts' files) goes in a folder of the run's own, inherited by every process it
+# starts (the CDK's Node kernel, the hosts), and removed when the run ends.
+RUN_TMP = tempfile.mkdtemp(prefix="hetero-tests-")
+os.environ["TMPDIR"] = RUN_TMP
+tempfile.tempdir = None  # read TMPDIR again
+atexit.register(shutil.rmtree, RUN_TMP, ignore_errors=True)
 
 # torch-xla's device must exist before torch's autograd engine first runs in this process, or a later
 # XLA backward pass trips an engine assertion (the trainers themselves run in processes of their own).
