@@ -168,11 +168,11 @@ def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | N
         if not isinstance(error, TransientError):
             _take_back(platform, bucket, token, error)
         raise
-    except Exception as error:  # the SDK's own failure once its request had left: the job may exist
-        raise ClientFacingError(f"the launch of run {launch.run_id!r} failed, and its job may exist "
-                                f"(`aws sagemaker list-training-jobs --name-contains {launch.base_job_name}`): {error}") from error
-    except BaseException as interrupted:  # Ctrl-C stays Ctrl-C (a notebook's loop must stop), with what to look for
-        interrupted.add_note(f"run {launch.run_id!r}: its job may exist (`aws sagemaker list-training-jobs --name-contains {launch.base_job_name}`)")
+    except BaseException as error:
+        may_exist = f"its job may exist (`aws sagemaker list-training-jobs --name-contains {launch.base_job_name}`)"
+        if isinstance(error, Exception):  # the SDK's own failure once its request had left
+            raise ClientFacingError(f"the launch of run {launch.run_id!r} failed, and {may_exist}: {error}") from error
+        error.add_note(f"run {launch.run_id!r}: {may_exist}")  # Ctrl-C stays Ctrl-C (a notebook's loop must stop)
         raise
     if use_sdk and not through_sdk:
         return replace(job, fallback=f"sagemaker-train is not installed ({SDK_INSTALL}): sent by boto3")
@@ -221,12 +221,8 @@ def _ours(launch: Launch, platform: Platform, name: str, refusal: str) -> str:
 
 def _run_of(job: str, platform: Platform) -> str | None:
     """The run id a job is tagged with, or None (no such job, or no tag)."""
-    sagemaker = platform.client("sagemaker")
-    described = call(sagemaker.describe_training_job, TrainingJobName=job, absent_ok=True)
-    if described is None:
-        return None
-    tags = call(sagemaker.list_tags, ResourceArn=described["TrainingJobArn"]).get("Tags", [])
-    return next((tag["Value"] for tag in tags if tag["Key"] == RUN_TAG), None)
+    described = call(platform.client("sagemaker").describe_training_job, TrainingJobName=job, absent_ok=True)
+    return None if described is None else _tags(described, platform).get(RUN_TAG)
 
 
 def _check_run_id(launch: Launch, platform: Platform) -> None:

@@ -39,7 +39,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-# The last event before botocore validates and serializes a request: the parameters as they will leave.
+# The most specific event before botocore validates and serializes a request (only its own generic
+# handlers come after): the parameters as they will leave.
 CHECKED = "before-parameter-build.sagemaker.CreateTrainingJob"
 CREATED = "after-call.sagemaker.CreateTrainingJob"
 # The SDK's job names: <base_job_name>-<14 digits of local time>, cut at SageMaker's 63 characters.
@@ -261,12 +262,11 @@ def send(request_for: Callable[[str], dict[str, Any]], boto_session: Any, base_j
     try:
         # The request but for its name, which the SDK picks: <base>-<time>, cut at 63 characters.
         trainer = model_trainer(request_for(f"{base_job_name}-{'0' * NAME_PATTERN_DIGITS}"[:MAX_NAME]), boto_session, base_job_name)
-        checks = _handlers(boto_session, {CHECKED: check, CREATED: created})
-        checks.__enter__()
+        checked = contextlib.ExitStack()
+        checked.enter_context(_handlers(boto_session, {CHECKED: check, CREATED: created}))
     except Exception as error:  # a field it refuses (pydantic), its role check, another SDK release's API
         raise SdkRefused(f"ModelTrainer refused the request ({_first_line(error)})") from error
-    with contextlib.ExitStack() as leaving:
-        leaving.push(checks)
+    with checked:
         try:
             _train(trainer)
         except RequestMismatch:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from lambdas.core.job_spec import split_s3_uri
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost
 
 SUMMARY_NAME = "summary.json"
@@ -59,7 +60,7 @@ def read_summary(describe: Mapping[str, Any], size_of: Callable[[str, str], int 
     output = describe.get("OutputDataConfig", {}).get("S3OutputPath", "").rstrip("/")
     if not output.startswith("s3://"):
         return None, None
-    bucket, _, prefix = output.removeprefix("s3://").partition("/")
+    bucket, prefix = split_s3_uri(output)
     key = "/".join(part for part in (prefix, describe["TrainingJobName"], "output", "output.tar.gz") if part)
     size = size_of(bucket, key)
     if size is None:

@@ -20,12 +20,13 @@ import boto3
 import pytest
 from botocore.client import BaseClient
 from moto import mock_aws
-from moto.core.exceptions import JsonRESTError
 from moto.core.responses import EmptyResult
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
 
 from tests.archives import output_archive
+from tests.lambdas.conftest import _stop_training_job as stop_training_job
+from tests.lambdas.conftest import refuse_a_name_in_use
 
 REGION, ACCOUNT = "us-east-1", "123456789012"
 RESULTS, DATASETS = "results-bucket", "datasets-bucket"
@@ -46,15 +47,10 @@ LAUNCH_SETTINGS = {
     "JOB_TAGS": json.dumps({"platform": "hetero"}),
 }
 
-_moto_create_training_job = SageMakerModelBackend.create_training_job
-
-
 def _create_training_job(self: SageMakerModelBackend, training_job_name: str, *args: Any, **kwargs: Any) -> Any:
-    """CreateTrainingJob as SageMaker answers it: ResourceInUse for a name that exists (moto 5 overwrites
-    the job), and a new job InProgress (moto's is Completed at once); the test ends it (Aws.finish)."""
-    if training_job_name in self.training_jobs:
-        raise JsonRESTError("ResourceInUse", f"a training job named {training_job_name} exists already")
-    created = _moto_create_training_job(self, training_job_name, *args, **kwargs)
+    """CreateTrainingJob as SageMaker answers it (ResourceInUse for a name that exists, as the Lambda
+    tests have it), and a new job InProgress (moto's is Completed at once); the test ends it (Aws.finish)."""
+    created = refuse_a_name_in_use(self, training_job_name, *args, **kwargs)
     job = self.training_jobs[training_job_name]
     job.training_job_status, job.secondary_status = "InProgress", "Starting"
     return created
@@ -64,11 +60,10 @@ STOPPED: list[str] = []
 
 
 def _stop_training_job(self: SageMakerResponse) -> EmptyResult:
-    """StopTrainingJob, which moto 5 lacks: the job is Stopping, as SageMaker answers at once."""
-    job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
-    job.training_job_status = job.secondary_status = "Stopping"
-    STOPPED.append(job.training_job_name)
-    return EmptyResult()
+    """StopTrainingJob as the Lambda tests add it to moto, each job it reached recorded."""
+    reply = stop_training_job(self)
+    STOPPED.append(self._get_param("TrainingJobName"))
+    return reply
 
 
 @dataclass
