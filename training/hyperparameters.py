@@ -109,6 +109,23 @@ class PlatformSettings:
     dispatcher_silence_s: float = 30.0
     # Where the Neuron compiler keeps compiled graphs between jobs (s3://...); empty: no persistent cache.
     neuron_compile_cache_uri: str = ""
+    # A DNN host fails with TrainerStalled when no trainer process of it finished a step for this long: a
+    # frozen or deadlocked rank holds every rank in the next collective, and torch's own collective timeout
+    # (10 or 30 minutes) would keep every host billed. Longer than what may come between two steps (a
+    # checkpoint, a validation pass) and than the trainers' own wait for a lost data host
+    # (data_connect_timeout_s + data_batch_timeout_s), whose error names more. 0: no such rule.
+    trainer_stall_timeout_s: float = 900.0
+    # The same rule before the first step, which waits for imports, the data hosts' start and a first
+    # compile (XLA, or Neuron graphs that were not pre-compiled). 0: no such rule.
+    trainer_first_step_timeout_s: float = 3600.0
+    # Once every rank passed the final barrier (the model and the summary saved), how long the trainer
+    # processes may take to exit (a hung torchrun, a NCCL teardown that never returns) before the launcher
+    # kills them and exits 0: the work is saved. 0: wait for ever.
+    trainer_exit_timeout_s: float = 120.0
+    # The container's first process kills a launcher that sent it no heartbeat for this long (a frozen
+    # process: its host would never exit, and keep the job billed) and fails the host with LauncherFrozen.
+    # The beats come from a thread of their own every tenth of this (at most 10 s). 0: no heartbeat.
+    launcher_heartbeat_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         bad_roles = {group: role for group, role in self.role_map.items() if role not in ROLES}
@@ -123,6 +140,9 @@ class PlatformSettings:
         for name in ("data_service_port", "master_port", "tf_dispatcher_port", "tf_worker_port", "job_control_port"):
             if not 1024 <= getattr(self, name) <= 65535:
                 raise HyperparameterError(f"{name} must be a port in 1024..65535, got {getattr(self, name)}")
+        for name in ("trainer_stall_timeout_s", "trainer_first_step_timeout_s", "trainer_exit_timeout_s", "launcher_heartbeat_timeout_s"):
+            if getattr(self, name) < 0:
+                raise HyperparameterError(f"{name} must be 0 (no bound) or a number of seconds, got {getattr(self, name)}")
 
     def role_of(self, group: str) -> str:
         try:

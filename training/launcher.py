@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -43,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
@@ -73,7 +76,7 @@ from training.hyperparameters import (
     load_hyperparameters,
     load_settings,
 )
-from training.trainers.loop import CONTAINER_STARTED_ENV, PROGRESS_DIR_ENV
+from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
 from training.variants import VARIANTS, Variant
 
 if TYPE_CHECKING:
@@ -364,9 +367,20 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
             status = _precompile(command, environment, stop, cluster.current_host)
             if status != 0:
                 return status
-        watchdog, reports = None, None
+        watch = TrainerWatch(progress_dir)
+        data_watch, reports = None, None
         if data_targets:
-            watchdog, reports = _start_data_host_watch(stack, cluster, settings, variant, addresses, data_targets, progress_dir)
+            data_watch, reports = _start_data_host_watch(stack, cluster, settings, variant, addresses, data_targets)
+
+        def abort() -> str | None:
+            progress, now = watch.look(), time.monotonic()
+            return (data_watch(progress, now) if data_watch else None) or trainer_stalled(
+                progress, now, host=cluster.current_host, bound_s=settings.trainer_stall_timeout_s,
+                first_step_bound_s=settings.trainer_first_step_timeout_s,
+            )
+
+        def finished() -> bool:  # ``abort`` looked at the marks a moment ago
+            return trainers_lingering(watch.progress, time.monotonic(), settings.trainer_exit_timeout_s)
         if settings.distribution == "horovod":
             processes = _start_horovod_ranks(
                 stack, cluster, settings, command, environment, dnn_hosts, processes_per_host, addresses, master_address
@@ -375,7 +389,7 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
         peer_grace_s = TORCHRUN_PEER_GRACE_S if settings.distribution == "torchrun" else PEER_GRACE_S
-        outcome = wait_for_trainers(processes, stop, abort=watchdog, peer_grace_s=peer_grace_s)
+        outcome = wait_for_trainers(processes, stop, abort=abort, finished=finished, peer_grace_s=peer_grace_s)
         status = outcome.status
         reason = failure_to_write(
             outcome, stopped=stop.is_set(), written=_failure_text(), rank_failure=read_rank_failure(rank_failure_file), host=cluster.current_host
@@ -418,8 +432,7 @@ def _start_data_host_watch(
     variant: Variant,
     addresses: Mapping[str, str],
     data_targets: list[str],
-    progress_dir: Path,
-) -> tuple[Callable[[], str | None], FailureReports]:
+) -> tuple[Callable[[Progress, float], str | None], FailureReports]:
     """Keep-alives to every data host while the trainers run (their idle timeout starts when these stop),
     the server where data hosts report failures, and the rule that turns both into a reason to stop."""
     from training.data_service.control import FailureReports, KeepAlive
@@ -432,9 +445,8 @@ def _start_data_host_watch(
     data_hosts = settings.data_hosts(cluster)
     # tf.data.service has one dispatcher, on the first data host: without it no batch can come.
     dispatcher = data_targets[0] if variant.data_service == "tf.data.service" else None
-    started = time.time()
 
-    def watch() -> str | None:
+    def watch(progress: Progress, now: float) -> str | None:
         verdict = data_failure_verdict(reports.snapshot(), data_hosts, essential=data_hosts[0] if dispatcher else None)
         if verdict or dispatcher is None:
             return verdict
@@ -442,7 +454,7 @@ def _start_data_host_watch(
             dispatcher,
             answered=keepalive.answered(dispatcher),
             silent_s=keepalive.silent_for(dispatcher),
-            no_progress_s=progress_age(progress_dir, started),
+            no_progress_s=now - progress.since,
             bound_s=settings.dispatcher_silence_s,
         )
 
@@ -461,10 +473,98 @@ def data_failure_verdict(reports: Mapping[str, str], data_hosts: list[str], esse
     return None
 
 
-def progress_age(progress_dir: Path, started: float, now: float | None = None) -> float:
-    """Seconds since any trainer process of this host finished a step (since ``started`` if none has)."""
-    marks = [entry.stat().st_mtime for entry in progress_dir.iterdir()] if progress_dir.exists() else []
-    return (time.time() if now is None else now) - max(marks, default=started)
+# A gap longer than this between two looks of a watcher at its clock: the watcher itself did not run (its
+# host was frozen and continued, its VM paused), and the silence it would see in that gap is not the
+# watched processes'. Far above the watchers' own periods (0.1 s and 0.5 s), far below every bound.
+PAUSED_S = 5.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a DNN launcher has seen of its trainers' step marks (training/trainers/loop.py writes them).
+
+    Every time is the launcher's monotonic clock, never a mark's mtime: the wall clock may be stepped (NTP,
+    an operator), and an hour back would hide a stall for that hour. A mark counts as news when anything
+    about it changed (its mtime, its text), timed when the launcher saw the change."""
+
+    since: float  # when a mark last changed (the trainers' start while none has)
+    seen_at: float  # the last look
+    marks: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # mark → (mtime_ns, text) at the last look
+    step: int = 0  # the newest step a mark reported
+    done_at: float | None = None  # when a mark first said that the run finished, saved
+
+
+def parse_mark(text: str) -> tuple[int, bool]:
+    """(step, finished) from a mark's text: "12", or "done 12"; a mark read while it was being rewritten
+    reads as step 0. Pure."""
+    words = text.split()
+    finished = bool(words) and words[0] == DONE_MARK
+    number = words[-1] if words else ""
+    return (int(number) if number.isdigit() else 0), finished
+
+
+def observe(progress: Progress, marks: Mapping[str, tuple[int, str]], now: float) -> Progress:
+    """The progress after a look at the marks at ``now`` (monotonic). Pure."""
+    since, done_at = progress.since, progress.done_at
+    gap = now - progress.seen_at
+    if gap > PAUSED_S:  # the launcher did not run in the gap: no one's silence counts for it
+        since += gap
+        done_at = None if done_at is None else done_at + gap
+    if marks != progress.marks:
+        since = now
+    parsed = [parse_mark(text) for _, text in marks.values()]
+    step = max([progress.step, *(number for number, _ in parsed)])
+    if done_at is None and any(finished for _, finished in parsed):
+        done_at = now
+    return Progress(since=since, seen_at=now, marks=types.MappingProxyType(dict(marks)), step=step, done_at=done_at)
+
+
+def trainer_stalled(progress: Progress, now: float, *, host: str, bound_s: float, first_step_bound_s: float) -> str | None:
+    """Why the host must fail, if its trainers finished no step for longer than the bound (before the
+    first step: ``first_step_bound_s``). A bound of 0 turns the rule off. Pure."""
+    if progress.done_at is not None:
+        return None  # finished: whether they exit is trainers_lingering's
+    silent = now - progress.since
+    first = not progress.marks
+    bound = first_step_bound_s if first else bound_s
+    if bound <= 0 or silent <= bound:
+        return None
+    if first:
+        return f"TrainerStalled: no training step on {host} {silent:.0f} s after the trainers started (bound {bound:.0f} s)"
+    return (
+        f"TrainerStalled: no training step on {host} for {silent:.0f} s (last step {progress.step}; bound {bound:.0f} s): "
+        "a frozen or deadlocked rank holds every rank in its next collective"
+    )
+
+
+def trainers_lingering(progress: Progress, now: float, bound_s: float) -> bool:
+    """Whether the trainers finished (every rank passed the final barrier: the work is saved) longer than
+    ``bound_s`` ago and yet run on. Pure."""
+    return progress.done_at is not None and bound_s > 0 and now - progress.done_at > bound_s
+
+
+def read_marks(progress_dir: Path) -> dict[str, tuple[int, str]]:
+    """Every mark in the folder: (mtime_ns, text)."""
+    marks = {}
+    for entry in progress_dir.iterdir() if progress_dir.exists() else []:
+        try:
+            marks[entry.name] = (entry.stat().st_mtime_ns, entry.read_text())
+        except OSError:
+            continue  # being replaced while we looked
+    return marks
+
+
+class TrainerWatch:
+    """The edge of the progress rules: looks at the marks, on the monotonic clock."""
+
+    def __init__(self, progress_dir: Path) -> None:
+        self.progress_dir = progress_dir
+        now = time.monotonic()
+        self.progress = Progress(since=now, seen_at=now)
+
+    def look(self) -> Progress:
+        self.progress = observe(self.progress, read_marks(self.progress_dir), time.monotonic())
+        return self.progress
 
 
 def _start_horovod_ranks(
@@ -548,46 +648,94 @@ def wait_for_trainers(
     abort: Callable[[], str | None] | None = None,
     stop_grace_s: float = STOP_GRACE_S,
     peer_grace_s: float = PEER_GRACE_S,
+    finished: Callable[[], bool] | None = None,
 ) -> TrainersOutcome:
     """Wait for every trainer process of this host. The first to fail fails the host: the others are
     stopped (a Horovod rank whose peer died would otherwise wait for ever); SIGTERM to the launcher is
-    passed on to all of them, with ``stop_grace_s`` to save; ``abort`` returning a reason stops them all
-    and fails the host with it."""
+    passed on to all of them, with ``stop_grace_s`` to save; ``abort`` returning a reason kills them all
+    at once and fails the host with it; ``finished`` returning True (the run is done and saved, but its
+    processes have not exited) kills them all and leaves the host's status 0."""
     status, returncode, abort_reason = 0, 0, None
     stopping_since: float | None = None
+    lingered = False
     grace_s = peer_grace_s
     failed: list[subprocess.Popen] = []  # in the order their failures were seen
     while alive := [process for process in processes if process.poll() is None]:  # polls every one
         failed += [process for process in processes if process.returncode not in (None, 0) and process not in failed]
-        if abort is not None and stopping_since is None and (abort_reason := abort()):
+        if abort is not None and stopping_since is None and not failed and (abort_reason := abort()):
             log.error("%s", abort_reason)
             write_failure(abort_reason)
             status, returncode = 1, 1
-        if (failed or abort_reason or stop.is_set()) and stopping_since is None:
-            # A stop (SIGTERM) asks the trainers to save; a failure or an abort (SIGINT) only to end: torchrun
-            # then closes its ranks within its own 30 s, and nothing writes "stopped" over the cause.
+            # An abort needs no saving (the job fails anyway), and waiting out torchrun's close of ranks that
+            # are blocked on a dead data host or frozen (a stopped process ignores SIGINT and SIGTERM until
+            # continued) would keep every host billed for nothing: every process of the trainers, now.
+            stopping_since = time.monotonic()
+            kill_trees([process.pid for process in alive])
+        elif finished is not None and stopping_since is None and not failed and finished():
+            log.warning(
+                "TrainerExitTimeout: every rank finished and the work is saved, but the trainer processes have not "
+                "exited: killed (the host exits 0)"
+            )
+            lingered, stopping_since = True, time.monotonic()
+            kill_trees([process.pid for process in alive])
+        if (failed or stop.is_set()) and stopping_since is None:
+            # A stop (SIGTERM) asks the trainers to save; a failure (SIGINT) only to end: torchrun then
+            # closes its ranks within its own 30 s, and nothing writes "stopped" over the cause.
             sig = signal.SIGINT
             if failed:
                 returncode = failed[0].returncode
                 status = exit_status(returncode)
                 _log_trainer_end(returncode)
-            elif stop.is_set() and not abort_reason:
+            else:
                 sig, grace_s = signal.SIGTERM, stop_grace_s
                 log.warning("SIGTERM: the trainers get %.0f s to save a checkpoint", grace_s)
             stopping_since = time.monotonic()
             for process in alive:
                 process.send_signal(sig)
         if stopping_since is not None and time.monotonic() - stopping_since > grace_s:
-            for process in alive:
-                process.kill()
+            kill_trees([process.pid for process in alive])  # torchrun's ranks too: they run in sessions of their own
         time.sleep(0.1)
     failed += [process for process in processes if process.returncode != 0 and process not in failed]
-    if not status:
-        if failed:
-            returncode = failed[0].returncode
-            status = exit_status(returncode)
-            _log_trainer_end(returncode)
+    if not status and not lingered and failed:
+        returncode = failed[0].returncode
+        status = exit_status(returncode)
+        _log_trainer_end(returncode)
     return TrainersOutcome(status, returncode, abort_reason)
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every descendant, parents first, from /proc (session boundaries do not stop it:
+    torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Field 4 of /proc/<pid>/stat is the parent pid; the command name before it may hold spaces.
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended while we looked
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop(0)
+        tree.append(pid)
+        frontier.extend(children.get(pid, []))
+    return tree
+
+
+def kill_trees(roots: list[int]) -> int:
+    """SIGKILL every process of the trees under ``roots``; returns how many. They are stopped first, then
+    listed again: a process that forks while we kill its parent would leave a child that no list saw
+    (SIGKILL ends a stopped process as well)."""
+    for pid in dict.fromkeys(pid for root in roots for pid in process_tree(root)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    pids = list(dict.fromkeys(pid for root in roots for pid in process_tree(root)))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(pids)
 
 
 def _log_trainer_end(returncode: int) -> None:
@@ -597,11 +745,101 @@ def _log_trainer_end(returncode: int) -> None:
         log.error("the trainer failed with exit code %d", returncode)
 
 
+# The write end of the heartbeat pipe, in the launcher the container's first process supervises.
+HEARTBEAT_FD_ENV = "TRAINING_HEARTBEAT_FD"
+# "1": supervise the launcher as the container's first process does, though this one is not PID 1 (the
+# emulated cluster runs every host so, so that its tests go through the same supervisor).
+SUPERVISE_ENV = "TRAINING_SUPERVISE"
+# The host's exit status when its first process killed a frozen launcher.
+LAUNCHER_FROZEN_EXIT = 1
+# What /proc/<pid>/stat's state letter means, for the reason a frozen launcher leaves.
+PROCESS_STATES = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible sleep (I/O)", "R": "running",
+                  "S": "sleeping", "Z": "a zombie"}
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What the container's first process knows of its launcher's beats, on its monotonic clock. Until the
+    first beat (which says the bound and the host) nothing is enforced: a launcher still parsing its
+    settings, or one that runs without beats (bound 0), is never blamed."""
+
+    checked_at: float  # the supervisor's last look at its clock
+    heard_at: float | None = None
+    bound_s: float = 0.0
+    host: str = ""
+    pending: bytes = b""  # a beat's line not whole yet
+
+
+def heard(beat: Heartbeat, data: bytes, now: float) -> Heartbeat:
+    """The heartbeat after reading ``data`` from the pipe (JSON lines: the bound and the host). Pure."""
+    *lines, pending = (beat.pending + data).split(b"\n")
+    for line in reversed(lines):
+        try:
+            said = json.loads(line)
+            return dataclasses.replace(beat, heard_at=now, bound_s=float(said["bound_s"]), host=str(said["host"]), pending=pending)
+        except (ValueError, KeyError, TypeError):
+            continue  # not a beat: nothing else writes there, but a torn line must not end the supervisor
+    return dataclasses.replace(beat, pending=pending)
+
+
+def heartbeat_lost(beat: Heartbeat, now: float) -> tuple[Heartbeat, str | None]:
+    """The heartbeat after a look at the clock at ``now``, and the reason to kill the launcher if it has
+    not beaten for longer than its bound. A gap in the supervisor's own looks (it was frozen too: the whole
+    instance, or a VM paused) moves the last beat forward by the gap. Pure."""
+    gap = now - beat.checked_at
+    heard_at = beat.heard_at
+    if heard_at is not None and gap > PAUSED_S:
+        heard_at += gap
+    beat = dataclasses.replace(beat, checked_at=now, heard_at=heard_at)
+    if heard_at is None or beat.bound_s <= 0 or now - heard_at <= beat.bound_s:
+        return beat, None
+    return beat, f"LauncherFrozen: the launcher on {beat.host} sent no heartbeat for {now - heard_at:.0f} s (bound {beat.bound_s:.0f} s)"
+
+
+def start_heartbeat(bound_s: float, host: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Beat to the supervising first process (when there is one, and a bound) from a thread of its own,
+    every tenth of the bound: a launcher whose every thread stopped (SIGSTOP, a hang that holds the GIL)
+    stops beating. Returns whether it beats."""
+    fd = environ.get(HEARTBEAT_FD_ENV)
+    if not fd or bound_s <= 0:
+        return False
+    line = json.dumps({"bound_s": bound_s, "host": host}).encode() + b"\n"
+    interval = min(10.0, bound_s / 10)
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(int(fd), line)
+            except BlockingIOError:
+                pass  # the pipe is full (the supervisor is not reading): a beat is not worth blocking for
+            except OSError:
+                return  # the supervisor is gone: no one listens
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    return True
+
+
+def process_state(pid: int) -> str:
+    try:
+        letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return PROCESS_STATES.get(letter, letter)
+
+
 def supervise(command: list[str]) -> int:
     """What the container's first process does when the launcher is it (the image's entrypoint): run the
     launcher as a child, pass SIGTERM and SIGINT on to it, reap every process that ends up orphaned (the
     kernel gives them to PID 1, and no other process would collect them), and exit with the launcher's
-    status once it ends."""
+    status once it ends.
+
+    It also watches the launcher's heartbeat: a launcher that stopped beating for its bound is frozen, and
+    a frozen launcher never exits (on a data host, its DNN hosts' shutdown cannot reach it), so the job
+    would stay InProgress and bill every instance until its deadline. Then this kills it and everything
+    it started, writes LauncherFrozen as the host's failure, and exits, which ends the container. What it
+    cannot see: a frozen first process (the whole instance frozen), and a launcher whose main thread is
+    deadlocked while its other threads run."""
     pr_set_child_subreaper = 36  # so that this holds when it is not PID 1 too (the tests)
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_child_subreaper, 1)
     pending: list[int] = []
@@ -616,16 +854,62 @@ def supervise(command: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    child = subprocess.Popen(command)
+    beats, beat_end = os.pipe()
+    os.set_blocking(beat_end, False)  # a beat never blocks the launcher (see start_heartbeat)
+    environment = {key: value for key, value in os.environ.items() if key != SUPERVISE_ENV} | {HEARTBEAT_FD_ENV: str(beat_end)}
+    child = subprocess.Popen(command, env=environment, pass_fds=(beat_end,))
+    os.close(beat_end)
     for signum in pending:
         forward(signum, None)
+    heartbeat, listening = Heartbeat(checked_at=time.monotonic()), [beats]
     while True:
-        # Any child: the launcher, or an orphan to collect. Popen never waits for the launcher itself.
-        pid, wait_status = os.wait()
-        if pid == child.pid:
+        readable, _, _ = select.select(listening, [], [], 0.5)
+        now = time.monotonic()
+        if readable:
+            data = os.read(beats, 4096)
+            if data:
+                heartbeat = heard(heartbeat, data, now)
+            else:
+                listening = []  # every write end closed: the launcher is ending
+        if (status := _reap(child.pid)) is not None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
+            return status
+        heartbeat, frozen = heartbeat_lost(heartbeat, now)
+        if frozen:
+            state = process_state(child.pid)
+            killed = kill_trees([pid for pid in process_tree(os.getpid()) if pid != os.getpid()])
+            reason = f"{frozen}: it was {state}; killed it and the {killed - 1} processes under it"
+            log.error("%s", reason)
+            write_failure(reason)
+            _reap_all(deadline=time.monotonic() + 10)  # all killed: collected, so that none outlives this
+            return LAUNCHER_FROZEN_EXIT
+
+
+def _reap(launcher: int) -> int | None:
+    """Collect every child that ended (the launcher, or an orphan given to this process); the launcher's
+    exit status once it ended."""
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if pid == 0:
+            return None
+        if pid == launcher:
             return exit_status(os.waitstatus_to_exitcode(wait_status))
+
+
+def _reap_all(deadline: float) -> None:
+    """Collect every child until none is left, or until ``deadline`` (monotonic): a process in
+    uninterruptible sleep dies only when its I/O returns."""
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.05)
 
 
 def main() -> int:
@@ -635,7 +919,7 @@ def main() -> int:
         return CONFIG_ERROR_EXIT
     # Time to first batch counts from here (the supervised launcher inherits the supervisor's stamp).
     os.environ.setdefault(CONTAINER_STARTED_ENV, repr(time.time()))
-    if os.getpid() == 1:
+    if os.getpid() == 1 or os.environ.get(SUPERVISE_ENV) == "1":
         return supervise([sys.executable, "-m", "training.launcher", *sys.argv[1:]])
     try:
         cluster = load_cluster()
@@ -649,6 +933,8 @@ def main() -> int:
             )
         role = settings.role_of(cluster.current_group)
         log.info("host %s is in instance group %s (%s): role %s", cluster.current_host, cluster.current_group, cluster.current_instance_type, role)
+        start_heartbeat(settings.launcher_heartbeat_timeout_s, cluster.current_host)
+        os.environ.pop(HEARTBEAT_FD_ENV, None)  # the trainers' environment is ours: the pipe is not theirs
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     except (ClusterConfigError, HyperparameterError) as error:

@@ -4,8 +4,10 @@
   one itself; a rank killed by a signal (the OOM killer's SIGKILL) writes nothing. This runs torchrun's
   own ``main`` and, when ranks fail, writes the one that caused it as JSON (rank, local rank, exit code,
   signal) to the file the launcher names in ``TRAINING_RANK_FAILURE_FILE``, then fails as torchrun does.
-  The cause is the rank killed by a signal other than the SIGTERM torchrun itself sends, else the first
-  to fail: a peer that died of the broken collective a moment later is not the cause.
+  The cause is found by the kind of each death before its time (``cause``): a rank SIGKILLed (the OOM
+  killer) before one that crashed, before one that aborted, before an exit code, before a rank stopped by
+  the SIGTERM torchrun itself sends; a peer that died of the broken collective a moment later, by
+  whatever means, is not the cause.
 * On SIGTERM torchrun passes the signal to its ranks and kills them 30 s later (the default of its
   process context's ``close``). When the SIGTERM came to torchrun (a stop: StopTrainingJob, a spot
   interruption), its ranks get RANK_STOP_GRACE_S instead, within SageMaker's 120 s, to save; when torchrun
@@ -32,17 +34,34 @@ from training.failure import RANK_FAILURE_ENV
 RANK_STOP_GRACE_S = 90
 
 
+# How likely a rank's death is the cause rather than a consequence of its peer's, by kind, best first.
+# SIGKILL comes from outside (the kernel's OOM killer, an operator): no rank sends it to itself. A crash
+# signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL) is the rank's own fault. SIGABRT is how a rank whose peer died
+# often ends too: gloo's or NCCL's error escapes into C++'s terminate while the process tears down. Then
+# exit codes (a peer's broken collective exits 1), and last the ranks that were stopped: by torchrun's own
+# SIGTERM, by SIGINT, or saved and left on one (TrainingStopped's 143).
+EXTERNAL, CRASHED, ABORTED, EXITED, STOPPED = range(5)
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+def death_kind(exitcode: int) -> int:
+    """One of EXTERNAL .. STOPPED for a rank's exit code (-N: killed by signal N). Pure."""
+    if exitcode in {-sig for sig in STOP_SIGNALS} | {128 + sig for sig in STOP_SIGNALS}:
+        return STOPPED
+    if exitcode >= 0:
+        return EXITED
+    if -exitcode == signal.SIGKILL:
+        return EXTERNAL
+    return ABORTED if -exitcode == signal.SIGABRT else CRASHED
+
+
 def cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The failed rank that caused the others to fail. Pure."""
+    """The failed rank that caused the others to fail. Pure.
 
-    def key(item: tuple[int, ProcessFailure]) -> tuple[bool, bool, float, int]:
-        rank, failure = item
-        # Stopped: by a SIGTERM, or saved and left on one (TrainingStopped's 143): a consequence of the stop.
-        stopped = failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
-        killed = failure.exitcode < 0 and not stopped
-        return (not killed, stopped, failure.timestamp, rank)
-
-    return min(failures.items(), key=key)
+    By kind first (death_kind), then time, then rank: the time alone cannot tell, since torchrun stamps a
+    rank that wrote no error file when it polls it, in whole seconds, so a rank killed and the peer that
+    died of it a moment later are often stamped alike, and seen in one poll."""
+    return min(failures.items(), key=lambda item: (death_kind(item[1].exitcode), item[1].timestamp, item[0]))
 
 
 def failure_record(error: ChildFailedError) -> dict[str, Any]:

@@ -19,17 +19,24 @@ from training.hyperparameters import HyperparameterError
 from training.launcher import (
     CONFIG_ERROR_EXIT,
     EFA_ENVIRONMENT,
+    Heartbeat,
+    Progress,
     TrainersOutcome,
     data_failure_verdict,
     describe_rank_failure,
     dispatcher_lost,
     exit_status,
     failure_to_write,
+    heard,
+    heartbeat_lost,
+    observe,
     precompile_command,
-    progress_age,
+    read_marks,
     trainer_command,
     trainer_environment,
     trainer_failure,
+    trainer_stalled,
+    trainers_lingering,
     wait_for_trainers,
 )
 
@@ -227,13 +234,124 @@ def test_the_dispatcher_is_lost_only_when_it_went_silent_and_batches_stopped(ans
     assert (reason is not None) == lost
 
 
-def test_progress_is_the_newest_step_mark_of_any_rank(tmp_path: Path) -> None:
-    assert progress_age(tmp_path, started=100.0, now=130.0) == 30.0
-    for rank, mtime in ((0, 110.0), (1, 125.0)):
+def test_progress_is_any_change_of_a_mark_timed_on_the_launchers_clock(tmp_path: Path) -> None:
+    progress = observe(Progress(since=100.0, seen_at=100.0), read_marks(tmp_path), now=101.0)
+    assert (progress.since, progress.step, progress.done_at) == (100.0, 0, None)  # no mark yet
+    for rank, (text, mtime) in enumerate((("7", 5_000.0), ("8", 5_001.0))):
         mark = tmp_path / f"rank-{rank}"
-        mark.touch()
+        mark.write_text(text)
         os.utime(mark, (mtime, mtime))
-    assert progress_age(tmp_path, started=100.0, now=130.0) == 5.0
+    progress = observe(progress, read_marks(tmp_path), now=102.0)
+    assert (progress.since, progress.step) == (102.0, 8)
+    assert observe(progress, read_marks(tmp_path), now=103.0).since == 102.0  # nothing changed
+    # The wall clock stepped back an hour: the next step's mark is older than the last, and still news.
+    (tmp_path / "rank-1").write_text("9")
+    os.utime(tmp_path / "rank-1", (1_401.0, 1_401.0))
+    progress = observe(progress, read_marks(tmp_path), now=104.0)
+    assert (progress.since, progress.step) == (104.0, 9)
+    (tmp_path / "rank-0").write_text("done 9")
+    assert observe(progress, read_marks(tmp_path), now=105.0).done_at == 105.0
+
+
+def test_a_host_whose_trainers_make_no_step_for_the_bound_has_stalled() -> None:
+    def stalled(progress: Progress, now: float) -> str | None:
+        return trainer_stalled(progress, now, host="algo-3", bound_s=60, first_step_bound_s=600)
+
+    stepping = Progress(since=1_000.0, seen_at=1_000.0, marks={"rank-0": (1, "41")}, step=41)
+    assert stalled(stepping, 1_060.0) is None
+    assert stalled(stepping, 1_061.0) == (
+        "TrainerStalled: no training step on algo-3 for 61 s (last step 41; bound 60 s): "
+        "a frozen or deadlocked rank holds every rank in its next collective"
+    )
+    starting = Progress(since=1_000.0, seen_at=1_000.0)  # the first step waits for imports, data hosts, compiles
+    assert stalled(starting, 1_500.0) is None
+    assert stalled(starting, 1_601.0).startswith("TrainerStalled: no training step on algo-3 601 s after the trainers started")
+    assert trainer_stalled(stepping, 9_999.0, host="algo-3", bound_s=0, first_step_bound_s=0) is None  # turned off
+    finished = Progress(since=1_000.0, seen_at=1_000.0, marks={"rank-0": (1, "done 41")}, step=41, done_at=1_000.0)
+    assert stalled(finished, 9_999.0) is None
+    assert not trainers_lingering(finished, 1_030.0, bound_s=30) and trainers_lingering(finished, 1_031.0, bound_s=30)
+    assert not trainers_lingering(stepping, 9_999.0, bound_s=30) and not trainers_lingering(finished, 9_999.0, bound_s=0)
+
+
+def test_a_launcher_that_did_not_run_for_a_while_does_not_blame_its_trainers_for_it() -> None:
+    # The whole host was frozen for 500 s (its launcher too), then continued: the trainers' marks did not
+    # change while nobody looked, but the launcher's own gap is not their silence.
+    progress = Progress(since=1_000.0, seen_at=1_050.0, marks={"rank-0": (1, "41")}, step=41)
+    progress = observe(progress, {"rank-0": (1, "41")}, now=1_550.0)
+    assert progress.since == 1_500.0
+    assert trainer_stalled(progress, 1_551.0, host="algo-3", bound_s=60, first_step_bound_s=600) is None
+
+
+def test_the_first_process_blames_a_launcher_only_after_its_first_beat_and_its_bound() -> None:
+    beat = Heartbeat(checked_at=0.0)
+    beat, frozen = heartbeat_lost(beat, 1_000.0)
+    assert frozen is None  # never beat: a launcher that runs without beats is never blamed
+    beat = heard(beat, b'{"bound_s": 30, "host": "algo-1"}\n{"bound_s": 30, "ho', 1_000.0)  # a torn second line
+    assert (beat.heard_at, beat.bound_s, beat.host) == (1_000.0, 30.0, "algo-1")
+    beat = heard(beat, b'st": "algo-1"}\n', 1_002.0)
+    assert beat.heard_at == 1_002.0
+    for now in range(1_003, 1_033):
+        beat, frozen = heartbeat_lost(beat, float(now))
+        assert frozen is None
+    beat, frozen = heartbeat_lost(beat, 1_033.0)
+    assert frozen == "LauncherFrozen: the launcher on algo-1 sent no heartbeat for 31 s (bound 30 s)"
+    # The supervisor itself did not run for 100 s (the whole instance frozen): the gap is not the launcher's.
+    paused, frozen = heartbeat_lost(Heartbeat(checked_at=1_010.0, heard_at=1_009.0, bound_s=30, host="algo-1"), 1_110.0)
+    assert frozen is None and paused.heard_at == 1_109.0
+
+
+def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_it(tmp_path: Path) -> None:
+    launcher = (
+        "import os, signal, subprocess, sys, time\n"
+        "from training.launcher import start_heartbeat\n"
+        "assert start_heartbeat(2.0, 'algo-1')\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(1)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"  # frozen, every thread of it: no beat any more
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; from training.launcher import supervise; sys.exit(supervise([sys.executable, '-c', {launcher!r}]))"],
+        env=os.environ | {"PYTHONPATH": str(REPO), "SAGEMAKER_BASE_DIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True,
+    )
+    grandchild = int(supervisor.stdout.readline())
+    assert supervisor.wait(timeout=60) == 1
+    failure = (tmp_path / "output" / "failure").read_text()
+    assert failure.startswith("LauncherFrozen: the launcher on algo-1 sent no heartbeat for ") and "it was stopped" in failure, failure
+    assert not Path(f"/proc/{grandchild}").exists()  # what it started went with it
+
+
+def stopped_tree() -> subprocess.Popen:
+    """A process whose child runs in a session of its own (as torchrun's ranks do), both then SIGSTOPped."""
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "os.kill(child.pid, signal.SIGSTOP); os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "time.sleep(120)\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_an_abort_kills_the_trainers_whole_tree_at_once_even_when_frozen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
+    frozen = stopped_tree()
+    rank = int(frozen.stdout.readline())
+    started = time.monotonic()
+    outcome = wait_for_trainers([frozen], threading.Event(), abort=lambda: "TrainerStalled: x", peer_grace_s=40)
+    assert (outcome.status, outcome.abort_reason, frozen.returncode) == (1, "TrainerStalled: x", -signal.SIGKILL)
+    assert time.monotonic() - started < 20  # not the 40 s grace: an abort saves nothing
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{rank}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed; the init process (or a subreaper) collects it
+    assert not Path(f"/proc/{rank}").exists() or Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_trainers_that_finished_but_do_not_exit_are_killed_and_the_host_succeeds() -> None:
+    hung = stopped_tree()  # a torchrun frozen after its ranks were done
+    hung.stdout.readline()
+    outcome = wait_for_trainers([hung], threading.Event(), abort=lambda: None, finished=lambda: True)
+    assert (outcome.status, outcome.abort_reason, hung.returncode) == (0, None, -signal.SIGKILL)
 
 
 def test_a_rank_failure_names_the_rank_and_the_signal() -> None:

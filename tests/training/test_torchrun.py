@@ -25,3 +25,14 @@ def test_torchruns_own_sigterm_is_not_a_cause_and_else_the_first_failure_is() ->
     assert cause({0: failure(0, -15, 100), 1: failure(1, 1, 101)})[0] == 1
     assert cause({0: failure(0, 1, 105), 1: failure(1, 2, 101)})[0] == 1
     assert failure_record(ChildFailedError("m", {0: failure(0, 2, 100)}))["signal"] is None
+
+
+def test_a_signal_death_from_outside_is_the_cause_whatever_its_peers_died_of_in_the_same_second() -> None:
+    # The race seen under load: rank 1 SIGKILLed, rank 0 aborted (gloo's error reached C++'s terminate as
+    # it tore down), both stamped in the same whole second of torchrun's poll.
+    assert cause({0: failure(0, -6, 100), 1: failure(1, -9, 100)})[0] == 1
+    assert cause({0: failure(0, -6, 99), 1: failure(1, -9, 100)})[0] == 1  # stamped earlier, still a consequence
+    # A crash of a rank's own (SIGSEGV) is a cause before its peers' abort or exit code.
+    assert cause({0: failure(0, 1, 100), 1: failure(1, -6, 100), 2: failure(2, -11, 101)})[0] == 2
+    # Stopped ranks (SIGTERM, SIGINT, 143, 130) come last, after any exit code.
+    assert cause({0: failure(0, -2, 100), 1: failure(1, 130, 100), 2: failure(2, 143, 99), 3: failure(3, 2, 101)})[0] == 3

@@ -9,7 +9,9 @@ takes, it plans one host per instance, and for each host:
   standing in for SageMaker's DNS;
 * a CPU set standing in for its instance's vCPUs (DNN hosts get their own cores first, data hosts share
   the rest), so that preprocessing moved to a data host really leaves the DNN host's cores;
-* the real entrypoint, ``python -m training.launcher``, in its own session so it can be killed whole.
+* the real entrypoint, ``python -m training.launcher``, in its own session so it can be killed whole,
+  supervised as on SageMaker: its first process runs the launcher as a child and watches its heartbeat
+  (training.launcher.supervise), so a frozen launcher is killed here as it would be there.
 
 Every process a host starts carries the host's tag in its environment (``EMULATED_HOST``), so the
 host's processes are found even after they left its process tree (torchrun starts its workers in
@@ -44,6 +46,7 @@ from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
+from training.launcher import SUPERVISE_ENV
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
 from training.trainers.loop import CONTAINER_STARTED_ENV
@@ -138,6 +141,10 @@ class EmulationOptions:
     data_connect_timeout_s: float = 60.0
     data_batch_timeout_s: float = 20.0
     dispatcher_silence_s: float = 15.0
+    trainer_stall_timeout_s: float = 120.0
+    trainer_first_step_timeout_s: float = 300.0
+    trainer_exit_timeout_s: float = 30.0
+    launcher_heartbeat_timeout_s: float = 60.0
     # Trainer processes per DNN host (torchrun's nproc-per-node); 0: one per GPU, or one without GPUs.
     processes_per_host: int = 0
     # CPUs per host of a group (group name → count); default one each.
@@ -232,6 +239,10 @@ def emulated_hyperparameters(spec: JobSpec, options: EmulationOptions, ports: tu
         data_connect_timeout_s=options.data_connect_timeout_s,
         data_batch_timeout_s=options.data_batch_timeout_s,
         dispatcher_silence_s=options.dispatcher_silence_s,
+        trainer_stall_timeout_s=options.trainer_stall_timeout_s,
+        trainer_first_step_timeout_s=options.trainer_first_step_timeout_s,
+        trainer_exit_timeout_s=options.trainer_exit_timeout_s,
+        launcher_heartbeat_timeout_s=options.launcher_heartbeat_timeout_s,
         processes_per_host=options.processes_per_host,
     )
     return container_hyperparameters(spec, platform)
@@ -380,6 +391,8 @@ class EmulatedCluster:
                 HOST_ADDRESSES_ENV: addresses,
                 "PYTHONPATH": str(REPO_ROOT),
                 "PYTHONUNBUFFERED": "1",
+                # The host's first process supervises its launcher, as the container's PID 1 does.
+                SUPERVISE_ENV: "1",
                 "OMP_NUM_THREADS": str(len(host.cpus)),
                 "GLOO_SOCKET_IFNAME": "lo",
                 # torch-xla's CPU device stands in for NeuronCores (the neuron variant's trainer).
@@ -427,7 +440,8 @@ class EmulatedCluster:
         _signal_all(self.host_pids(name), sig)
 
     def kill_launcher(self, name: str, sig: signal.Signals) -> None:
-        """Signal a host's launcher alone, as SageMaker signals a container's first process (StopTrainingJob)."""
+        """Signal a host's first process alone (its supervisor, which passes SIGTERM and SIGINT on to the
+        launcher), as SageMaker signals a container's first process (StopTrainingJob)."""
         _signal_all([self._processes[name].pid], sig)
 
     def pid(self, name: str) -> int:

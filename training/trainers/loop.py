@@ -25,8 +25,10 @@ must look the same across variants:
   model and a summary with status ``stopped`` are written, and TrainingStopped says after which step;
 * the model in ``/opt/ml/model``, and ``summary.json`` plus the resolved ``config.json`` in
   ``/opt/ml/output/data`` (and the config beside the model);
-* a progress mark per process (a file touched after every step, in the folder the launcher names in
-  ``TRAINING_PROGRESS_DIR``): how the launcher tells a job whose batches stopped coming from a slow one.
+* a progress mark per process (a file in the folder the launcher names in ``TRAINING_PROGRESS_DIR``,
+  rewritten with the step's number after every step, and with ``done <step>`` once every rank passed the
+  final barrier): how the launcher tells a stalled or frozen rank, or a job whose batches stopped coming,
+  from a slow one, and a finished run whose processes do not exit from one still working.
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ log = logging.getLogger(__name__)
 BatchT = TypeVar("BatchT")
 
 
-# The launcher names a folder here; every trainer process touches a file in it after each step.
+# The launcher names a folder here; every trainer process writes its step into a file in it after each
+# step, and DONE_MARK and the step once the run finished and was saved (training/launcher.py reads them).
 PROGRESS_DIR_ENV = "TRAINING_PROGRESS_DIR"
+DONE_MARK = "done"
 # The container's start (the launcher's first moment), wall-clock seconds: time to first batch counts from it.
 CONTAINER_STARTED_ENV = "TRAINING_CONTAINER_STARTED_AT"
 
@@ -262,7 +266,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             self._steps_this_run = step - start_step
             now = time.perf_counter()
             if progress is not None:
-                progress.touch()
+                progress.write_text(str(step))
             elapsed, waited = (now - last) * 1000, (fetched - last) * 1000
             timed = step - start_step > config.warmup_steps
             (step_ms if timed else warmup_ms).append(elapsed)
@@ -313,6 +317,10 @@ class TrainingLoop(ABC, Generic[BatchT]):
         # No rank leaves before the chief saved: torchrun would take an early exit (143 on a stop) for a
         # failure and close the chief within its 30 s.
         self.barrier()
+        if progress is not None and not stopped:
+            # Past the final barrier: the chief saved the model and the summary, so the run's work is done
+            # whatever happens to these processes now (the launcher ends them if they do not exit).
+            progress.write_text(f"{DONE_MARK} {step}")
         if stopped:
             raise TrainingStopped(f"stopped by SIGTERM after step {step} of {config.steps}; checkpoint and model saved")
         return summary
