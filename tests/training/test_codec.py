@@ -140,3 +140,83 @@ def test_tags_that_do_not_fit_or_do_not_make_whole_values_are_refused() -> None:
     cut = codec.encode_batch(images, labels) + bytes([7 << 3 | 2, 5]) + bytes(5)  # 5 bytes: not a whole fixed64
     with pytest.raises(codec.TensorFormatError, match="whole number"):
         codec.decode_batch(cut)
+
+
+# A peer's batch is checked before it reaches training -------------------------------------------------
+
+
+def _batch_bytes(images: pb.Tensor, labels: pb.Tensor, **fields) -> bytes:
+    """A Batch as protobuf writes it: shapes and counts that our writer would never make."""
+    return pb.Batch(images=images, labels=labels, **fields).SerializeToString()
+
+
+LABELS = pb.Tensor(dtype="int64", shape=[2], data=np.arange(2, dtype=np.int64).tobytes())
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ([2**62, 4], "exceeds"),  # numpy's int64 product of these is 0: no bytes seemed to match
+        ([2**32, 2**32, 0], "exceeds"),
+        ([2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1, 0], "other dimensions no array can have"),
+        ([1] * 33, "dimensions"),  # more than numpy holds
+        ([-3, -4], "negative dimension"),
+    ],
+)
+def test_shapes_that_overflow_or_no_array_can_have_are_refused_by_name(shape: list[int], message: str) -> None:
+    """Every one of these raised ValueError or numpy's own error from reshape: uncaught, it ended the
+    stream's thread silently and training reported that its input had ended."""
+    payload = _batch_bytes(pb.Tensor(dtype="uint8", shape=shape), LABELS)
+    with pytest.raises(codec.TensorFormatError, match=message):
+        codec.decode_batch(payload)
+
+
+def test_an_empty_tensor_with_large_dimensions_still_reads() -> None:
+    decoded = codec.decode_batch(_batch_bytes(pb.Tensor(dtype="uint8", shape=[0, 2**31 - 1]), LABELS))
+    assert decoded.images.shape == (0, 2**31 - 1)
+
+
+SPEC = codec.BatchSpec(batch_size=2, sample_shape=(3, 4, 4), num_classes=5)
+IMAGES = np.zeros((2, 3, 4, 4), np.uint8)
+
+
+def _good(**changes) -> bytes:
+    fields = dict(images=IMAGES, labels=np.array([0, 4], np.int64), skipped_samples=1, sample_ids=[7, 8, 9], epochs=[0, 0, 0])
+    fields.update(changes)
+    return codec.encode_batch(fields["images"], fields["labels"], fields["skipped_samples"], fields["sample_ids"], fields["epochs"])
+
+
+def test_a_batch_of_the_spec_passes_with_or_without_slot_tags() -> None:
+    codec.check_batch(codec.decode_batch(_good()), SPEC)
+    codec.check_batch(codec.decode_batch(_good(sample_ids=[], epochs=[])), SPEC)
+    codec.check_batch(codec.decode_batch(_good(labels=np.array([9, 1], np.int64))), codec.BatchSpec(2, (3, 4, 4)))  # classes unknown
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected", "seen"),
+    [
+        (_good(images=IMAGES.astype(np.float32)), "images of uint8 [2, 3, 4, 4]", "float32 [2, 3, 4, 4]"),
+        (_good(images=IMAGES[0]), "images of uint8 [2, 3, 4, 4]", "uint8 [3, 4, 4]"),  # wrong rank
+        (_good(images=IMAGES.transpose(0, 2, 3, 1).copy()), "images of uint8 [2, 3, 4, 4]", "uint8 [2, 4, 4, 3]"),  # NHWC
+        (_good(images=np.zeros((3, 3, 4, 4), np.uint8)), "images of uint8 [2, 3, 4, 4]", "uint8 [3, 3, 4, 4]"),
+        (_good(labels=np.array([[0, 1]], np.int64)), "labels of int64 [2]", "int64 [1, 2]"),
+        (_good(labels=np.array([0], np.int64)), "labels of int64 [2]", "int64 [1]"),  # a count that is not the images'
+        (_good(labels=np.array([0, 1], np.int32)), "labels of int64 [2]", "int32 [2]"),
+        (_good(labels=np.array([0, 5], np.int64)), "labels in [0, 5)", "labels in [0, 5]"),
+        (_good(labels=np.array([-1, 2], np.int64)), "labels in [0, 5)", "labels in [-1, 2]"),
+        (_good(sample_ids=[1, 2, 3], epochs=[0, 0]), "as many epochs as sample ids", "3 sample ids and 2 epochs"),
+        (_good(sample_ids=[1], epochs=[0]), "2 slot tags", "1"),
+        (_good(sample_ids=[1, 2, 3, 4], epochs=[0, 0, 0, 0]), "plus at most the 1 skipped", "4"),
+        (pb.Batch(images=codec.encode(IMAGES)).SerializeToString(), "a batch with images and labels", "images only"),
+    ],
+)
+def test_a_batch_that_is_not_the_one_asked_for_is_refused_saying_what_was_expected_and_seen(payload: bytes, expected: str, seen: str) -> None:
+    with pytest.raises(codec.MalformedBatchError) as refused:
+        codec.check_batch(codec.decode_batch(payload), SPEC)
+    assert expected in refused.value.expected and refused.value.seen.endswith(seen), str(refused.value)
+
+
+def test_a_skipped_count_past_uint32_is_refused() -> None:
+    payload = codec.encode_batch(IMAGES, np.zeros(2, np.int64)) + bytes([4 << 3]) + codec._varint_bytes(2**40)
+    with pytest.raises(codec.MalformedBatchError, match="uint32"):
+        codec.check_batch(codec.decode_batch(payload), SPEC)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -275,16 +276,28 @@ def test_fewer_samples_than_data_hosts_is_refused_before_anything_starts(images:
         BatchProducer(tiny, batch_size=1, augment=AugmentConfig(16), workers=1, hosts=3)
 
 
+# What the fake hosts below describe: the batches of data_host's (8 × 3 × 32², four classes).
+FAKE_INFO = pb.DatasetInfo(channel="train", classes=[f"class_0{index}" for index in range(4)], sample_shape=[3, 32, 32], batch_size=8, host="fake")
+
+
 @contextlib.contextmanager
-def fake_data_host(stream_batches, address: str) -> Iterator[str]:
-    """A real gRPC server whose StreamBatches is ``stream_batches(request, context)``: a faulty data host."""
+def fake_data_host(stream_batches, address: str, info: pb.DatasetInfo = FAKE_INFO) -> Iterator[str]:
+    """A real gRPC server whose StreamBatches is ``stream_batches(request, context)``: a faulty data host.
+    Its Describe answers ``info`` (a trainer's stream asks it what batches to expect)."""
     from concurrent import futures
 
     from training.data_service.server import SERVICE
 
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    handler = grpc.unary_stream_rpc_method_handler(stream_batches, request_deserializer=pb.StreamRequest.FromString, response_serializer=None)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamBatches": handler}),))
+    handlers = {
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(
+            stream_batches, request_deserializer=pb.StreamRequest.FromString, response_serializer=None
+        ),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: info, request_deserializer=pb.DescribeRequest.FromString, response_serializer=pb.DatasetInfo.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port(f"{address}:0")
     server.start()
     try:
@@ -293,12 +306,54 @@ def fake_data_host(stream_batches, address: str) -> Iterator[str]:
         server.stop(0)
 
 
-def test_a_host_sending_malformed_batches_is_dropped_with_a_named_error() -> None:
-    def garbage(request, context):
-        yield b"\x12\x05abc"  # field 2 (images) claims 5 bytes, 3 follow
+def _malformed(images: np.ndarray | pb.Tensor, labels: np.ndarray) -> bytes:
+    """A Batch a faulty or hostile data host might send (protobuf's writer: any shape goes)."""
+    tensor = images if isinstance(images, pb.Tensor) else codec.encode(images)
+    return pb.Batch(images=tensor, labels=codec.encode(labels)).SerializeToString()
 
-    with fake_data_host(garbage, "127.0.78.9") as target, pytest.raises(DataServiceRefusedError, match="malformed batch"):
-        take(DataServiceDataset([target], 8, TOKEN, "test"), 1)
+
+GOOD_IMAGES, GOOD_LABELS = np.zeros((8, 3, 32, 32), np.uint8), np.zeros(8, np.int64)
+MALFORMED = {
+    "truncated": (b"\x12\x05abc", "a well-formed Batch, got field 2 runs past"),  # field 2 (images) claims 5 bytes, 3 follow
+    # numpy's product of these dimensions is 0: today's reader raised ValueError in reshape, uncaught.
+    "overflowing shape": (_malformed(pb.Tensor(dtype="uint8", shape=[2**62, 4]), GOOD_LABELS), "exceeds"),
+    "labels out of range": (_malformed(GOOD_IMAGES, np.full(8, 4, np.int64)), "labels in [0, 4), got labels in [4, 4]"),
+    "fewer labels than images": (_malformed(GOOD_IMAGES, np.zeros(7, np.int64)), "labels of int64 [8], got int64 [7]"),
+    "images of another rank": (_malformed(np.zeros((8, 3072), np.uint8), GOOD_LABELS), "images of uint8 [8, 3, 32, 32], got uint8 [8, 3072]"),
+}
+
+
+@pytest.mark.parametrize("fault", list(MALFORMED))
+def test_a_host_sending_a_malformed_batch_is_lost_by_name_not_an_ended_input(fault: str) -> None:
+    payload, seen = MALFORMED[fault]
+
+    def faulty(request, context):
+        yield payload
+
+    with fake_data_host(faulty, "127.0.78.9") as target:
+        dataset = DataServiceDataset([target], 8, TOKEN, "test")
+        started = time.monotonic()
+        with pytest.raises(DataServiceUnavailableError, match=f"all 1 data hosts are gone .*MalformedBatchError: expected .*{re.escape(seen)}"):
+            take(dataset, 1)
+    assert dataset.stats.lost_hosts == [target] and time.monotonic() - started < 10
+
+
+def test_training_goes_on_with_the_other_hosts_when_one_sends_a_malformed_batch(images: Path) -> None:
+    payload, _ = MALFORMED["labels out of range"]
+
+    def faulty(request, context):
+        yield codec.encode_batch(GOOD_IMAGES, GOOD_LABELS)  # one good batch first: trained on, as it should be
+        yield payload
+
+    with fake_data_host(faulty, "127.0.78.12") as bad, data_host(images) as healthy:
+        dataset = DataServiceDataset([bad, healthy.target], 8, TOKEN, "test")
+        iterator = iter(dataset)
+        take_until(iterator, lambda: dataset.stats.lost_hosts and dataset.stats.hosts[healthy.target].batches, timeout_s=60)
+        assert dataset.stats.lost_hosts == [bad] and dataset.stats.hosts[bad].batches == 1
+        assert dataset.stats.hosts[bad].ended.startswith("MalformedBatchError: expected labels in [0, 4)")
+        assert bad in dataset.stats.unavailable_hosts  # the summary's lost_data_hosts
+        labels = [batch[1] for batch in itertools.islice(iterator, 10)]
+        assert len(labels) == 10 and all(int(batch.max()) < 4 for batch in labels)
 
 
 # The job's token on every call ------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The launch side writes a random token per job into a file of the job's ``platfor
 hyperparameters, which DescribeTrainingJob shows: training/hyperparameters.py). Every RPC
 between hosts (a data host's Describe, StreamBatches and Shutdown; a DNN host's ReportFailure) carries it
 as ``authorization: Bearer <token>`` call metadata, and the servers refuse any call without it with
-UNAUTHENTICATED before a handler runs: whoever reaches a data host's port can neither read the training
+UNAUTHENTICATED before a handler runs, and before its request is read (server.MAX_REQUEST_BYTES bounds
+what gRPC takes in meanwhile): whoever reaches a data host's port can neither read the training
 data, nor drain the trainers' batches, nor keep the host alive, nor stop it. The token is compared in
 constant time and never logged.
 """
@@ -48,9 +49,12 @@ class TokenAuth(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         method = handler_call_details.method
         log.warning("refused %s: %s", method, "no token" if not token else "a token that is not this job's")
-        # A unary handler answers a streaming method too: the client gets the status and no message.
-        return grpc.unary_unary_rpc_method_handler(_refuse)
+        # A handler of a streaming request, whatever the method's kind: gRPC reads a unary request whole
+        # before it calls the handler (grpc/_server.py, _unary_request), but the messages of a streaming
+        # one only as the handler iterates over them, and this one never does. The caller gets the status
+        # and no message, for a unary or a streaming method alike.
+        return grpc.stream_unary_rpc_method_handler(_refuse_unread)
 
 
-def _refuse(request: object, context: grpc.ServicerContext) -> None:
+def _refuse_unread(requests: object, context: grpc.ServicerContext) -> None:
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call does not carry the job's token")

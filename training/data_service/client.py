@@ -6,6 +6,12 @@ up after the trainer: connecting is retried until ``connect_timeout_s``. A host 
 retried for ``reconnect_timeout_s`` and then dropped; training carries on with the others, and only when
 no host is left does iteration fail, with DataServiceUnavailableError naming every host and why.
 
+Nothing a host sends is trusted. Each connection first asks the host's Describe what its batches are (the
+sample shape, the classes): the stream then reads no message larger than such a batch, and one that is not
+such a batch (wrong dtype, shape or counts, a label outside the classes, bytes that do not read: codec's
+check_batch) reaches no trainer; the host is dropped at once, as lost, with MalformedBatchError and what
+was expected and seen.
+
 A host that hangs (a stopped process keeps its connections open) is noticed two ways: a stream that
 brings no batch for ``batch_timeout_s`` while this side waits for one is cancelled, and, as a backstop,
 gRPC keep-alive pings that go unanswered break the connection (measured here: within about a minute,
@@ -33,6 +39,7 @@ from torch.utils.data import IterableDataset
 
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
+from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import call_metadata
 from training.data_service.control import CLIENT_OPTIONS, DataServiceRefusedError, DataServiceUnavailableError
 from training.data_service.epochs import EpochLedger
@@ -45,7 +52,8 @@ from training.data_service.server import (
     put_until_stopped,
 )
 
-STREAM_OPTIONS = CLIENT_OPTIONS + [
+# What a stream's channel adds to the control calls' options (control.CLIENT_OPTIONS).
+_STREAMING = [
     # Read a stream on the calling thread (each data host has a thread of its own already) instead of
     # handing every message over from gRPC's thread.
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
@@ -58,6 +66,31 @@ STREAM_OPTIONS = CLIENT_OPTIONS + [
     # keep-alive time: a frozen host then goes unnoticed by the pings.
     ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
 ]
+# A host's Describe answers within this, or the connection attempt counts as failed (and is retried).
+DESCRIBE_TIMEOUT_S = 10.0
+
+
+def stream_options(max_message_bytes: int) -> list[tuple[str, object]]:
+    """A stream's channel options: it reads no message larger than ``max_message_bytes`` (the batch it
+    asked for, codec.BatchSpec.max_message_bytes), so a host cannot make a trainer hold more. Pure."""
+    limit = ("grpc.max_receive_message_length", max_message_bytes)
+    return [option for option in CLIENT_OPTIONS if option[0] != limit[0]] + [limit, *_STREAMING]
+
+
+def stream_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
+    """The batches to expect from the host that sent ``info``: the batch size this trainer asks for, the
+    host's sample shape and its number of classes (labels are indices into its classes). Refused
+    (DataServiceRefusedError) when no such batch fits one gRPC message. Pure."""
+    spec = codec.BatchSpec(batch_size, tuple(info.sample_shape), len(info.classes) or None)
+    if not spec.sample_shape or min(spec.sample_shape) <= 0 or batch_size <= 0:
+        raise DataServiceRefusedError(f"data host {info.host} describes samples of shape {list(spec.sample_shape)}")
+    if spec.max_message_bytes > codec.MAX_GRPC_MESSAGE_BYTES:
+        raise DataServiceRefusedError(
+            f"batches of {batch_size} × {list(spec.sample_shape)} take {spec.max_message_bytes / 2**30:.1f} GiB, more than "
+            f"one gRPC message can carry (2 GiB): use a smaller batch_size or image_size"
+        )
+    return spec
+
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +234,17 @@ class DataServiceDataset(IterableDataset):
         # The first connection may wait for a host that is still starting; later ones only briefly.
         retry_until = time.monotonic() + self.connect_timeout_s
         while not stop.is_set():
-            channel = grpc.insecure_channel(state.address, options=STREAM_OPTIONS)
+            # Two channels: the stream's receive limit is that of the host's batches, which its Describe tells.
+            channel = grpc.insecure_channel(state.address, options=CLIENT_OPTIONS)
             call = None
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))
+                info = pb_grpc.DataServiceStub(channel).Describe(
+                    pb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S, metadata=call_metadata(self.token)
+                )
+                spec = stream_spec(self.batch_size, info)
+                channel.close()
+                channel = grpc.insecure_channel(state.address, options=stream_options(spec.max_message_bytes))
                 call = channel.unary_stream(
                     STREAM_BATCHES, request_serializer=pb.StreamRequest.SerializeToString, response_deserializer=None
                 )(request, metadata=call_metadata(self.token))
@@ -216,8 +256,7 @@ class DataServiceDataset(IterableDataset):
                         # A host that stops for any other reason than being done is a lost host.
                         state.lost = batch.end_reason not in CLEAN_ENDS
                         return
-                    if batch.images is None or batch.labels is None:
-                        raise codec.TensorFormatError("a batch without images or labels")
+                    codec.check_batch(batch, spec)
                     item = (_to_tensor(batch.images, self.pin_memory), _to_tensor(batch.labels, self.pin_memory),
                             state.address, batch.sample_ids, batch.epochs)
                     state.streaming = True
@@ -229,10 +268,15 @@ class DataServiceDataset(IterableDataset):
                 reason = "the stream ended without an end-of-stream marker"
             except grpc.FutureTimeoutError:
                 reason = "unreachable"
+            except DataServiceRefusedError as error:
+                state.ended, state.lost = f"refused: {error}", True
+                return
             except codec.TensorFormatError as error:
-                # A host that sends malformed batches will keep doing so: stop reading from it.
-                state.ended, state.lost, state.streaming = f"refused: malformed batch: {error}", True, False
-                log.error("data host %s sent a malformed batch (%s); no longer reading from it", state.address, error)
+                # A host that sends malformed batches will keep doing so: drop it, by name and at once; the
+                # others go on. Nothing of the batch reached training.
+                named = error if isinstance(error, codec.MalformedBatchError) else codec.MalformedBatchError("a well-formed Batch", str(error))
+                state.ended, state.lost, state.streaming = f"{type(named).__name__}: {named}", True, False
+                log.error("data host %s sent a malformed batch (%s); dropped, carrying on with the others", state.address, named)
                 return
             except grpc.RpcError as error:
                 if stop.is_set():
@@ -250,6 +294,11 @@ class DataServiceDataset(IterableDataset):
                 else:
                     reason = f"{error.code().name}: {error.details()}"
                 state.streaming = False
+            except Exception as error:  # noqa: BLE001 — any other error must drop the host by name: a thread that
+                # died of it would end this host's batches silently, and training with "the input ended".
+                state.ended, state.lost, state.streaming = f"{type(error).__name__}: {error}", True, False
+                log.exception("reading from data host %s failed; dropped, carrying on with the others", state.address)
+                return
             finally:
                 state.waiting_since, state.call = None, None
                 if call is not None:

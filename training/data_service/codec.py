@@ -1,7 +1,9 @@
 """numpy arrays ↔ the data service's messages: raw C-order bytes with dtype and shape beside them.
 
 No pickle crosses the wire: a peer can only send bytes that are read as the dtype it names, and a tensor
-whose byte count disagrees with its shape is refused.
+whose byte count disagrees with its shape is refused. Nothing a peer sends is trusted: ``decode_batch``
+refuses any message it cannot read exactly (TensorFormatError), and ``check_batch`` refuses a readable batch
+that is not the one the trainer asked for (MalformedBatchError: dtype, shape, counts, label range).
 
 Batches are the hot path. A data host's worker processes serialise each Batch once (``encode_batch``), the
 gRPC handler sends those bytes as they are, and the trainer side reads them with ``decode_batch``, which
@@ -13,6 +15,7 @@ parser on every message (tests/training/test_codec.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,9 +30,28 @@ ALLOWED_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "float16
 VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 
 
+# numpy's limit on dimensions (NPY_MAXDIMS is 32 up to numpy 1.x, 64 from 2.0: the smaller holds for both).
+MAX_RANK = 32
+# No dimension of a tensor that arrived in one gRPC message can exceed that message's byte count, which gRPC
+# keeps below 2 GiB (its length prefix is an int32), unless another dimension is 0 and the tensor empty.
+MAX_DIMENSION = 2**31 - 1
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
+# Batch.skipped_samples is a uint32.
+MAX_UINT32 = 2**32 - 1
+
+
 class TensorFormatError(ValueError):
     """A Tensor or Batch message is malformed (unknown dtype, bytes that do not match the shape, a
     truncated field)."""
+
+
+class MalformedBatchError(TensorFormatError):
+    """A batch that reads, but is not what the trainer asked its data host for: what was expected, and
+    what came."""
+
+    def __init__(self, expected: str, seen: str) -> None:
+        super().__init__(f"expected {expected}, got {seen}")
+        self.expected, self.seen = expected, seen
 
 
 @dataclass(frozen=True)
@@ -42,6 +64,57 @@ class DecodedBatch:
     # Per slot: the sample whose turn it was, and its data-host epoch (empty from a host that sends none).
     sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """The batches a trainer asked a data host for: its StreamRequest's batch size, and the host's own
+    Describe (sample shape, classes). Images are uint8 [batch_size, *sample_shape] (the data host's
+    layout: NCHW), labels int64 [batch_size] in [0, num_classes) (None: not known, not checked)."""
+
+    batch_size: int
+    sample_shape: tuple[int, ...]
+    num_classes: int | None = None
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return (self.batch_size, *self.sample_shape)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The most bytes a Batch of this spec can take on the wire: the image bytes; per slot 8 label
+        bytes and at most two 12-byte slot tags (its sample, and one due sample that did not decode: see
+        check_batch); and 1 KiB for the field keys, lengths, dtype names and shapes (a 4-d shape's packed
+        varints are at most 40 bytes). The trainer's receive limit: nothing larger is read."""
+        return math.prod(self.image_shape) + self.batch_size * (8 + 2 * 12) + 1024
+
+
+def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
+    """Refuse (MalformedBatchError) a decoded batch that is not one of ``spec``'s: a peer's bytes reach
+    training only as the arrays the trainer expects. Pure."""
+    if batch.images is None or batch.labels is None:
+        present = [name for name in ("images", "labels") if getattr(batch, name) is not None]
+        raise MalformedBatchError("a batch with images and labels", f"{' and '.join(present) or 'neither'} only")
+    _expect("images", batch.images, "uint8", spec.image_shape)
+    _expect("labels", batch.labels, "int64", (spec.batch_size,))
+    if spec.num_classes is not None and batch.labels.size:
+        low, high = int(batch.labels.min()), int(batch.labels.max())
+        if low < 0 or high >= spec.num_classes:
+            raise MalformedBatchError(f"labels in [0, {spec.num_classes})", f"labels in [{low}, {high}]")
+    if batch.skipped_samples > MAX_UINT32:
+        raise MalformedBatchError("skipped_samples within a uint32", str(batch.skipped_samples))
+    # Slot tags (server.slot_tags): none, from a host that sends none; else one per slot, then one per due
+    # sample that did not decode, each of which was also counted as skipped.
+    tags, epochs = len(batch.sample_ids), len(batch.epochs)
+    if tags != epochs:
+        raise MalformedBatchError("as many epochs as sample ids", f"{tags} sample ids and {epochs} epochs")
+    if tags and not spec.batch_size <= tags <= spec.batch_size + batch.skipped_samples:
+        raise MalformedBatchError(f"{spec.batch_size} slot tags, plus at most the {batch.skipped_samples} skipped samples", f"{tags}")
+
+
+def _expect(name: str, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
+    if array.dtype.name != dtype or array.shape != shape:
+        raise MalformedBatchError(f"{name} of {dtype} {list(shape)}", f"{array.dtype.name} {list(array.shape)}")
 
 
 def encode(array: np.ndarray) -> pb.Tensor:
@@ -168,11 +241,20 @@ def _tensor_view(dtype_name: str, shape: tuple[int, ...], buffer: bytes, start: 
     if dtype_name not in ALLOWED_DTYPES:
         raise TensorFormatError(f"unknown dtype {dtype_name!r}")
     dtype = np.dtype(dtype_name)
+    if len(shape) > MAX_RANK:
+        raise TensorFormatError(f"a shape of {len(shape)} dimensions (numpy holds at most {MAX_RANK})")
     if any(dimension < 0 for dimension in shape):
         raise TensorFormatError(f"negative dimension in shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64))
+    if any(dimension > MAX_DIMENSION for dimension in shape):
+        raise TensorFormatError(f"a dimension of shape {shape} exceeds {MAX_DIMENSION}, more than a message can hold")
+    # Python's integers: numpy's int64 product wraps (2**62 × 4 is 0), which let a shape of no bytes pass
+    # this check and then fail in reshape with an error no caller expected.
+    count = math.prod(shape)
     if count * dtype.itemsize != end - start:
         raise TensorFormatError(f"{end - start} bytes do not make a {dtype_name} tensor of shape {shape}")
+    if not count and math.prod(dimension for dimension in shape if dimension) * dtype.itemsize > np.iinfo(np.intp).max:
+        # Empty, but numpy computes the size of the dimensions before the 0 and refuses one that overflows.
+        raise TensorFormatError(f"an empty tensor of shape {shape} whose other dimensions no array can have")
     return np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(shape)
 
 

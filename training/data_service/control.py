@@ -27,13 +27,21 @@ import grpc
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import TokenAuth, call_metadata
-from training.data_service.server import GRPC_OPTIONS, SERVER_OPTIONS, bind_port
+from training.data_service.server import MAX_REQUEST_BYTES, SERVER_OPTIONS, bind_port
 
 log = logging.getLogger(__name__)
 
+# The most a control call's reply may be: the largest is DatasetInfo, whose class names for
+# dataset.MAX_CLASSES classes, each as long as a folder name can be (255 bytes), take ~25 MiB
+# (tests/training/test_data_service_limits.py builds it). Batches are not control replies: a stream's
+# limit is its batch's own (client.stream_options).
+MAX_REPLY_BYTES = 32 << 20
+
 # gRPC backs off exponentially (up to 2 minutes) between attempts to reach a host that is not up yet, and
 # channels to the same target share that state. Data hosts start at different times: retry every second.
-CLIENT_OPTIONS = GRPC_OPTIONS + [
+CLIENT_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),  # what the servers read at most
+    ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),

@@ -49,18 +49,22 @@ from training.data_service.epochs import SPARE_EPOCH
 
 log = logging.getLogger(__name__)
 
-# Large batches (224² images × 256) exceed gRPC's 4 MiB default message size.
-MAX_MESSAGE_BYTES = 1 << 30
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+# The most a server of ours (a data host's, a DNN host's ReportFailure) reads of any one message, from any
+# caller: gRPC reads a request before the handler runs, and one of an unauthenticated caller too when the
+# token check answers it with a unary handler (auth.py refuses without reading now). Requests are small:
+# the largest is a FailureReport (a host name, and a reason cut at 1024 characters: at most 4 KiB of
+# UTF-8); a StreamRequest holds a client id ("algo-3/rank0") and two integers; DescribeRequest is empty.
+# 64 KiB leaves 16 times that; it was 1 GiB, and two unauthenticated 512 MiB requests took a data host
+# from 60 MiB to 2.1 GB. What servers send (batches) keeps gRPC's default: no send limit. The trainer
+# bounds what it receives by the batch it asked for (codec.BatchSpec.max_message_bytes).
+MAX_REQUEST_BYTES = 64 << 10
 # Clients ping every KEEPALIVE_TIME_MS to notice a host that hangs (a stopped process keeps its TCP
 # connections open, and a stream with no deadline would wait for ever); the server must accept pings at
 # that rate, also while no data flows, or it answers them with GOAWAY ("too_many_pings").
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
-SERVER_OPTIONS = GRPC_OPTIONS + [
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then bind too and share
     # its connections. A data host must find out that its port is taken.
     ("grpc.so_reuseport", 0),

@@ -1,0 +1,186 @@
+"""What our gRPC servers read, and what a trainer receives, at most: real servers in child processes, real
+callers here, and the servers' memory measured from outside (psutil).
+
+Before the token is checked, a data host and a DNN host's ReportFailure server used to take 1 GiB
+messages: two unauthenticated 512 MiB requests took a data host from 60 MiB to 2.1 GB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from tests.conftest import TOKEN
+from training.data_service import codec
+from training.data_service import data_service_pb2 as pb
+from training.data_service.auth import call_metadata
+from training.data_service.client import stream_options, stream_spec
+from training.data_service.control import MAX_REPLY_BYTES
+from training.data_service.dataset import MAX_CLASSES
+from training.data_service.server import MAX_REQUEST_BYTES, SERVICE
+from training.local.cluster import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+# Each unauthenticated request: far beyond any request, as the issue's were (two of 512 MiB).
+LARGE = 48 << 20
+
+DATA_HOST = """
+import sys, threading
+from pathlib import Path
+from training.data_service.dataset import scan_images
+from training.data_service.server import ServerSettings, serve
+from training.trainers.config import AugmentConfig
+address, port, token, images = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+settings = ServerSettings(host="limits", bind_address=address, port=port, channel="train", batch_size=8, augment=AugmentConfig(32),
+                          shutdown_token=token, idle_timeout_s=120, start_deadline_s=120, workers=1)
+serve(settings, scan_images(Path(images), "train", "data_group"), 0, threading.Event())
+"""
+
+FAILURE_REPORTS = """
+import sys
+from training.data_service.control import FailureReports
+address, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with FailureReports(f"{address}:{port}", token):
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+@contextlib.contextmanager
+def server_process(script: str, address: str, *args: str) -> Iterator[tuple[str, psutil.Process]]:
+    port = free_port()
+    child = subprocess.Popen([sys.executable, "-c", script, address, str(port), TOKEN, *args], cwd=REPO, stdin=subprocess.PIPE)
+    target = f"{address}:{port}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            ready = grpc.channel_ready_future(channel)
+            give_up = time.monotonic() + 60
+            while not ready.done():
+                assert child.poll() is None and time.monotonic() < give_up, f"the server did not start (exit {child.poll()})"
+                time.sleep(0.1)
+        yield target, psutil.Process(child.pid)
+    finally:
+        child.stdin.close()
+        child.terminate()
+        child.wait(timeout=30)
+
+
+class PeakRss:
+    """The highest resident memory of a process while the block runs, sampled every 5 ms."""
+
+    def __init__(self, process: psutil.Process) -> None:
+        self.process, self.peak, self._stop = process, process.memory_info().rss, threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self) -> PeakRss:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        time.sleep(0.5)  # what the server still takes in after the caller's status
+        self._stop.set()
+        self._thread.join()
+
+
+def raw_call(channel: grpc.Channel, method: str, payload: bytes, metadata=None) -> grpc.StatusCode:
+    """Send ``payload`` as the request of ``method`` (no serializer: bytes as they are); the status."""
+    try:
+        channel.unary_unary(method, request_serializer=None, response_deserializer=None)(payload, timeout=30, metadata=metadata)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+# Each server: its script, its address, a method, and a normal request of that method.
+SERVERS = {
+    "data host": (DATA_HOST, "127.0.79.2", f"/{SERVICE}/Describe", b""),
+    "ReportFailure server": (FAILURE_REPORTS, "127.0.79.3", "/heterogeneous_training.data_service.JobControl/ReportFailure",
+                             pb.FailureReport(host="algo-1", reason="test").SerializeToString()),
+}
+
+
+@pytest.mark.parametrize("server", list(SERVERS))
+def test_unauthenticated_large_requests_are_refused_before_the_server_holds_them(server: str, images: Path) -> None:
+    script, address, method, ask = SERVERS[server]
+    with server_process(script, address, str(images)) as (target, process), grpc.insecure_channel(target) as channel:
+        assert raw_call(channel, method, ask, call_metadata(TOKEN)) == grpc.StatusCode.OK  # warmed up: threads, buffers
+        before = process.memory_info().rss
+        with PeakRss(process) as memory:
+            statuses = [raw_call(channel, method, bytes(LARGE), metadata) for metadata in (None, call_metadata("not-the-job-token-at-all"))]
+        assert set(statuses) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}, statuses
+        # 96 MiB were sent; the server took in at most what flow control let through before it refused.
+        grew = memory.peak - before
+        assert grew < LARGE // 4, f"{server} grew by {grew / 2**20:.0f} MiB receiving 2 × {LARGE >> 20} MiB unauthenticated"
+        # The job's token does not lift the limit; and a normal call still works.
+        assert raw_call(channel, method, bytes(MAX_REQUEST_BYTES + 1), call_metadata(TOKEN)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert raw_call(channel, method, ask, call_metadata(TOKEN)) == grpc.StatusCode.OK
+
+
+def test_the_request_limit_holds_every_request_our_clients_send() -> None:
+    largest = pb.FailureReport(host="x" * 255, reason="é" * 1024)  # report_failure cuts a reason at 1024 characters
+    assert 16 * largest.ByteSize() < MAX_REQUEST_BYTES
+    assert pb.StreamRequest(client_id="algo-64/rank7" * 20, batch_size=2**32 - 1, max_batches=2**64 - 1).ByteSize() < MAX_REQUEST_BYTES
+
+
+def test_the_reply_limit_holds_the_largest_describe() -> None:
+    info = pb.DatasetInfo(channel="train", classes=["c" * 255] * MAX_CLASSES, sample_shape=[3, 224, 224], host="algo-1")
+    assert info.ByteSize() < MAX_REPLY_BYTES
+
+
+@pytest.mark.parametrize(("batch_size", "image_size"), [(1, 1), (8, 32), (256, 224)])
+def test_a_streams_receive_limit_holds_its_largest_batch(batch_size: int, image_size: int) -> None:
+    """Every slot tagged twice (its sample, and a due one that did not decode), every count at its widest."""
+    spec = stream_spec(batch_size, pb.DatasetInfo(sample_shape=[3, image_size, image_size], classes=["a"] * MAX_CLASSES))
+    images = np.zeros(spec.image_shape, dtype=np.uint8)
+    labels = np.full(batch_size, 2**63 - 1, dtype=np.int64)
+    tags = np.full(2 * batch_size, 2**64 - 1, dtype=np.uint64)
+    payload = codec.encode_batch(images, labels, 2**32 - 1, tags, np.full(2 * batch_size, 2**32 - 1, dtype=np.uint32))
+    assert len(payload) <= spec.max_message_bytes < len(payload) + 2048
+    assert ("grpc.max_receive_message_length", spec.max_message_bytes) in stream_options(spec.max_message_bytes)
+
+
+def test_batches_no_grpc_message_can_carry_are_refused_by_name() -> None:
+    from training.data_service.control import DataServiceRefusedError
+
+    with pytest.raises(DataServiceRefusedError, match="more than one gRPC message can carry"):
+        stream_spec(4096, pb.DatasetInfo(sample_shape=[3, 512, 512]))
+    with pytest.raises(DataServiceRefusedError, match="describes samples of shape"):
+        stream_spec(8, pb.DatasetInfo(sample_shape=[3, -1, 32]))
+
+
+def test_a_trainer_streams_batches_larger_than_the_request_limit() -> None:
+    """The servers' small receive limit is theirs alone: a 256 × 3 × 64² batch is 3 MiB, 48 times it."""
+    from training.data_service.client import DataServiceDataset
+
+    stub_info = pb.DatasetInfo(classes=["a", "b"], sample_shape=[3, 64, 64], batch_size=256, host="big")
+    batch = codec.encode_batch(np.full((256, 3, 64, 64), 7, np.uint8), np.ones(256, np.int64))
+    assert len(batch) > 40 * MAX_REQUEST_BYTES
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    handlers = {
+        "Describe": grpc.unary_unary_rpc_method_handler(lambda request, context: stub_info, response_serializer=pb.DatasetInfo.SerializeToString),
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([batch] * 3 + [codec.end_of_stream("max_batches")])),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.79.4:0")
+    server.start()
+    try:
+        dataset = DataServiceDataset([f"127.0.79.4:{port}"], 256, TOKEN, "test")
+        received = list(dataset)
+    finally:
+        server.stop(0)
+    assert len(received) == 3 and tuple(received[0][0].shape) == (256, 3, 64, 64) and int(received[0][0][0, 0, 0, 0]) == 7
+    assert dataset.stats.lost_hosts == []
