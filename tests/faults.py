@@ -1,5 +1,6 @@
 """Fault injection into emulated clusters: signal a host's whole tree, its launcher, its torchrun or one of
-its trainers (optionally when a given log line appears), stop and continue a host, take a port.
+its trainers (optionally when a given log line appears), stop and continue a host, freeze a host's
+launcher (and all it started) under its first process, take a port.
 
     cluster, watcher = start(spec, tmp_path, images)
     faults = Faults(cluster, watcher)
@@ -64,7 +65,15 @@ class Faults:
         self.cluster.kill(host, sig)
 
     def signal_launcher(self, host: str, sig: signal.Signals) -> None:
+        """The host's first process (the container's PID 1, which passes SIGTERM and SIGINT on)."""
         self.cluster.kill_launcher(host, sig)
+
+    def freeze_launcher(self, host: str) -> None:
+        """SIGSTOP every process of the host but its first: a hung launcher and everything it started (a
+        deadlock, a process stuck in the kernel), the container's PID 1 still running. ``signal_host`` with
+        SIGSTOP freezes the first process too: a hung instance."""
+        first = self.cluster.pid(host)
+        send([pid for pid in self.cluster.host_pids(host) if pid != first], signal.SIGSTOP)
 
     def signal_torchrun(self, host: str, sig: signal.Signals) -> None:
         pids = self.pids(host, TORCHRUN)

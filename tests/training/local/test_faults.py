@@ -126,13 +126,94 @@ def test_a_data_host_that_cannot_serve_fails_the_job_at_once_with_its_reason(tmp
             result = cluster.wait()
         finally:
             cluster.close()
-    dnn = result.outcome("algo-2")
+    dnn, data = result.outcome("algo-2"), result.outcome("algo-1")
     report(f"data host with a {case} → DNN host failed", dnn.ended_at - started)
-    assert result.outcome("algo-1").exit_code not in (0, None)
+    # The data host exits once a DNN host heard its reason; from there, "at once" is a kill of the
+    # trainers, not torchrun's 30 s close of ranks blocked on the dead host, nor the launcher's 40 s grace.
+    report(f"data host with a {case}: reason heard → DNN host exited", dnn.ended_at - data.ended_at)
+    assert data.exit_code not in (0, None)
     assert reason in failure_of(cluster, "algo-1")
     assert dnn.exit_code == 1 and dnn.ended_at - started < 90
+    assert dnn.ended_at - data.ended_at < 20
     assert failure_of(cluster, "algo-2").startswith("data host algo-1 failed: ") and reason in failure_of(cluster, "algo-2")
     assert "Traceback" not in "\n".join(watcher.of("algo-1"))
+
+
+# Frozen processes: a rank, a data host's launcher, a torchrun after training -------------------------------
+
+
+@pytest.mark.cluster
+def test_a_frozen_rank_fails_its_host_with_trainer_stalled_and_every_host_exits(tmp_path: Path, images: Path) -> None:
+    """Rank 1 stopped (SIGSTOP): rank 0 waits in the next all-reduce for torch's 30-minute timeout, and the
+    data host is kept alive by the DNN launcher's keep-alives. The stall rule ends it all."""
+    cluster, watcher = start(
+        spec(data_hosts=1, steps=100_000), tmp_path, images, processes_per_host=2, trainer_stall_timeout_s=15, deadline_s=300,
+    )
+    faults = Faults(cluster, watcher)
+    try:
+        frozen_at = faults.when("algo-2", r"^step=5/", lambda: faults.signal_trainer("algo-2", signal.SIGSTOP, local_rank=1))
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    dnn = result.outcome("algo-2")
+    report("frozen rank → TrainerStalled, DNN host exited", dnn.ended_at - frozen_at)
+    report("frozen rank → every host exited", max(outcome.ended_at for outcome in result.outcomes) - frozen_at)
+    failure = failure_of(cluster, "algo-2")
+    assert dnn.exit_code == 1 and failure.startswith("TrainerStalled: no training step on algo-2 for "), failure
+    assert int(re.search(r"last step (\d+)", failure).group(1)) >= 5
+    assert result.outcome("algo-1").exit_code == 0  # told to shut down by the DNN host
+    assert any("stopping (shutdown)" in line for line in watcher.of("algo-1"))
+    assert not result.deadline_exceeded and result.orphans == []
+    assert dnn.ended_at - frozen_at < 120  # the 15 s bound and a kill, not torch's collective timeout
+
+
+@pytest.mark.cluster
+def test_a_frozen_data_host_is_ended_by_its_first_process_and_every_host_exits_after_training(tmp_path: Path, images: Path) -> None:
+    """A data host's launcher and all it started stopped (its first process alive): the trainers drop it
+    and finish with the other, but DNN node 0's shutdown cannot reach it; on SageMaker the job would stay
+    InProgress, billing every instance, until its deadline. Its first process ends it."""
+    cluster, watcher = start(
+        spec(data_hosts=2, steps=200, log_every=10), tmp_path, images, data_batch_timeout_s=8, launcher_heartbeat_timeout_s=10,
+        deadline_s=300,
+    )
+    faults = Faults(cluster, watcher)
+    try:
+        frozen_at = faults.when("algo-3", r"^step=10/", lambda: faults.freeze_launcher("algo-1"))
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    frozen = result.outcome("algo-1")
+    report("frozen data host → LauncherFrozen, its host exited", frozen.ended_at - frozen_at)
+    report("frozen data host → every host exited", max(outcome.ended_at for outcome in result.outcomes) - frozen_at)
+    failure = failure_of(cluster, "algo-1")
+    assert frozen.exit_code == 1 and failure.startswith("LauncherFrozen: the launcher on algo-1 sent no heartbeat for "), failure
+    assert "it was stopped" in failure
+    assert result.outcome("algo-3").exit_code == 0 and cluster.summary() is not None  # trained on with algo-2
+    assert result.outcome("algo-2").exit_code == 0
+    assert not result.deadline_exceeded and result.orphans == []
+
+
+@pytest.mark.cluster
+def test_a_torchrun_that_hangs_after_training_is_ended_and_its_host_exits_0(tmp_path: Path, images: Path) -> None:
+    """torchrun stopped (SIGSTOP) while its ranks train: they finish, save and exit, and torchrun never
+    does. Once the done marks are older than trainer_exit_timeout_s the launcher kills it: the work is
+    saved, so the host succeeds (SageMaker uploads the model of a completed job only)."""
+    cluster, watcher = start(spec(data_hosts=0, steps=40), tmp_path, images, processes_per_host=2, trainer_exit_timeout_s=5, deadline_s=300)
+    faults = Faults(cluster, watcher)
+    try:
+        faults.when("algo-1", r"^step=3/", lambda: faults.signal_torchrun("algo-1", signal.SIGSTOP))
+        finished_at = faults.when("algo-1", r"^step=40/", lambda: None)
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    outcome = result.outcome("algo-1")
+    report("torchrun hung after training → host exited 0", outcome.ended_at - finished_at)
+    assert outcome.exit_code == 0, result.report()
+    assert failure_of(cluster, "algo-1") == ""
+    tree = cluster.host("algo-1").base_dir
+    assert (tree / "model" / "model.pt").stat().st_size > 0 and cluster.summary().get("status") != "stopped"
+    assert any("TrainerExitTimeout" in line for line in watcher.of("algo-1"))
+    assert not result.deadline_exceeded
 
 
 # SIGTERM: StopTrainingJob or a spot interruption ----------------------------------------------------------
