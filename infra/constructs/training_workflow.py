@@ -14,7 +14,7 @@ transient, cleanup on what fails, and a failure recorded in results/ either way.
           no polls left ─▶ Run timed out ▶ Stop job ▶ await a terminal status (≤ 12 polls) ▶ Record failure
                            ▶ Fail "RunFailed"
           otherwise ▶ Count down ▶ Wait
-        any error while collecting or relaunching ▶ Stop job (retried; still failing: recorded) ▶ Record
+        collect retries anything transient (COLLECT_RETRY); what still fails, and any error relaunching ▶ Stop job (retried; still failing: recorded) ▶ Record
         failure ▶ Fail
     A failing poll never stops a job: only the run's deadlines do, the runtime's counted from the job's
     training start (polls while it starts count against the start window instead).
@@ -32,7 +32,16 @@ from constructs import Construct
 
 from infra.constructs.functions import TrainingRunFunctions, retention, training_jobs_resource
 from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
-from lambdas.core.deadlines import DECIDE_RELAUNCH_RETRY, POLL_RETRY, STOP_POLL_RETRY, STOP_POLLS, STOP_RETRY, RetrySchedule
+from lambdas.core.deadlines import (
+    COLLECT_FINAL_ERRORS,
+    COLLECT_RETRY,
+    DECIDE_RELAUNCH_RETRY,
+    POLL_RETRY,
+    STOP_POLL_RETRY,
+    STOP_POLLS,
+    STOP_RETRY,
+    RetrySchedule,
+)
 from lambdas.core.deadlines import LAUNCH_RETRIES as LAUNCH_RETRY_SCHEDULE
 
 SPEC = sfn.JsonPath.object_at("$$.Execution.Input")
@@ -118,6 +127,9 @@ class TrainingWorkflow(Construct):
             "Record launch failure", functions.collect,
             {"spec": SPEC, "execution_arn": EXECUTION_ARN, "failure": sfn.JsonPath.object_at("$.error")}, None,
         )
+        for record in (record_failure, record_launch_failure):  # a failure unrecorded is a run with no result at all
+            record.add_retry(errors=list(COLLECT_FINAL_ERRORS), max_attempts=0)
+            record.add_retry(**retrier(COLLECT_RETRY))
         invalid = sfn.Fail(self, "InvalidJobSpec", error="InvalidJobSpec", cause_path="$.error.Cause")
         validate.add_catch(invalid, errors=["JobSpecError"], result_path="$.error")
         launch.add_catch(record_launch_failure.next(sfn.Fail(self, "LaunchFailed", error="LaunchFailed", cause_path="$.error.Cause")),
@@ -149,6 +161,10 @@ class TrainingWorkflow(Construct):
         # The original error stays in $.error.
         stop.add_catch(record_failure, result_path="$.stop_error")
         for state in (collect, collect_failed):
+            # A collect retries what may pass (see COLLECT_RETRY) before the Catch writes the run off;
+            # the final errors first, matched and not retried (MaxAttempts 0).
+            state.add_retry(errors=list(COLLECT_FINAL_ERRORS), max_attempts=0)
+            state.add_retry(**retrier(COLLECT_RETRY))
             state.add_catch(cleanup, result_path="$.error")
 
         count_down = sfn.Pass(

@@ -45,6 +45,12 @@ POLL_RETRY = RetrySchedule(("States.ALL",), 5, 3, max_delay_s=60)
 STOP_RETRY = RetrySchedule(("States.ALL",), 2, 4, max_delay_s=30)
 STOP_POLL_RETRY = RetrySchedule(("States.ALL",), 5, 2)
 DECIDE_RELAUNCH_RETRY = RetrySchedule(("States.ALL",), 5, 3, max_delay_s=60)
+# Collecting a finished job's result is retried on anything but the two errors no retry can mend (another
+# run's result at our key; a spec that cannot be read): a throttled Describe, an S3 5xx past botocore's own
+# retries, a dropped connection or the function's timeout must not turn a paid run into a write-once
+# "Failed" result. Four and a half minutes of waits in all.
+COLLECT_FINAL_ERRORS = ("ResultExistsError", "JobSpecError")
+COLLECT_RETRY = RetrySchedule(("States.ALL",), 10, 5, max_delay_s=120)
 # After stopping a job: up to STOP_POLLS checks, a poll interval apart, for a terminal status (SageMaker
 # gives the container 120 s after SIGTERM, then uploads its outputs: 12 minutes at the default 60 s).
 STOP_POLLS = 12
@@ -95,12 +101,13 @@ def worst_case_run_s(
     """The longest a run can take end to end, every retry of every state taken to its last attempt: every
     poll of both budgets (plus, per launch, the poll that finds its job failed) with its retries, every
     relaunch's decision and backoff, every launch's retries, validation, the stop and the wait for the
-    stopped job, and the collect."""
+    stopped job, and the collect with its retries followed by the failure's record with its own."""
     interval, polls, start_polls = poll_plan(max_runtime_s, grace_s, poll_interval_s, start_timeout_s)
     poll_s = interval + CALL_S * POLL_RETRY.attempts + POLL_RETRY.longest_wait_s() + CALL_S
     polling = (polls + start_polls + 1 + relaunches) * poll_s
     deciding = relaunches * (lambda_task_s(1 + DECIDE_RELAUNCH_RETRY.attempts) + DECIDE_RELAUNCH_RETRY.longest_wait_s())
     stopping = (lambda_task_s(1 + STOP_RETRY.attempts) + STOP_RETRY.longest_wait_s()
                 + (STOP_POLLS + 1) * (poll_interval_s + CALL_S * (1 + STOP_POLL_RETRY.attempts) + STOP_POLL_RETRY.longest_wait_s()))
+    collecting = lambda_task_s(1 + COLLECT_RETRY.attempts) + COLLECT_RETRY.longest_wait_s()
     return (lambda_task_s() + polling + deciding + sum(relaunch_backoffs_s(first_backoff_s, relaunches))
-            + launch_retry_s() * (1 + relaunches) + stopping + lambda_task_s())
+            + launch_retry_s() * (1 + relaunches) + stopping + 2 * collecting)

@@ -60,8 +60,11 @@ MAX_GROUPS = 5  # SageMaker's limit on ResourceConfig.InstanceGroups
 MAX_INSTANCES_PER_GROUP = 20
 MAX_RUNTIME_S = 5 * 24 * 3600  # SageMaker's MaxRuntimeInSeconds limit for training jobs
 # Every pattern is matched against the whole value (fullmatch: "$" would let a trailing newline through).
-# Run names: SageMaker's TrainingJobName pattern, ≤ 40 characters (the job name adds prefix and suffix).
-RUN_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}")
+# Run names: SageMaker's TrainingJobName pattern, at most MAX_RUN_NAME characters in all, hyphens included
+# (the job name adds a prefix of ≤ 10 and a suffix of 11: 10 + 1 + 40 + 11 = 62 ≤ 63, so no run name is
+# ever cut and every job name keeps its per-execution hash).
+RUN_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9])*")
+MAX_RUN_NAME = 40
 # Group names: SageMaker takes any 1–64 characters; the platform keeps them to ones a path and a log
 # stream can carry.
 GROUP_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -195,11 +198,11 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if unknown:
         raise JobSpecError(unknown[0], f"unknown field; a version {SPEC_VERSION} spec has {sorted(KNOWN_FIELDS)}")
     version = raw.get("spec_version", SPEC_VERSION)
-    if version != SPEC_VERSION:
+    if isinstance(version, bool) or version != SPEC_VERSION:  # True == 1 in Python; not in a spec
         raise JobSpecError("spec_version", f"version {version!r} is not supported; use {SPEC_VERSION}")
     run_name = _string(raw, "run_name")
-    if not RUN_NAME.fullmatch(run_name):
-        raise JobSpecError("run_name", f"{run_name!r} must be 1–40 letters, digits or hyphens, starting with a letter or digit")
+    if len(run_name) > MAX_RUN_NAME or not RUN_NAME.fullmatch(run_name):
+        raise JobSpecError("run_name", f"{run_name!r} must be 1–{MAX_RUN_NAME} letters, digits or hyphens, starting with a letter or digit")
     groups = _groups(raw.get("instance_groups"))
     resume_from = _resume_from(raw.get("resume_from", ""))
     return JobSpec(

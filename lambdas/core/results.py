@@ -8,6 +8,7 @@ source and date, and the start-up: how long billed time ran before training's fi
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import tarfile
@@ -22,6 +23,10 @@ SUMMARY_NAME = "summary.json"
 MAX_SUMMARY_BYTES = 1 << 20
 # The collect function reads the job's output.tar.gz into its memory: a larger one is not read at all.
 MAX_ARCHIVE_BYTES = 64 << 20
+# ... and inflates at most this much of it looking for the summary (gzip inflates ~150 MB/s in a Lambda:
+# about 3.5 s, well inside the function's timeout). 64 MiB of zeros inflate to tens of GiB: minutes that
+# would time the function out and lose the result.
+MAX_INFLATED_BYTES = 512 << 20
 
 
 class ResultExistsError(RuntimeError):
@@ -37,8 +42,9 @@ def summary_from_output_archive(archive: bytes) -> dict[str, Any] | None:
     merged), or None when the job wrote none. Raises SummaryUnreadable for an archive or a summary that
     cannot be read."""
     try:
-        # Member by member (getmembers would decompress the whole archive first), to the first summary.
-        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        # As a stream, member by member, to the first summary, inflating no more than MAX_INFLATED_BYTES.
+        inflated = _Bounded(gzip.GzipFile(fileobj=io.BytesIO(archive)), MAX_INFLATED_BYTES)
+        with tarfile.open(fileobj=inflated, mode="r|") as tar:
             for member in tar:
                 if member.isfile() and member.name.rsplit("/", 1)[-1] == SUMMARY_NAME:
                     if member.size > MAX_SUMMARY_BYTES:
@@ -51,6 +57,24 @@ def summary_from_output_archive(archive: bytes) -> dict[str, Any] | None:
     except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SummaryUnreadable(f"output.tar.gz cannot be read: {type(error).__name__}: {error}") from None
     return None
+
+
+class _Bounded(io.RawIOBase):
+    """A read-only stream that refuses (SummaryUnreadable) to give more than ``limit`` bytes of ``inner``."""
+
+    def __init__(self, inner: Any, limit: int) -> None:
+        self._inner, self._left, self._limit = inner, limit, limit
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._inner.read(self._left + 1 if size is None or size < 0 else min(size, self._left + 1))
+        self._left -= len(data)
+        if self._left < 0:
+            raise SummaryUnreadable(f"output.tar.gz inflates to more than {self._limit} bytes before its {SUMMARY_NAME}; "
+                                    "the platform reads no further")
+        return data
 
 
 def read_summary(describe: Mapping[str, Any], size_of: Callable[[str, str], int | None],

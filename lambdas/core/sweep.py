@@ -26,6 +26,7 @@ per step among those that succeeded within the step-time target.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 
 from lambdas.core.catalog import instance_type
 from lambdas.core.job_spec import (
+    MAX_RUN_NAME,
     NO_POLICY,
     JobSpecError,
     SpecPolicy,
@@ -83,7 +85,9 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
     dnn = [group for group in spec.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "dnn"]
     if len(dnn) != 1:
         raise SweepSpecError("base.instance_groups", "needs exactly one group with role 'dnn' to build configurations from")
-    spec["run_name"] = f"{spec.get('run_name', 'sweep')}-d{count}"[:40]
+    # The base name is cut, never the size: "<40 characters>-d1" and "-d2" cut to 40 would be one name.
+    suffix = f"-d{count}"
+    spec["run_name"] = str(spec.get("run_name", "sweep"))[:MAX_RUN_NAME - len(suffix)].rstrip("-") + suffix
     if count == 0:
         # The DNN group reads the channels itself, and its ranks need every file: a sharded channel is
         # replicated in this configuration (job_spec refuses a DNN group reading a sharded one).
@@ -108,12 +112,12 @@ def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
     if not isinstance(name, str) or not SWEEP_NAME.fullmatch(name):
         raise SweepSpecError("sweep_name", f"{name!r} must be 1–32 letters, digits or hyphens")
     target = raw.get("step_time_target_ms")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or target <= 0):
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target) or target <= 0):
         raise SweepSpecError("step_time_target_ms", f"must be a positive number of milliseconds, got {target!r}")
     if ("configurations" in raw) == ("base" in raw):
         raise SweepSpecError("configurations", "give either 'configurations' (job specs) or 'base' with 'data_hosts', not both or neither")
-    specs = list(raw["configurations"]) if "configurations" in raw else _generated(raw)
-    specs += list(raw.get("extra", []))
+    specs = _spec_list(raw, "configurations") if "configurations" in raw else _generated(raw)
+    specs += _spec_list(raw, "extra") if "extra" in raw else []
     if not 1 <= len(specs) <= MAX_CONFIGURATIONS:
         raise SweepSpecError("configurations", f"a sweep runs 1–{MAX_CONFIGURATIONS} configurations, got {len(specs)}")
     validated = []
@@ -128,6 +132,14 @@ def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
     if duplicates:
         raise SweepSpecError("configurations", f"run names must differ within a sweep: {duplicates} appear twice")
     return SweepPlan(name, tuple(specs), float(target) if target is not None else None)
+
+
+def _spec_list(raw: Mapping[str, Any], key: str) -> list[Any]:
+    """``raw[key]``, which must be a list (of job specs, each validated after)."""
+    value = raw[key]
+    if not isinstance(value, list):
+        raise SweepSpecError(key, f"must be a list of job specs, got {type(value).__name__}")
+    return list(value)
 
 
 def _check_total_cost(own_ceiling: Any, specs: Sequence[Any], policy: SpecPolicy) -> None:

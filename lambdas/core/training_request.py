@@ -82,8 +82,9 @@ def settings_from_environment(environ: Mapping[str, str]) -> LaunchSettings:
 
 def job_name(prefix: str, run_name: str, suffix: str) -> str:
     """``<platform prefix>-<run name>-<suffix>``, unique per execution. The prefix lets IAM scope the
-    platform's SageMaker permissions to its own jobs; run names are ≤ 40 characters, leaving room."""
-    name = f"{prefix}-{run_name}-{suffix}"[:63].rstrip("-")
+    platform's SageMaker permissions to its own jobs; run names are ≤ 40 characters, leaving room. The
+    name is never cut: a cut suffix (the execution's hash) would let two executions share one job."""
+    name = f"{prefix}-{run_name}-{suffix}"
     if problem := limit("TrainingJobName").problem(name):
         raise RequestError(f"{name!r} is not a valid training job name: {problem}")
     return name

@@ -19,7 +19,10 @@ launch (``previous``) and the reason: after a backoff it creates the next attemp
 (``attempts``, which result.json keeps).
 
 Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable. A run name
-whose job is running already is refused (RunNameInUse) before anything is created.
+whose job is running already is refused (RunNameInUse) before anything is created, and so is a run whose
+checkpoint prefix holds checkpoints already (CheckpointsExist). A job is adopted only when its
+execution_arn tag is this execution's (a retried launch); another execution's job of the same name is
+refused (JobNameTaken).
 """
 
 from __future__ import annotations
@@ -72,6 +75,16 @@ class NothingToResume(RuntimeError):
     """The spec resumes a run that left no checkpoints: it would silently train from scratch."""
 
 
+class JobNameTaken(RuntimeError):
+    """A job of this launch's name exists but belongs to another execution (its execution_arn tag says so):
+    adopting it would poll, stop and collect another run's job. Nothing is created."""
+
+
+class CheckpointsExist(RuntimeError):
+    """The run's own checkpoint prefix holds checkpoints already (written by someone other than this run):
+    its job would resume their last step instead of training from the start. Nothing is launched."""
+
+
 class RunNameInUse(RuntimeError):
     """Another execution's job of the same run name is running: two runs of one name at once would
     compete for the same results and, resuming, the same checkpoints."""
@@ -118,6 +131,16 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
         raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")
     sagemaker = client("sagemaker")
+    adopted = _own_job(sagemaker, name, event["execution_arn"])
+    if adopted:  # a retried launch (the Lambda's answer was lost): its job was created, and may have checkpointed since
+        logger.info("job already launched by an earlier attempt", extra={"job_name": name})
+        return {"job_name": name} | plan
+    # Only this run's jobs write under checkpoints/<run id>/: anything there now (a direct launcher's
+    # upload, an earlier execution of this name) would be resumed as if this run had trained it. A
+    # capacity relaunch follows a job that never started, which wrote none.
+    if _has_checkpoints(checkpoint_uri(settings, run)):
+        raise CheckpointsExist(f"{checkpoint_uri(settings, run)} holds checkpoints this run did not write: start the run under another "
+                               "name, or name their run in resume_from to continue it")
     try:
         others = running_jobs_of(sagemaker, prefix, spec.run_name) - {name}
         if others:
@@ -127,9 +150,11 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     except ClientError as error:
         code = error.response["Error"]["Code"]
         message = error.response["Error"].get("Message", "")
-        if code == "ResourceInUse" and _exists(sagemaker, name):
+        if code == "ResourceInUse" and _own_job(sagemaker, name, event["execution_arn"]):  # created by a retry botocore made
             logger.info("job already launched by an earlier attempt", extra={"job_name": name})
             return {"job_name": name} | plan
+        if code == "ResourceInUse":
+            raise JobNameTaken(f"training job {name} exists and is not this execution's: nothing was created") from None
         raise _named(code, message) from None
     logger.info("launched", extra={"job_name": name, "attempt": plan["attempt"], "instance_groups": [g.name for g in spec.instance_groups]})
     stop_if_execution_ended(sagemaker, event["execution_arn"], name)
@@ -209,9 +234,14 @@ def running_jobs_of(sagemaker: Any, prefix: str, run_name: str) -> set[str]:
     return {name for name in recent_running_jobs(sagemaker, stem) if len(name) == len(stem) + 10}
 
 
-def _exists(sagemaker: Any, name: str) -> bool:
+def _own_job(sagemaker: Any, name: str, execution_arn: str) -> bool:
+    """Whether job ``name`` exists and was launched by this execution (its execution_arn tag). A job of
+    another execution's is never adopted, whatever its name."""
     try:
-        sagemaker.describe_training_job(TrainingJobName=name)
-        return True
-    except ClientError:
-        return False
+        arn = sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobArn"]
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("ValidationException", "ResourceNotFound"):  # SageMaker's "not found"
+            return False
+        raise _named(error.response["Error"]["Code"], error.response["Error"].get("Message", "")) from None
+    tags = {tag["Key"]: tag["Value"] for tag in sagemaker.list_tags(ResourceArn=arn, MaxResults=100).get("Tags", [])}
+    return tags.get(EXECUTION_TAG) == execution_arn

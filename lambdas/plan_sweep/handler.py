@@ -25,10 +25,13 @@ MAX_SWEEP_ID = 77
 @logger.inject_lambda_context
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     plan = plan_sweep(event["input"], SpecPolicy.from_environment(os.environ)).to_json()
-    sweep_id = event["execution_name"][:MAX_SWEEP_ID]
-    if not RUN_ID.fullmatch(sweep_id):
+    sweep_id = event["execution_name"]
+    # Never cut: two sweeps whose names share their first 77 characters would share configurations'
+    # executions and benchmarks/<sweep id>/.
+    if not RUN_ID.fullmatch(sweep_id) or len(sweep_id) > MAX_SWEEP_ID:
         raise SweepSpecError("execution_name", f"{sweep_id!r}: each configuration runs as <execution name>-<index>, which must be "
-                                               "letters, digits, '-' and '_': start the sweep under such a name")
+                                               f"letters, digits, '-' and '_', at most {MAX_SWEEP_ID + 3} in all: start the sweep "
+                                               f"under such a name (≤ {MAX_SWEEP_ID} characters)")
     for configuration in plan["configurations"]:
         configuration["execution_name"] = f"{sweep_id}-{configuration['index']}"
     logger.info("sweep planned", extra={"sweep_id": sweep_id, "configurations": [c["name"] for c in plan["configurations"]]})

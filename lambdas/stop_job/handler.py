@@ -18,6 +18,7 @@ from botocore.exceptions import ClientError
 
 from lambdas.clients import client
 from lambdas.core.execution import job_name_for_execution
+from lambdas.core.job_spec import validate_job_spec
 
 logger = Logger(service="stop-job")
 RUNNING = {"InProgress"}
@@ -29,9 +30,13 @@ def job_names_from_event(event: dict[str, Any]) -> list[str]:
         return [event["job_name"]]
     detail = event.get("detail", {})
     try:
-        run_name = json.loads(detail.get("input") or "{}")["run_name"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return []  # an input that never validated launched nothing
+        # ValueError: bad JSON, or an integer past Python's 4,300 digits
+        spec = validate_job_spec(json.loads(detail.get("input") or "{}"))
+    except (ValueError, TypeError, RecursionError):
+        # A spec the validator refuses (the run failed InvalidJobSpec) launched nothing: no job to look
+        # for, and no error either (a failed stop raises the "a job may be billing" alarm).
+        return []
+    run_name = spec.run_name
     attempts = 1 + int(os.environ.get("CAPACITY_RELAUNCHES", "0"))
     prefix = os.environ["JOB_NAME_PREFIX"]
     return [job_name_for_execution(prefix, run_name, detail["executionArn"], detail["startDate"], attempt) for attempt in range(attempts)]

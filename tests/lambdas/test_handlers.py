@@ -18,7 +18,15 @@ from lambdas.core.execution import job_name_for_execution
 from lambdas.core.job_spec import JobSpecError
 from lambdas.core.results import ResultExistsError
 from lambdas.core.sweep import SweepSpecError
-from lambdas.launch_job.handler import CapacityUnavailable, LaunchThrottled, RunIdTaken, RunIdUnsupported, RunNameInUse
+from lambdas.launch_job.handler import (
+    CapacityUnavailable,
+    CheckpointsExist,
+    JobNameTaken,
+    LaunchThrottled,
+    RunIdTaken,
+    RunIdUnsupported,
+    RunNameInUse,
+)
 from lambdas.launch_job.handler import handler as launch
 from lambdas.plan_sweep.handler import handler as plan_sweep
 from lambdas.stop_job.handler import handler as stop
@@ -146,6 +154,8 @@ def test_an_execution_name_no_sagemaker_tag_can_hold_is_refused_before_anything_
 @pytest.mark.parametrize(("code", "error"), [("ThrottlingException", LaunchThrottled), ("ResourceLimitExceeded", CapacityUnavailable)])
 def test_launch_names_the_errors_the_state_machine_retries(aws, context, code: str, error: type) -> None:
     with Stubber(client("sagemaker")) as stubber:
+        # SageMaker's answer for a job that does not exist (no earlier attempt created it)
+        stubber.add_client_error("describe_training_job", service_error_code="ValidationException", service_message="Requested resource not found.")
         stubber.add_response("list_training_jobs", {"TrainingJobSummaries": []})
         stubber.add_client_error("create_training_job", service_error_code=code, service_message="slow down")
         with pytest.raises(error, match="slow down"):
@@ -183,7 +193,7 @@ def test_collect_writes_the_result_once(aws, context) -> None:
 @pytest.mark.parametrize(
     ("archive", "reason"),
     [
-        (b"not a gzip archive", "SummaryUnreadable: output.tar.gz cannot be read: ReadError"),
+        (b"not a gzip archive", "SummaryUnreadable: output.tar.gz cannot be read: BadGzipFile"),
         (output_archive({"timed_steps": 0, "start_step": 60, "steps": 60, "step_time_ms": None}), "NoStepsTimed: the job trained no step"),
         (None, "NoSummary: the job completed without writing summary.json"),
     ],
@@ -314,3 +324,58 @@ def test_a_failed_job_is_relaunched_only_for_capacity_with_relaunches_and_start_
     assert decide(None) == {"relaunch": False, "reason": ""}
     assert decide(capacity, relaunches_left=0)["relaunch"] is False
     assert decide(capacity, polls={"left": 75, "start_left": 0})["relaunch"] is False  # it would be stopped unstarted
+
+
+def test_a_job_of_the_launchs_name_from_another_execution_is_never_adopted(aws, context) -> None:
+    """Adopting a job by its name alone let two executions share one job (one polled, stopped and
+    collected the other's): only a job tagged with the launch's own execution is its retry's."""
+    event = {"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}
+    name = job_name_for_execution("hetero", "vision-hetero", EXECUTION, STARTED)
+    other = "arn:aws:states:us-east-1:123456789012:execution:training-run:someone-else"
+    aws.sagemaker.create_training_job(
+        TrainingJobName=name, AlgorithmSpecification={"TrainingImage": "x", "TrainingInputMode": "File"},
+        RoleArn=f"arn:aws:iam::{ACCOUNT}:role/x", OutputDataConfig={"S3OutputPath": f"s3://{RESULTS_BUCKET}/artifacts/"},
+        ResourceConfig={"InstanceType": "ml.m5.large", "InstanceCount": 1, "VolumeSizeInGB": 1},
+        StoppingCondition={"MaxRuntimeInSeconds": 60}, Tags=[{"Key": "execution_arn", "Value": other}],
+    )
+    aws.training_job(name).training_job_status = "Failed"
+    with pytest.raises(JobNameTaken, match=f"training job {name} exists and is not this execution's"):
+        launch(event, context)
+    assert aws.training_jobs() == [name] and aws.training_job(name).training_job_status == "Failed"
+
+
+def test_a_run_whose_own_checkpoint_prefix_is_not_empty_is_refused_before_launch(aws, context) -> None:
+    """Checkpoints seeded under checkpoints/<run id>/ (by a direct launcher, or an earlier execution of the
+    name) would be resumed as if this run had trained them."""
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key="checkpoints/run-0001/step-100.pt", Body=b"forged")
+    with pytest.raises(CheckpointsExist, match="checkpoints/run-0001/ holds checkpoints this run did not write"):
+        launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
+    assert aws.s3.list_objects_v2(Bucket=RESULTS_BUCKET, Prefix="control/").get("KeyCount", 0) == 0  # no token either
+
+
+def test_a_retried_launch_adopts_its_own_job_even_after_it_checkpointed(aws, context) -> None:
+    event = {"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}
+    first = launch(event, context)
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key="checkpoints/run-0001/step-10.pt", Body=b"the job's own")
+    assert launch(event, context) == first and aws.training_jobs() == [first["job_name"]]
+
+
+@pytest.mark.parametrize("run_name", ["team-a--vision--hetero--c5-9xl--p3-2xl--2026-12-01--run-1", "a" + "-" * 40 + "b"])
+def test_a_run_name_past_forty_characters_is_refused_however_many_hyphens(aws, context, run_name) -> None:
+    with pytest.raises(JobSpecError, match="run_name"):
+        launch({"spec": spec() | {"run_name": run_name}, "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
+
+
+@pytest.mark.parametrize("bad_input", [
+    json.dumps(spec() | {"run_name": "bad name!"}),
+    '{"run_name": ' + "9" * 4300 + "}",  # past Python's 4,300-digit int limit: ValueError, not JSONDecodeError
+    json.dumps(spec() | {"run_name": 12345}),
+    json.dumps([1, 2]),
+])
+def test_stop_of_an_execution_refused_for_its_spec_looks_for_nothing_and_does_not_fail(aws, context, bad_input) -> None:
+    """The abort rule also fires for executions that failed InvalidJobSpec: a stop that threw there would,
+    after Lambda's retries, raise the 'a job may be billing' alarm for a run that launched nothing."""
+    event = {"detail": {"executionArn": EXECUTION, "status": "FAILED", "input": bad_input, "startDate": 1796040000000}}
+    assert stop(event, context) == {"job_name": None, "stopped": False, "status": "NotStarted"}

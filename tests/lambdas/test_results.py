@@ -1,10 +1,16 @@
-"""result.json's start-up figures, from DescribeTrainingJob's shape and the trainer's summary."""
+"""result.json's figures: start-up times from DescribeTrainingJob's shape and the trainer's summary; the bounded read of the summary."""
 
 from __future__ import annotations
 
+import io
+import json
+import tarfile
 from datetime import UTC, datetime, timedelta
 
-from lambdas.core.results import startup_times
+import pytest
+
+from lambdas.core import results
+from lambdas.core.results import SummaryUnreadable, startup_times, summary_from_output_archive
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 
@@ -42,3 +48,21 @@ def test_a_fastfile_job_has_no_download_and_a_job_without_billing_start_keeps_th
     assert startup_times({}, None)["container_to_first_batch_s"] is None
     assert startup_times(fastfile, {"first_batch_at": True, "time_to_first_batch_s": "12"}) == {
         "billed_to_first_batch_s": None, "downloading_s": None, "billed_before_container_s": None, "container_to_first_batch_s": None}
+
+
+def test_an_archive_that_inflates_past_the_bound_is_refused_without_inflating_it_all(monkeypatch) -> None:
+    """64 MiB of gzip can inflate to tens of GiB (26.9 s per 4 GiB): read on, the collect would time out
+    and the run's result be lost. Past MAX_INFLATED_BYTES before the summary, it is SummaryUnreadable."""
+    monkeypatch.setattr(results, "MAX_INFLATED_BYTES", 1 << 20)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in (("data/zeros.bin", bytes(4 << 20)), ("data/summary.json", json.dumps({"timed_steps": 1}).encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    archive = buffer.getvalue()
+    assert len(archive) < 64 << 10  # small on S3, large inflated
+    with pytest.raises(SummaryUnreadable, match="inflates to more than 1048576 bytes"):
+        summary_from_output_archive(archive)
+    monkeypatch.setattr(results, "MAX_INFLATED_BYTES", 8 << 20)  # within the bound, the summary is found
+    assert summary_from_output_archive(archive) == {"timed_steps": 1}

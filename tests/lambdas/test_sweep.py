@@ -57,6 +57,14 @@ BAD: list[tuple[str, Any, str]] = [
     ("too many", {"sweep_name": "s", "base": TF, "data_hosts": list(range(17))}, "configurations"),
     ("negative sweep ceiling", {"sweep_name": "s", "configurations": [TF], "max_cost_usd": -5}, "max_cost_usd"),
     ("infinite sweep ceiling", {"sweep_name": "s", "configurations": [TF], "max_cost_usd": float("inf")}, "max_cost_usd"),
+    ("configurations a number", {"sweep_name": "s", "configurations": 5}, "configurations"),
+    ("configurations null", {"sweep_name": "s", "configurations": None}, "configurations"),
+    ("configurations a string", {"sweep_name": "s", "configurations": "TF"}, "configurations"),
+    ("extra a number", {"sweep_name": "s", "configurations": [TF], "extra": 5}, "extra"),
+    ("extra null", {"sweep_name": "s", "base": TF, "data_hosts": [0], "extra": None}, "extra"),
+    ("NaN target", {"sweep_name": "s", "configurations": [TF], "step_time_target_ms": float("nan")}, "step_time_target_ms"),
+    ("infinite target", {"sweep_name": "s", "configurations": [TF], "step_time_target_ms": float("inf")}, "step_time_target_ms"),
+    ("spec_version true", {"sweep_name": "s", "configurations": [TF | {"spec_version": True}]}, "configurations[0].spec_version"),
 ]
 
 
@@ -167,3 +175,9 @@ def test_the_report_shows_each_configurations_billed_time_to_first_batch() -> No
     assert [row["first_batch_s"] for row in report["configurations"]] == [212.5, None, None]  # one measure, or none
     markdown = render_markdown(report, "t")
     assert "| first batch (s) |" in markdown and "| 192.0 | 212.5 |" in markdown and "| 86.0 | – |" in markdown
+
+
+def test_a_long_base_run_name_is_cut_before_its_size_so_configurations_keep_distinct_names() -> None:
+    plan = plan_sweep({"sweep_name": "s", "base": TF | {"run_name": "r" * 40}, "data_hosts": [0, 1, 12]})
+    names = [spec["run_name"] for spec in plan.configurations]
+    assert names == ["r" * 37 + "-d0", "r" * 37 + "-d1", "r" * 36 + "-d12"] and all(len(name) == 40 for name in names)

@@ -96,6 +96,9 @@ def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:
     assert routes == {"train": ["data_group", "dnn_group"], "platform": ["data_group", "dnn_group"], "resume": ["dnn_group"]}
     assert request["TrainingJobName"] == "hetero-vision-hetero-ab12cd34ef"
     assert len(job_name("platform10", "a" * 40, "x" * 10)) == 62
+    # Never cut: cut, the suffix (the execution's hash) would go, and two executions share one job.
+    with pytest.raises(RequestError, match="not a valid training job name"):
+        job_name("platform10", "a" * 42, "x" * 10)
     with pytest.raises(RequestError):
         job_name("hetero", "run", "bad_suffix")
 

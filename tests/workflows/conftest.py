@@ -73,6 +73,8 @@ class Scenario:
     archive: bytes | None = None
     # DescribeTrainingJob answers ThrottlingException this many times before it answers again.
     throttle_describes: int = 0
+    # ... this many times once it has reported the job Completed (the collect's Describe).
+    throttle_describes_when_done: int = 0
     # The stop function fails (as a Lambda whose code raises) every time it is invoked.
     stop_fails: bool = False
     # Seconds a job spends starting (SecondaryStatus Starting) before it trains; None: it never starts.
@@ -254,8 +256,9 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     def script_job(job_name: str) -> None:
         scenario: Scenario = state["scenario"]
         job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
-        if job.training_job_status == "InProgress":
-            return  # a retried launch that found its job: it is scripted already
+        if job_name in state.setdefault("scripted", set()):
+            return  # an adopted job (a retried launch found it): it keeps whatever state it is in, as on SageMaker
+        state["scripted"].add(job_name)
         job.training_job_status, job.secondary_status = "InProgress", "Starting"
         state["launched"] = state.get("launched", 0) + 1
         if state["launched"] <= scenario.capacity_failures:
@@ -310,7 +313,13 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
             state["describe_throttles_left"] -= 1
             state["describes_throttled"] = state.get("describes_throttled", 0) + 1
             raise JsonRESTError("ThrottlingException", "Rate exceeded")
-        return original_describe(self, *args, **kwargs)
+        if state.get("seen_done") and state["done_throttles_left"] > 0:
+            state["done_throttles_left"] -= 1
+            state["describes_throttled"] = state.get("describes_throttled", 0) + 1
+            raise JsonRESTError("ThrottlingException", "Rate exceeded")
+        job = original_describe(self, *args, **kwargs)
+        state["seen_done"] = state.get("seen_done") or job.get("TrainingJobStatus") == "Completed"
+        return job
 
     monkeypatch.setattr(SageMakerModelBackend, "describe_training_job", describe_training_job)
     monkeypatch.setattr(LambdaSimpleBackend, "invoke", invoke)
@@ -321,6 +330,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         def make(scenario: Scenario) -> Harness:
             state["scenario"], state["throttles_left"] = scenario, scenario.throttle_first_launches
             state["describe_throttles_left"] = scenario.throttle_describes
+            state["done_throttles_left"] = scenario.throttle_describes_when_done
             harness = Harness(platform, scenario)
             harness.faults = state
             return harness

@@ -242,3 +242,43 @@ def _outside_job(template) -> dict:
             "RoleArn": template.role_arn, "OutputDataConfig": template.output_data_config,
             "ResourceConfig": {"InstanceType": "ml.c5.xlarge", "InstanceCount": 1, "VolumeSizeInGB": 10},
             "StoppingCondition": {"MaxRuntimeInSeconds": 3600}}
+
+
+def test_a_completed_runs_result_survives_a_throttled_collect(run) -> None:
+    """DescribeTrainingJob throttled past botocore's five attempts once the job completed: the collect is
+    retried by the state machine, and the paid run's result is Completed, not a write-once Failed."""
+    harness = run(Scenario(throttle_describes_when_done=6, summary=SUMMARY))
+    execution_arn = harness.start(SPEC, "run-collect-throttled")
+    execution = harness.wait(execution_arn, timeout_s=240)
+    assert execution["status"] == "SUCCEEDED", execution
+    assert harness.faults["describes_throttled"] == 6
+    assert harness.result("run-collect-throttled")["status"] == "Completed"
+    assert history_states(harness, execution_arn).count("Collect results") == 1  # one state, retried within
+
+
+def test_executions_never_share_a_job_and_an_abort_touches_only_its_own(run, platform) -> None:
+    """Two executions whose run names are 40 characters alike but for their last: each its own job (the
+    job name is never cut, so its per-execution hash stays); aborting one stops its job only. The run
+    names the review used (56 characters, hyphens) are refused before anything launches."""
+    harness = run(Scenario(runs_for_s=600))
+    long = "team-a--vision--hetero--c5-9xl--p3-2xl--2026-12-01--run-1"
+    refused = harness.wait(harness.start(SPEC | {"run_name": long}, "run-long-name"), timeout_s=30)
+    assert refused["status"] == "FAILED" and refused["error"] == "InvalidJobSpec" and harness.training_jobs() == []
+    names = ["team-a--vision--hetero--c5-9xl--2026-1", "team-a--vision--hetero--c5-9xl--2026-2"]
+    assert all(len(name) <= 40 for name in names)
+    arns = [harness.start(SPEC | {"run_name": name}, f"run-share-{index}") for index, name in enumerate(names)]
+    jobs = [harness.job_of(arn, name) for arn, name in zip(arns, names, strict=True)]
+    give_up = time.monotonic() + 30
+    while sorted(harness.training_jobs()) != sorted(jobs) or any(harness.job(job).training_job_status != "InProgress" for job in jobs):
+        assert time.monotonic() < give_up, harness.training_jobs()
+        time.sleep(0.2)
+    assert len(set(jobs)) == 2
+    harness.sfn.stop_execution(executionArn=arns[1])
+    described = harness.wait(arns[1], timeout_s=30)
+    detail = {"executionArn": arns[1], "stateMachineArn": harness.state_machine_arn, "status": "ABORTED",
+              "input": described["input"], "name": described["name"], "startDate": int(described["startDate"].timestamp() * 1000)}
+    stop(harness.route_status_change(platform, detail), LambdaContext(function_name="StopJob"))
+    assert harness.job(jobs[1]).training_job_status in ("Stopping", "Stopped")
+    assert harness.job(jobs[0]).training_job_status == "InProgress"
+    assert harness.sfn.describe_execution(executionArn=arns[0])["status"] == "RUNNING"
+    harness.sfn.stop_execution(executionArn=arns[0])
