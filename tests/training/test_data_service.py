@@ -320,6 +320,8 @@ MALFORMED = {
     "labels out of range": (_malformed(GOOD_IMAGES, np.full(8, 4, np.int64)), "labels in [0, 4), got labels in [4, 4]"),
     "fewer labels than images": (_malformed(GOOD_IMAGES, np.zeros(7, np.int64)), "labels of int64 [8], got int64 [7]"),
     "images of another rank": (_malformed(np.zeros((8, 3072), np.uint8), GOOD_LABELS), "images of uint8 [8, 3, 32, 32], got uint8 [8, 3072]"),
+    # More bytes than the batch it described: gRPC does not read it (the stream's receive limit).
+    "larger than described": (codec.encode_batch(np.zeros((8, 3, 64, 64), np.uint8), GOOD_LABELS), "larger than max"),
 }
 
 

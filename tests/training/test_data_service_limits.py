@@ -8,12 +8,13 @@ messages: two unauthenticated 512 MiB requests took a data host from 60 MiB to 2
 from __future__ import annotations
 
 import contextlib
+import itertools
+import queue
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -28,8 +29,17 @@ from training.data_service.auth import call_metadata
 from training.data_service.client import stream_options, stream_spec
 from training.data_service.control import MAX_REPLY_BYTES
 from training.data_service.dataset import MAX_CLASSES
-from training.data_service.server import MAX_REQUEST_BYTES, SERVICE
+from training.data_service.server import (
+    MAX_REQUEST_BYTES,
+    SERVICE,
+    ReadyBatch,
+    ServerSettings,
+    StopReason,
+    put_until_stopped,
+    serve,
+)
 from training.local.cluster import free_port
+from training.trainers.config import AugmentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # Each unauthenticated request: far beyond any request, as the issue's were (two of 512 MiB).
@@ -162,25 +172,45 @@ def test_batches_no_grpc_message_can_carry_are_refused_by_name() -> None:
         stream_spec(8, pb.DatasetInfo(sample_shape=[3, -1, 32]))
 
 
-def test_a_trainer_streams_batches_larger_than_the_request_limit() -> None:
-    """The servers' small receive limit is theirs alone: a 256 × 3 × 64² batch is 3 MiB, 48 times it."""
-    from training.data_service.client import DataServiceDataset
+class FixedBatches:
+    """A BatchSource of one pre-made batch, again and again (server.BatchSource)."""
 
-    stub_info = pb.DatasetInfo(classes=["a", "b"], sample_shape=[3, 64, 64], batch_size=256, host="big")
-    batch = codec.encode_batch(np.full((256, 3, 64, 64), 7, np.uint8), np.ones(256, np.int64))
-    assert len(batch) > 40 * MAX_REQUEST_BYTES
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    handlers = {
-        "Describe": grpc.unary_unary_rpc_method_handler(lambda request, context: stub_info, response_serializer=pb.DatasetInfo.SerializeToString),
-        "StreamBatches": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([batch] * 3 + [codec.end_of_stream("max_batches")])),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port("127.0.79.4:0")
-    server.start()
+    def __init__(self, payload: bytes) -> None:
+        self.batches: queue.Queue = queue.Queue(maxsize=2)
+        self.failure, self.serves_batches, self._stop = None, True, threading.Event()
+        self._payload = payload
+
+    def start(self) -> None:
+        threading.Thread(target=self._fill, daemon=True).start()
+
+    def _fill(self) -> None:
+        while put_until_stopped(self.batches, ReadyBatch(self._payload), self._stop):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def test_a_data_host_streams_batches_beyond_grpcs_default_and_its_own_request_limit() -> None:
+    """The servers' small limit is on what they read: a real data host sends, and the real trainer client
+    reads, batches of 128 × 3 × 128² (6 MiB: more than gRPC's 4 MiB default, 96 times the request limit)."""
+    from training.data_service.client import DataServiceDataset
+    from training.data_service.dataset import ImageDataset
+
+    batch = codec.encode_batch(np.full((128, 3, 128, 128), 7, np.uint8), np.ones(128, np.int64), 0, np.arange(128), np.zeros(128, int))
+    assert len(batch) > max(4 << 20, 96 * MAX_REQUEST_BYTES)
+    settings = ServerSettings(host="big", bind_address="127.0.79.4", port=free_port(), channel="train", batch_size=128,
+                              augment=AugmentConfig(128), shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=30, workers=1,
+                              stop_grace_s=0)
+    folder = ImageDataset(Path("."), ("a", "b"), (("unused", 0),))
+    stop, result = threading.Event(), {}
+    host = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, 0, stop, source=FixedBatches(batch))), daemon=True)
+    host.start()
     try:
-        dataset = DataServiceDataset([f"127.0.79.4:{port}"], 256, TOKEN, "test")
-        received = list(dataset)
+        dataset = DataServiceDataset([f"{settings.bind_address}:{settings.port}"], 128, TOKEN, "test")
+        received = list(itertools.islice(iter(dataset), 3))
     finally:
-        server.stop(0)
-    assert len(received) == 3 and tuple(received[0][0].shape) == (256, 3, 64, 64) and int(received[0][0][0, 0, 0, 0]) == 7
-    assert dataset.stats.lost_hosts == []
+        stop.set()
+        host.join(20)
+    assert len(received) == 3 and tuple(received[0][0].shape) == (128, 3, 128, 128) and int(received[0][0][5, 1, 2, 3]) == 7
+    assert dataset.stats.lost_hosts == [] and result["reason"] == StopReason.SIGNAL

@@ -66,7 +66,8 @@ _STREAMING = [
     # keep-alive time: a frozen host then goes unnoticed by the pings.
     ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_TIME_MS),
 ]
-# A host's Describe answers within this, or the connection attempt counts as failed (and is retried).
+# A host's Describe answers within this (and within the connection's retry bound, but at least 1 s), or
+# the connection attempt counts as failed and is retried.
 DESCRIBE_TIMEOUT_S = 10.0
 
 
@@ -240,7 +241,8 @@ class DataServiceDataset(IterableDataset):
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(0.1, min(2.0, retry_until - time.monotonic())))
                 info = pb_grpc.DataServiceStub(channel).Describe(
-                    pb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S, metadata=call_metadata(self.token)
+                    pb.DescribeRequest(), timeout=max(1.0, min(DESCRIBE_TIMEOUT_S, retry_until - time.monotonic())),
+                    metadata=call_metadata(self.token),
                 )
                 spec = stream_spec(self.batch_size, info)
                 channel.close()
@@ -280,6 +282,12 @@ class DataServiceDataset(IterableDataset):
                 return
             except grpc.RpcError as error:
                 if stop.is_set():
+                    return
+                if call is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (error.details() or ""):
+                    # More than the batch this host described: it would send the same again.
+                    named = codec.MalformedBatchError(f"a message of at most {spec.max_message_bytes} bytes", error.details())
+                    state.ended, state.lost, state.streaming = f"{type(named).__name__}: {named}", True, False
+                    log.error("data host %s sent a batch larger than it described (%s); dropped", state.address, error.details())
                     return
                 if error.code() in REFUSALS:
                     state.ended = f"refused: {error.code().name}: {error.details()}"

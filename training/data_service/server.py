@@ -50,8 +50,8 @@ from training.data_service.epochs import SPARE_EPOCH
 log = logging.getLogger(__name__)
 
 # The most a server of ours (a data host's, a DNN host's ReportFailure) reads of any one message, from any
-# caller: gRPC reads a request before the handler runs, and one of an unauthenticated caller too when the
-# token check answers it with a unary handler (auth.py refuses without reading now). Requests are small:
+# caller, with the job's token or without: gRPC reads a unary request whole before its handler runs (a
+# call without the token is refused before its request is read at all: auth.TokenAuth). Requests are small:
 # the largest is a FailureReport (a host name, and a reason cut at 1024 characters: at most 4 KiB of
 # UTF-8); a StreamRequest holds a client id ("algo-3/rank0") and two integers; DescribeRequest is empty.
 # 64 KiB leaves 16 times that; it was 1 GiB, and two unauthenticated 512 MiB requests took a data host
