@@ -220,3 +220,19 @@ def test_a_skipped_count_past_uint32_is_refused() -> None:
     payload = codec.encode_batch(IMAGES, np.zeros(2, np.int64)) + bytes([4 << 3]) + codec._varint_bytes(2**40)
     with pytest.raises(codec.MalformedBatchError, match="uint32"):
         codec.check_batch(codec.decode_batch(payload), SPEC)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_a_batch_with_any_bytes_changed_is_refused_with_a_format_error_or_is_one_of_the_spec(data: st.DataObject) -> None:
+    """Whatever a peer changes in a good batch (a shape's varint, a length, a dtype name, a label), the
+    reader and the check raise TensorFormatError (MalformedBatchError is one) or pass a batch of the spec."""
+    payload = bytearray(_good())
+    for _ in range(data.draw(st.integers(1, 4))):
+        payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        batch = codec.decode_batch(bytes(payload))
+        codec.check_batch(batch, SPEC)
+    except codec.TensorFormatError:
+        return
+    assert batch.images.shape == SPEC.image_shape and batch.labels.shape == (2,) and 0 <= batch.labels.min() <= batch.labels.max() < 5

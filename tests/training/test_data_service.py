@@ -352,7 +352,7 @@ def test_training_goes_on_with_the_other_hosts_when_one_sends_a_malformed_batch(
         iterator = iter(dataset)
         take_until(iterator, lambda: dataset.stats.lost_hosts and dataset.stats.hosts[healthy.target].batches, timeout_s=60)
         assert dataset.stats.lost_hosts == [bad] and dataset.stats.hosts[bad].batches == 1
-        assert dataset.stats.hosts[bad].ended.startswith("MalformedBatchError: expected labels in [0, 4)")
+        assert dataset.stats.lost_reasons[bad] == "MalformedBatchError: expected labels in [0, 4), got labels in [4, 4]"
         assert bad in dataset.stats.unavailable_hosts  # the summary's lost_data_hosts
         labels = [batch[1] for batch in itertools.islice(iterator, 10)]
         assert len(labels) == 10 and all(int(batch.max()) < 4 for batch in labels)

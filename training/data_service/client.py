@@ -139,6 +139,11 @@ class StreamStats:
         return [address for address, state in self.hosts.items() if state.lost]
 
     @property
+    def lost_reasons(self) -> dict[str, str]:
+        """Why each lost host was given up on (a malformed batch: "MalformedBatchError: expected ..., got ...")."""
+        return {address: state.ended or "" for address, state in self.hosts.items() if state.lost}
+
+    @property
     def unavailable_hosts(self) -> list[str]:
         """Hosts given up on, or whose stream broke and has not come back (yet): at the end of training,
         the hosts that were lost along the way."""
