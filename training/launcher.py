@@ -21,6 +21,13 @@ and the failure reason names the rank and the signal. SIGTERM (StopTrainingJob, 
 passed to the trainers, which save a checkpoint and the model at the next step boundary; SageMaker
 sends SIGKILL 120 s later, so they get STOP_GRACE_S.
 
+Nothing frozen keeps the job billed: a DNN host whose trainers finish no step for
+``trainer_stall_timeout_s`` fails with TrainerStalled (the marks they write after every step, timed on
+the monotonic clock); a failure the launcher decides kills the trainers' whole tree at once (an abort
+saves nothing, and a stopped process ignores SIGINT); a finished run whose processes do not exit within
+``trainer_exit_timeout_s`` is killed and the host exits 0 (the work is saved); and the container's first
+process kills a launcher that stopped heartbeating (LauncherFrozen), so that its host exits.
+
 The image runs this module as its entrypoint (training/images/Dockerfile), so that it is the process
 SageMaker's SIGTERM reaches; SageMaker appends the word ``train``, which is accepted and ignored.
 
