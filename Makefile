@@ -20,11 +20,14 @@ PROTO := training/data_service/data_service.proto
 SDK_VENV := .venv-sdk
 SDK_PY := $(SDK_VENV)/bin/python
 SDK_STAMP := $(SDK_VENV)/.requirements-$(shell cat pyproject.toml requirements/client.txt requirements/sdk.txt requirements/sdk-test.txt | sha256sum | cut -c1-16)
+# The template scanners (checkov, cfn-lint: tests/infra/test_template_scanners.py), apart: checkov pins dozens of its own.
+SCAN_VENV := .venv-scan
+SCAN_STAMP := $(SCAN_VENV)/.requirements-$(shell cat requirements/scan.txt | sha256sum | cut -c1-16)
 NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json | sha256sum | cut -c1-16)
 # jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv sdk-venv node test demo bench bench-gpu lint proto synth deploy clean
+.PHONY: venv sdk-venv scan-venv node test demo bench bench-gpu lint proto synth deploy clean
 
 venv: $(STAMP)
 
@@ -37,6 +40,14 @@ $(SDK_STAMP):
 	$(SDK_PY) -m pip install --quiet --disable-pip-version-check -r requirements/sdk-test.txt
 	$(SDK_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@rm -f $(SDK_VENV)/.requirements-*
+	@touch $@
+
+scan-venv: $(SCAN_STAMP)
+
+$(SCAN_STAMP):
+	@test -x $(SCAN_VENV)/bin/python || $(PYTHON) -m venv $(SCAN_VENV)
+	$(SCAN_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements/scan.txt
+	@rm -f $(SCAN_VENV)/.requirements-*
 	@touch $@
 
 $(NODE_STAMP):
@@ -53,7 +64,7 @@ $(STAMP):
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
-test: venv node sdk-venv
+test: venv node sdk-venv scan-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 	$(SDK_PY) -m pytest tests/sdk --confcutdir=tests/sdk -p no:cacheprovider
@@ -94,4 +105,4 @@ proto: venv
 		--python_out=. --grpc_python_out=. $(PROTO)
 
 clean:
-	rm -rf $(VENV) $(SDK_VENV) node_modules cdk.out build .pytest_cache .cache
+	rm -rf $(VENV) $(SDK_VENV) $(SCAN_VENV) node_modules cdk.out build .pytest_cache .cache

@@ -31,7 +31,7 @@ from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
 from infra.constructs.functions import TrainingRunFunctions, retention
-from infra.nag import acknowledge, arn_token, wildcard_resources
+from infra.nag import SQS_MANAGED_ENCRYPTION, acknowledge, arn_token, skip_checkov, wildcard_resources
 from lambdas.core.sweep import METRIC_NAMESPACE
 
 
@@ -126,6 +126,7 @@ class BenchmarkSweep(Construct):
             self, "ScheduleDeadLetters", encryption=sqs.QueueEncryption.SQS_MANAGED, enforce_ssl=True, retention_period=Duration.days(14)
         )
         acknowledge(self.dead_letters, "This queue is itself the dead-letter queue of the sweep schedule.", "SQS3")
+        skip_checkov(self.dead_letters, SQS_MANAGED_ENCRYPTION, "CKV_AWS_27")
         # A scheduled sweep that could not be started (after the rule's retries) is a missed week.
         self.schedule_alarm = cloudwatch.Alarm(
             self, "UnstartedSweeps", alarm_description="The sweep schedule could not start a sweep: see the ScheduleDeadLetters queue",

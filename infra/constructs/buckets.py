@@ -1,5 +1,5 @@
-"""The platform's S3 buckets: datasets (read by training), results (artifacts, checkpoints, results,
-reports; versioned), and the access-log bucket both log to. All encrypted, SSL-only, private."""
+"""The platform's S3 buckets: datasets (read by training; versioned), results (artifacts, checkpoints,
+results, reports; versioned), and the access-log bucket both log to. All encrypted, SSL-only, private."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from infra.nag import acknowledge
+from infra.nag import acknowledge, skip_checkov
 
 
 def _bucket(scope: Construct, construct_id: str, **overrides: object) -> s3.Bucket:
@@ -29,7 +29,16 @@ class Buckets(Construct):
         super().__init__(scope, construct_id)
         self.access_logs = _bucket(self, "AccessLogs", lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(365))])
         acknowledge(self.access_logs, "This is the access-log bucket; logging it into itself would loop.", "S1")
-        self.datasets = _bucket(self, "Datasets", server_access_logs_bucket=self.access_logs, server_access_logs_prefix="datasets/")
+        skip_checkov(self.access_logs, "This is the access-log bucket; logging it into itself would loop.", "CKV_AWS_18")
+        skip_checkov(self.access_logs, "S3 log delivery writes each log object once and never overwrites it; they expire after a year, "
+                                       "and versioning would only keep deleted logs longer.", "CKV_AWS_21")
+        # Versioned: a dataset object overwritten or deleted by mistake can be restored for 90 days (a run's
+        # result names the dataset's URI, not a copy).
+        self.datasets = _bucket(
+            self, "Datasets", versioned=True, server_access_logs_bucket=self.access_logs, server_access_logs_prefix="datasets/",
+            lifecycle_rules=[s3.LifecycleRule(noncurrent_version_expiration=Duration.days(90),
+                                              abort_incomplete_multipart_upload_after=Duration.days(7))],
+        )
         self.results = _bucket(
             self,
             "Results",

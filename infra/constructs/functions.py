@@ -18,7 +18,15 @@ from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from infra.nag import S3_READ_ACTIONS, acknowledge, arn_token, training_jobs_arn, wildcard_actions, wildcard_resources
+from infra.nag import (
+    S3_READ_ACTIONS,
+    acknowledge,
+    arn_token,
+    skip_checkov,
+    training_jobs_arn,
+    wildcard_actions,
+    wildcard_resources,
+)
 from lambdas.core.sweep import METRIC_NAMESPACE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +47,23 @@ LAMBDA_SOURCES = (
     "training/data_service/augmentation.py",
 )
 RUNTIME = lambda_.Runtime.PYTHON_3_14
+# Why checkov's Lambda checks do not apply to these functions (acknowledged on each; the stop and reconcile
+# functions' dead-letter check is acknowledged where their asynchronous invocation is set up,
+# infra/constructs/abort_cleanup.py).
+UNRESERVED_CONCURRENCY = (
+    "No reserved concurrency: it is taken from the account's unreserved pool, which must keep its minimum (100, or all of a new "
+    "account's limit of 10, where any reservation fails the deploy), and these functions run a few times per run, one call at a "
+    "time per execution (a sweep runs at most max_concurrency at once): there is nothing to cap.")
+OUTSIDE_THE_VPC = (
+    "The functions call AWS APIs only (SageMaker, Step Functions, S3, Pricing, CloudWatch, X-Ray) and reach nothing inside a VPC; "
+    "the training VPC (VPC mode) has no route out, so they would need an interface endpoint per API there, billed per AZ and "
+    "hour, to reach what they reach now; without VPC mode there is no VPC.")
+PLAIN_ENVIRONMENT = (
+    "The environment holds names, ARNs, S3 prefixes, timings and cost ceilings, no secret (job tokens go to S3, never here); "
+    "Lambda encrypts it at rest with its AWS-managed key, and a key of ours would protect nothing secret.")
+SYNCHRONOUS_ONLY = (
+    "Invoked synchronously, by the state machines only (their Retry and Catch handle its errors); a dead-letter queue "
+    "receives failed asynchronous invocations alone.")
 POWERTOOLS_LAYER_PARAMETER = "/aws/service/powertools/python/x86_64/python3.14/latest"
 
 
@@ -124,6 +149,9 @@ class TrainingRunFunctions(Construct):
             acknowledge(
                 role, "X-Ray's PutTraceSegments and PutTelemetryRecords take no resource ARN.", *wildcard_resources("*")
             )
+            skip_checkov(fn, UNRESERVED_CONCURRENCY, "CKV_AWS_115")
+            skip_checkov(fn, OUTSIDE_THE_VPC, "CKV_AWS_117")
+            skip_checkov(fn, PLAIN_ENVIRONMENT, "CKV_AWS_173")
             return fn
 
         self.validate = function(FunctionSpec("ValidateSpec", "validate_spec", "Validate a training run's job spec"))
@@ -153,7 +181,9 @@ class TrainingRunFunctions(Construct):
         self.reconcile = function(FunctionSpec("ReconcileJobs", "reconcile_jobs", "Stop running jobs whose execution no longer runs", 120))
 
         self.launch.add_to_role_policy(
-            iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob"], resources=[jobs_arn])
+            # ListTags: a job of the launch's name is adopted only if its execution_arn tag is the launch's own.
+            iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob", "sagemaker:ListTags"],
+                                resources=[jobs_arn])
         )
         # ListTrainingJobs takes no resource ARN: to refuse a run name whose job is running already.
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTrainingJobs"], resources=["*"]))
@@ -203,6 +233,8 @@ class TrainingRunFunctions(Construct):
             *wildcard_resources(f"{arn_token(results)}/artifacts/*", f"{arn_token(results)}/results/*"),
         )
         self.training_run = (self.validate, self.launch, self.collect, self.stop)  # what the state machine invokes
+        for fn in (self.validate, self.launch, self.collect):
+            skip_checkov(fn, SYNCHRONOUS_ONLY, "CKV_AWS_116")
 
         # The benchmark sweep's two steps (infra/constructs/benchmark_sweep.py).
         self.plan_sweep = function(FunctionSpec("PlanSweep", "plan_sweep", "Validate a benchmark sweep and expand it into job specs"))
@@ -231,6 +263,8 @@ class TrainingRunFunctions(Construct):
                 "*", f"{arn_token(results)}/results/*", f"{arn_token(results)}/prices/*", f"{arn_token(results)}/benchmarks/*"
             ),
         )
+        for fn in (self.plan_sweep, self.compare_sweep):
+            skip_checkov(fn, SYNCHRONOUS_ONLY, "CKV_AWS_116")
         self.sweep = (self.plan_sweep, self.compare_sweep)
 
 

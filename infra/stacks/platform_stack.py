@@ -1,7 +1,7 @@
 """The platform in one stack: storage, training images, the SageMaker role (and in VPC mode its network),
 the policy for direct launches, the functions, the
-training-run and benchmark-sweep state machines (with the sweep's schedule, dashboard and alarm), and the
-abort cleanup. It only composes constructs and exports what users need."""
+training-run and benchmark-sweep state machines (with the sweep's schedule, dashboard and alarm), the
+abort cleanup, and the key every log group is encrypted with. It only composes constructs and exports what users need."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from infra.constructs.buckets import Buckets
 from infra.constructs.direct_launch import DirectLaunchPolicy
 from infra.constructs.execution_role import ExecutionRole
 from infra.constructs.functions import TrainingRunFunctions, training_jobs_resource
+from infra.constructs.log_encryption import LogEncryption
 from infra.constructs.training_images import TrainingImages
 from infra.constructs.training_network import TrainingNetwork
 from infra.constructs.training_workflow import TrainingWorkflow
@@ -32,7 +33,8 @@ class PlatformStack(Stack):
         images = TrainingImages(self, "TrainingImages", base_images={v: config.base_image(v) for v in config.base_images})
         inputs = [buckets.datasets, *(s3.Bucket.from_bucket_name(self, f"Input{index}", name) for index, name in enumerate(config.input_buckets))]
         role = ExecutionRole(self, "SageMakerExecution", inputs=inputs, results=buckets.results, images=images.images.values())
-        network = TrainingNetwork(self, "TrainingNetwork", sagemaker_role=role.role, log_retention_days=config.log_retention_days) if config.vpc_mode else None
+        network = TrainingNetwork(self, "TrainingNetwork", sagemaker_role=role.role, buckets=[buckets.results, *inputs],
+                                  log_retention_days=config.log_retention_days) if config.vpc_mode else None
         vpc_config = {"SecurityGroupIds": [network.security_group.security_group_id], "Subnets": network.subnet_ids} if network else None
         functions = TrainingRunFunctions(
             self, "TrainingRunFunctions", prefix=config.prefix, sagemaker_role=role.role, results=buckets.results,
@@ -57,6 +59,8 @@ class PlatformStack(Stack):
                                     sagemaker_role=role.role, results=buckets.results, instance_types=sorted(CATALOG), vpc_config=vpc_config)
         self.alarms = AlarmTopic(self, "Alarms", email=config.alarm_email)
         self.alarms.notify_from_every_alarm_in(self)
+        self.log_encryption = LogEncryption(self, "LogEncryption")
+        self.log_encryption.encrypt_every_log_group_in(self)
         self.buckets, self.functions, self.workflow, self.sweep = buckets, functions, workflow, sweep
         CfnOutput(self, "AlarmTopic", value=self.alarms.topic.topic_arn)
         CfnOutput(self, "DatasetsBucket", value=buckets.datasets.bucket_name)

@@ -35,6 +35,18 @@ def template_json(template: Template) -> dict[str, Any]:
     return template.to_json()
 
 
+# The VPC-mode synthesis also allows an input bucket of the deployment's (cdk.json's input_buckets).
+VPC_CONTEXT = {"platform": {"vpc_mode": True, "input_buckets": ["example-training-data"]}}
+
+
+@pytest.fixture(scope="session")
+def in_vpc() -> dict[str, Any]:
+    """The platform synthesized in VPC mode (cdk-nag runs as part of synthesis: it must be clean)."""
+    app, stack = build_app(context=VPC_CONTEXT)
+    app.synth()
+    return Template.from_stack(stack).to_json()
+
+
 def render(value: Any, references: dict[str, str] | None = None) -> Any:
     """Resolve the intrinsics a definition string is built from: Fn::Join, Ref, Fn::GetAtt. A reference
     not in ``references`` becomes a readable placeholder (<LogicalId> or <LogicalId.Attribute>)."""

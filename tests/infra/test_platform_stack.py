@@ -60,7 +60,8 @@ def test_results_and_reports_are_write_once_in_s3_itself(template_json) -> None:
         assert statement["Condition"] == {"Null": {"s3:if-none-match": "true"}}
     rendered = json.dumps(statements)
     assert "/results/*" in rendered and "/benchmarks/*" in rendered
-    (results,) = [b for b in resources(template_json, "AWS::S3::Bucket").values() if "VersioningConfiguration" in b["Properties"]]
+    (results,) = [b for b in resources(template_json, "AWS::S3::Bucket").values()
+                  if b["Properties"].get("LoggingConfiguration", {}).get("LogFilePrefix") == "results/"]
     rules = results["Properties"]["LifecycleConfiguration"]["Rules"]
     # No rule expires anything (current or earlier versions) under results/ or benchmarks/.
     assert all(rule.get("Prefix") in ("checkpoints/", "control/", "artifacts/", "prices/", "neuron-cache/") for rule in rules), rules
@@ -92,6 +93,31 @@ def test_results_are_versioned_and_checkpoints_expire(template: Template) -> Non
         ])},
         "LoggingConfiguration": Match.object_like({"LogFilePrefix": "results/"}),
     })
+
+
+def test_datasets_are_versioned_and_old_versions_expire(template: Template) -> None:
+    """A dataset object overwritten or deleted by mistake can be restored, for 90 days."""
+    template.has_resource_properties("AWS::S3::Bucket", {
+        "VersioningConfiguration": {"Status": "Enabled"},
+        "LifecycleConfiguration": {"Rules": [Match.object_like({"NoncurrentVersionExpiration": {"NoncurrentDays": 90}, "Status": "Enabled"})]},
+        "LoggingConfiguration": Match.object_like({"LogFilePrefix": "datasets/"}),
+    })
+
+
+def test_every_log_group_is_encrypted_with_the_platforms_log_key(template_json, in_vpc) -> None:
+    """The functions', state machines' and (VPC mode) flow logs' groups, under one rotated key that only
+    this region's CloudWatch Logs may use, for this account's log groups."""
+    for template in (template_json, in_vpc):
+        groups = resources(template, "AWS::Logs::LogGroup")
+        keys = {json.dumps(group["Properties"].get("KmsKeyId")) for group in groups.values()}
+        (key_ref,) = keys
+        key = template["Resources"][json.loads(key_ref)["Fn::GetAtt"][0]]
+        assert key["Type"] == "AWS::KMS::Key" and key["Properties"]["EnableKeyRotation"] is True
+        (logs_use,) = [s for s in key["Properties"]["KeyPolicy"]["Statement"]
+                       if s.get("Principal") == {"Service": "logs.us-east-1.amazonaws.com"}]
+        assert render(logs_use["Condition"]) == {"ArnLike": {
+            "kms:EncryptionContext:aws:logs:arn": "arn:<AWS::Partition>:logs:us-east-1:<AWS::AccountId>:log-group:*"}}
+        assert len(groups) == 9 + (template is in_vpc)  # 7 functions, 2 state machines, the flow logs
 
 
 def test_no_statement_allows_every_action(template_json) -> None:
@@ -218,7 +244,7 @@ def test_the_state_machine_graph(template_json) -> None:
     assert capacity == {"Variable": "$.failure.relaunch", "BooleanEquals": True, "Next": "Back off"}
     assert states["Capacity to retry?"]["Default"] == "Collect failed run"
     assert {e for r in states["Relaunch job"]["Retry"] for e in r["ErrorEquals"]} >= {"LaunchThrottled", "CapacityUnavailable"}
-    assert definition["TimeoutSeconds"] == 154 * 3600  # the longest accepted run's worst case (tests/infra/test_config.py)
+    assert definition["TimeoutSeconds"] == 156 * 3600  # the longest accepted run's worst case (tests/infra/test_config.py)
     assert states["Back off"]["SecondsPath"] == "$.launch.backoff_s" and states["Back off"]["Next"] == "Relaunch job"
     assert states["Relaunch job"]["Next"] == "Wait" and states["Relaunch job"]["ResultPath"] == "$.launch"
     assert states["Relaunch job"]["Catch"][0]["Next"] == "Record failure"
@@ -326,17 +352,7 @@ def test_every_variant_has_an_image_and_trainium_jobs_share_a_compile_cache(temp
     # (.venv and .venv-sdk are GBs, staged again at every synthesis), no tests.
     for image in manifest["dockerImages"].values():
         context = Path(assembly.directory) / image["source"]["directory"]
-        assert (context / "training").is_dir() and not {".venv", ".venv-sdk", "node_modules", "tests"} & {p.name for p in context.iterdir()}
-
-
-@pytest.fixture(scope="module")
-def in_vpc() -> dict[str, Any]:
-    """The platform synthesized in VPC mode (cdk-nag runs as part of synthesis: it must be clean)."""
-    from app import build_app
-
-    app, stack = build_app(context={"platform": {"vpc_mode": True}})
-    app.synth()
-    return Template.from_stack(stack).to_json()
+        assert (context / "training").is_dir() and not {".venv", ".venv-sdk", ".venv-scan", "node_modules", "tests"} & {p.name for p in context.iterdir()}
 
 
 def test_vpc_mode_runs_jobs_in_isolated_subnets_that_reach_only_s3_and_each_other(in_vpc) -> None:
@@ -359,6 +375,54 @@ def test_vpc_mode_runs_jobs_in_isolated_subnets_that_reach_only_s3_and_each_othe
     assert network and all(not a.startswith("ec2:Run") for s in network for a in as_list(s["Action"]))
 
 
+def test_vpc_mode_s3_endpoint_reaches_only_the_platforms_buckets(in_vpc) -> None:
+    """The gateway endpoint's policy replaces S3's default one (every bucket, every action): through it, job
+    code reaches the results and datasets buckets and the allowed input buckets, and no one else's."""
+    (endpoint,) = resources(in_vpc, "AWS::EC2::VPCEndpoint").values()
+    (statement,) = endpoint["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Effect"] == "Allow" and statement["Principal"] == {"AWS": "*"}
+    assert not {"*", "s3:*"} & set(as_list(statement["Action"])) and "s3:GetObject*" in statement["Action"]
+    buckets = resources(in_vpc, "AWS::S3::Bucket")
+    log_targets = {b["Properties"]["LoggingConfiguration"]["DestinationBucketName"]["Ref"] for b in buckets.values()
+                   if "LoggingConfiguration" in b["Properties"]}
+    platform = [f"<{logical_id}.Arn>" for logical_id in buckets.keys() - log_targets]  # results and datasets
+    allowed = [*platform, "arn:<AWS::Partition>:s3:::example-training-data"]  # and the VPC fixture's input bucket
+    assert len(platform) == 2
+    assert sorted(render(statement["Resource"])) == sorted([*allowed, *(f"{arn}/*" for arn in allowed)])
+
+
+# What the SageMaker developer guide lists for a training job's role in a VPC ("CreateTrainingJob API:
+# Execution Role Permissions").
+SAGEMAKER_VPC_ACTIONS = {
+    "ec2:CreateNetworkInterface", "ec2:CreateNetworkInterfacePermission", "ec2:DeleteNetworkInterface",
+    "ec2:DeleteNetworkInterfacePermission", "ec2:DescribeNetworkInterfaces", "ec2:DescribeVpcs", "ec2:DescribeDhcpOptions",
+    "ec2:DescribeSubnets", "ec2:DescribeSecurityGroups",
+}
+
+
+def test_vpc_mode_network_interface_permissions_are_held_to_the_training_vpc(in_vpc) -> None:
+    """What SageMaker needs to attach a job's interfaces, scoped where IAM allows: the create to the
+    training subnets and security group, every interface action to interfaces in the training VPC
+    (ec2:Vpc); only the Describe actions, which take no resource ARN, on "*"."""
+    network = [s for s in statements(in_vpc) if any(action.startswith("ec2:") for action in as_list(s["Action"]))]
+    assert {action for s in network for action in as_list(s["Action"])} == SAGEMAKER_VPC_ACTIONS
+    (vpc,) = resources(in_vpc, "AWS::EC2::VPC")
+    ec2_arn = "arn:<AWS::Partition>:ec2:us-east-1:<AWS::AccountId>:"
+    for statement in network:
+        scoped = render(as_list(statement["Resource"]))
+        if all(action.startswith("ec2:Describe") for action in as_list(statement["Action"])):
+            assert scoped == ["*"] and "Condition" not in statement
+            continue
+        assert all(arn.startswith(ec2_arn) for arn in scoped), statement
+        assert render(statement["Condition"]) == {"ArnEquals": {"ec2:Vpc": f"{ec2_arn}vpc/<{vpc}>"}}
+    (create,) = [s for s in network if "ec2:CreateNetworkInterface" in as_list(s["Action"])]
+    (group,) = resources(in_vpc, "AWS::EC2::SecurityGroup")
+    assert sorted(render(create["Resource"])) == sorted([
+        *(f"{ec2_arn}subnet/<{subnet}>" for subnet in resources(in_vpc, "AWS::EC2::Subnet")),
+        f"{ec2_arn}security-group/<{group}.GroupId>", f"{ec2_arn}network-interface/*",
+    ])
+
+
 def test_without_vpc_mode_there_is_no_vpc(template_json) -> None:
     assert not resources(template_json, "AWS::EC2::VPC")
     (launch,) = [r for key, r in resources(template_json, "AWS::Lambda::Function").items() if key.startswith("TrainingRunFunctionsLaunchJob")]
@@ -367,8 +431,8 @@ def test_without_vpc_mode_there_is_no_vpc(template_json) -> None:
 
 def test_every_alarm_notifies_the_encrypted_alarm_topic(template_json) -> None:
     (topic_id, topic), = resources(template_json, "AWS::SNS::Topic").items()
-    assert "KmsMasterKeyId" in topic["Properties"]
-    (key,) = resources(template_json, "AWS::KMS::Key").values()
+    key = template_json["Resources"][topic["Properties"]["KmsMasterKeyId"]["Fn::GetAtt"][0]]  # its own key, not the logs' one
+    assert key["Type"] == "AWS::KMS::Key"
     assert key["Properties"]["EnableKeyRotation"] is True
     assert "cloudwatch.amazonaws.com" in json.dumps(key["Properties"]["KeyPolicy"])
     # The topic policy (which replaces SNS's default) lets this account's CloudWatch alarms publish.
