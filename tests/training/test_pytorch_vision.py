@@ -15,7 +15,7 @@ import torch
 from training.data_service.dataset import scan_images
 from training.metrics import METRIC_DEFINITIONS, metric_line, parse_metric_line
 from training.trainers.config import VisionConfig
-from training.trainers.loop import OutputPaths, summarize
+from training.trainers.loop import CheckpointWriteError, OutputPaths, summarize
 from training.trainers.precision import resolve_precision
 from training.trainers.pytorch_vision import VisionTrainer, build_model, local_loader
 
@@ -180,3 +180,25 @@ def test_time_to_first_batch_counts_from_the_containers_start(images: Path, tmp_
     monkeypatch.setenv(CONTAINER_STARTED_ENV, repr(time.time() - 100))
     launched = trainer(images, tmp_path / "b", steps=2, warmup_steps=1).run()
     assert launched["time_to_first_batch_s"] >= 100
+
+
+def test_a_checkpoint_on_a_full_disk_fails_naming_it_and_leaves_no_partial_file(images: Path, tmp_path: Path) -> None:
+    """ENOSPC from the kernel itself: the checkpoint's temporary file is /dev/full."""
+    run = trainer(images, tmp_path, steps=6, warmup_steps=1, checkpoint_every=3)
+    run.paths.checkpoint_dir.mkdir(parents=True)
+    partial = run.checkpoint_path.with_name(run.checkpoint_name + ".partial")
+    partial.symlink_to("/dev/full")
+    with pytest.raises(CheckpointWriteError, match=r"disk full writing the checkpoint of step 3 .*volume_size_gb"):
+        run.run()
+    assert not partial.exists() and not partial.is_symlink() and not run.checkpoint_path.exists()
+
+
+def test_a_serializers_own_write_error_is_named_disk_full_only_when_the_volume_is() -> None:
+    from training.trainers.loop import write_failure_of
+
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file data.pkl")
+    assert "disk full" in str(write_failure_of("checkpoint of step 3", Path("/c/x.partial"), torch_error, free_bytes=4096))
+    elsewhere = str(write_failure_of("checkpoint of step 3", Path("/c/x.partial"), torch_error, free_bytes=50 << 30))
+    assert "disk full" not in elsewhere and "51200 MiB free on its volume" in elsewhere and "PytorchStreamWriter" in elsewhere
+    denied = str(write_failure_of("model", Path("/m"), PermissionError(13, "Permission denied")))
+    assert denied == "could not write the model (/m): PermissionError: Permission denied"

@@ -34,6 +34,8 @@ must look the same across variants:
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -78,6 +80,33 @@ def container_started_at(environ: Mapping[str, str] = os.environ) -> float | Non
 
 class DataExhaustedError(RuntimeError):
     """The input ended before the configured number of steps."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint, the model or the summary could not be written (a full disk, most often): the run fails
+    with that reason, and no half-written checkpoint is left for a resumed run to read."""
+
+
+def write_failure_of(what: str, path: Path, error: OSError | RuntimeError, free_bytes: int | None = None) -> CheckpointWriteError:
+    """The error for ``what`` not written to ``path``, naming a full disk as such: an ENOSPC, or a
+    serializer's own write error (torch's PytorchStreamWriter raises RuntimeError) with no room left on the
+    volume. Pure: ``free_bytes`` is the volume's, read by the caller."""
+    full = (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or (free_bytes is not None and free_bytes < 1 << 20)
+    detail = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    if full:
+        return CheckpointWriteError(f"disk full writing the {what} ({path}): {detail}; raise the job's volume_size_gb "
+                                    "or keep fewer or smaller files there")
+    room = f" ({free_bytes >> 20} MiB free on its volume)" if free_bytes is not None else ""
+    return CheckpointWriteError(f"could not write the {what} ({path}){room}: {type(error).__name__}: {detail}")
+
+
+def free_bytes_at(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the volume of ``path``'s folder (None: unknown)."""
+    try:
+        stats = os.statvfs(path.parent)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
 
 
 class TrainingStopped(RuntimeError):
@@ -311,9 +340,16 @@ class TrainingLoop(ABC, Generic[BatchT]):
         if stopped:
             summary |= {"status": "stopped", "stopped_after_step": step}
         if self.is_chief:
-            self.paths.model_dir.mkdir(parents=True, exist_ok=True)
-            self.save_model(self.paths.model_dir)
-            _write_json(self.paths.output_data_dir / "summary.json", summary)
+            try:
+                self.paths.model_dir.mkdir(parents=True, exist_ok=True)
+                self.save_model(self.paths.model_dir)
+            except OSError as error:
+                raise write_failure_of("model", self.paths.model_dir, error, free_bytes_at(self.paths.model_dir / "model")) from None
+            try:
+                _write_json(self.paths.output_data_dir / "summary.json", summary)
+            except OSError as error:
+                summary_path = self.paths.output_data_dir / "summary.json"
+                raise write_failure_of("summary", summary_path, error, free_bytes_at(summary_path)) from None
         # No rank leaves before the chief saved: torchrun would take an early exit (143 on a stop) for a
         # failure and close the chief within its 30 s.
         self.barrier()
@@ -351,8 +387,15 @@ class TrainingLoop(ABC, Generic[BatchT]):
             state = {"step": step, "samples_per_rank": self.resume_samples + self._steps_this_run * self.config.batch_size, "rng": rng}
             self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             partial = self.checkpoint_path.with_name(self.checkpoint_name + ".partial")
-            self.save_checkpoint(partial, state)
-            os.replace(partial, self.checkpoint_path)
+            try:
+                self.save_checkpoint(partial, state)
+                os.replace(partial, self.checkpoint_path)
+            except (OSError, RuntimeError) as error:  # RuntimeError: torch's serializer reports a failed write so
+                with contextlib.suppress(OSError):
+                    partial.unlink(missing_ok=True)  # the space it took, and nothing half-written for a resume to find
+                if isinstance(error, RuntimeError) and "writ" not in str(error):
+                    raise  # not a write that failed: the error as it is
+                raise write_failure_of(f"checkpoint of step {step}", partial, error, free_bytes_at(partial)) from None
         self.barrier()
 
     def _write_config(self) -> None:

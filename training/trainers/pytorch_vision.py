@@ -58,6 +58,7 @@ from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers import host_collectives
 from training.trainers.config import AugmentConfig, VisionConfig
 from training.trainers.loop import (
+    CheckpointWriteError,
     DataExhaustedError,
     OutputPaths,
     TrainingLoop,
@@ -320,8 +321,11 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             torch.cuda.set_rng_state(_byte_tensor(state["cuda"]), self.device)
 
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict(), "loop": state}, path)
+        # Into a file of ours: a failed write then raises OSError with its errno (ENOSPC), which torch's own
+        # writer, given a path, reports as a bare RuntimeError.
+        with open(path, "wb") as handle:
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict(), "loop": state}, handle)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         saved = torch.load(path, map_location=self.device, weights_only=True)
@@ -462,7 +466,7 @@ def main() -> int:
     try:
         trainer = build_trainer(dict(os.environ))
         summary = trainer.run()
-    except (ClusterConfigError, HyperparameterError, ChannelError, CorruptDatasetError, DataServiceError, DataExhaustedError) as error:
+    except (ClusterConfigError, HyperparameterError, ChannelError, CorruptDatasetError, DataServiceError, DataExhaustedError, CheckpointWriteError) as error:
         log.error("training failed: %s: %s", type(error).__name__, error)
         write_failure(f"{type(error).__name__}: {error}")
         return 1

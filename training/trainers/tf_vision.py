@@ -54,7 +54,14 @@ from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline,
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers.config import KerasVisionConfig
-from training.trainers.loop import DataExhaustedError, OutputPaths, TrainingLoop, TrainingStopped, leave_stopped
+from training.trainers.loop import (
+    CheckpointWriteError,
+    DataExhaustedError,
+    OutputPaths,
+    TrainingLoop,
+    TrainingStopped,
+    leave_stopped,
+)
 from training.trainers.precision import resolve_precision
 from training.trainers.schedule import Schedule
 
@@ -342,7 +349,7 @@ def main() -> int:
     try:
         trainer = build_trainer(dict(os.environ))
         summary = trainer.run()
-    except (ClusterConfigError, HyperparameterError, ChannelError, DataServiceError, DataExhaustedError) as error:
+    except (ClusterConfigError, HyperparameterError, ChannelError, DataServiceError, DataExhaustedError, CheckpointWriteError) as error:
         log.error("training failed: %s: %s", type(error).__name__, error)
         write_failure(f"{type(error).__name__}: {error}")
         return 1

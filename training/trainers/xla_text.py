@@ -61,6 +61,7 @@ from training.metrics import metric_line
 from training.trainers import host_collectives
 from training.trainers.config import TextConfig
 from training.trainers.loop import (
+    CheckpointWriteError,
     DataExhaustedError,
     OutputPaths,
     TrainingLoop,
@@ -522,7 +523,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     try:
         build_trainer(dict(os.environ)).run()
-    except (ClusterConfigError, HyperparameterError, ChannelError, DataExhaustedError, OSError) as error:
+    except (ClusterConfigError, HyperparameterError, ChannelError, DataExhaustedError, CheckpointWriteError, OSError) as error:
         log.error("training failed: %s: %s", type(error).__name__, error)
         write_failure(f"{type(error).__name__}: {error}")
         return 1
