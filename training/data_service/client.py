@@ -239,6 +239,9 @@ class DataServiceDataset(IterableDataset):
         request = pb.StreamRequest(client_id=self.client_id, batch_size=self.batch_size)
         # The first connection may wait for a host that is still starting; later ones only briefly.
         retry_until = time.monotonic() + self.connect_timeout_s
+        # Why the host first failed since its last batch: a hung host's stall is its cause, and the
+        # reconnects that follow it only find it "unreachable".
+        cause: str | None = None
         while not stop.is_set():
             # Two channels: the stream's receive limit is that of the host's batches, which its Describe tells.
             channel = grpc.insecure_channel(state.address, options=CLIENT_OPTIONS)
@@ -270,6 +273,7 @@ class DataServiceDataset(IterableDataset):
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples
                     retry_until = time.monotonic() + self.reconnect_timeout_s
+                    cause = None
                     if not put_until_stopped(merged, item, stop):
                         return
                 reason = "the stream ended without an end-of-stream marker"
@@ -317,8 +321,9 @@ class DataServiceDataset(IterableDataset):
                 if call is not None:
                     call.cancel()
                 channel.close()
+            cause = cause or reason
             if time.monotonic() >= retry_until:
-                state.ended, state.lost = reason, True
+                state.ended, state.lost = (reason if cause == reason else f"{cause}; then {reason}"), True
                 log.warning("data host %s lost (%s); carrying on with the others", state.address, reason)
                 return
             time.sleep(0.2)
