@@ -17,8 +17,10 @@ the job says why (``fallback``). Without the SDK, boto3 sends it.
 Before anything is written or billed, the checks of a state-machine launch: the spec with the
 deployment's policy (input bucket allow-list, cost ceiling), the run id (no checkpoints of it: a second
 job of one id would resume the first's last step and train nothing), resume_from's checkpoints. A direct
-run keeps its checkpoints and token under checkpoints/direct.runs/<run id>/ and control/direct.runs/<run id>/,
-where no state-machine run's id (letters, digits, "-" and "_") can reach. The token is written once
+run keeps its checkpoints, token and artifacts under checkpoints/direct.runs/<run id>/,
+control/direct.runs/<run id>/ and artifacts/direct.runs/, where no state-machine run's id (letters,
+digits, "-" and "_") can reach; its job's session (untagged: no SessionChainingConfig) reaches only those
+direct.runs/ prefixes, never a state-machine run's (infra/constructs/execution_role.py). The token is written once
 (an id launched before is refused there), then the job is created; a create SageMaker refuses takes the
 token back so the id can be used again. These checks are the client's: the caller's own IAM permissions
 are what the account enforces (the stack's DirectLaunchPolicy, see the README).
@@ -54,6 +56,7 @@ from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.results import read_summary, result_document
 from lambdas.core.service_limits import limit
 from lambdas.core.training_request import (
+    DIRECT_RUNS,
     RequestError,
     checkpoint_uri,
     create_training_job_request,
@@ -67,7 +70,7 @@ RUN_TAG = "run_id"
 # A direct run keeps its checkpoints and token under this (checkpoints/direct.runs/<run id>/, control/
 # direct.runs/<run id>/): a state-machine run's id (an execution name, or a resume_from) is letters,
 # digits, "-" and "_" (RUN_ID), never "direct.runs", so the two never share a prefix.
-DIRECT = "direct.runs"
+DIRECT = DIRECT_RUNS
 SDK_INSTALL = "pip install -e '.[sdk]' in the repository"
 
 
@@ -136,7 +139,9 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
         prefix = environment["JOB_NAME_PREFIX"]
     except (KeyError, ValueError) as error:
         raise ClientFacingError(f"stack {platform.stack!r}: its LaunchSettings output lacks {error} (redeploy with `cdk deploy`)") from None
-    launch = Launch(run_id=run, spec=spec, prefix=prefix, settings=replace(settings, tags=dict(settings.tags) | {RUN_TAG: run}))
+    # Its artifacts apart too (artifacts/direct.runs/<job>/): the only prefixes its job's session reaches.
+    settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run}, output_s3_uri=f"{settings.output_s3_uri.rstrip('/')}/{DIRECT}/")
+    launch = Launch(run_id=run, spec=spec, prefix=prefix, settings=settings)
     launch.request(boto3_job_name(launch))  # a request can be built, before anything is written
     return launch
 

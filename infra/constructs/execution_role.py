@@ -1,6 +1,16 @@
 """The role SageMaker training jobs run as: read the input buckets (the datasets bucket and any the
 deployment allows), write artifacts and checkpoints, pull our images, write the job's logs and metrics.
-Nothing more."""
+Nothing more.
+
+One role serves every job, yet no job reaches another's prefixes. A state-machine launch creates its job
+on a session tagged with the job's own keys (lambdas/core/training_request.py SESSION_TAG_KEYS), and
+SageMaker chains those tags into the job's session of this role (SessionChainingConfig; SageMaker's
+"ABAC for multi-tenancy training"), so its statements name the prefixes through ${aws:PrincipalTag/...}:
+checkpoints/<its run>/ and artifacts/<its job>/ to read and write, control/<its job>/ (its token) and
+checkpoints/<the run it resumes>/ to read. A job launched without the state machine (hetero/direct.py)
+carries no such tags; an untagged session reaches only the direct.runs/ prefixes. The compiled Neuron
+graphs (neuron-cache/) are shared by design: every Trainium job reuses them.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +23,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import S3_READ_ACTIONS, S3_WRITE_ACTIONS, acknowledge, arn_token, wildcard_actions, wildcard_resources
+from lambdas.core.training_request import CONTROL_KEY_TAG, DIRECT_RUNS, JOB_KEY_TAG, RESUME_KEY_TAG, RUN_KEY_TAG
 
 SAGEMAKER_NAMESPACE = "/aws/sagemaker/TrainingJobs"
 
@@ -29,13 +40,13 @@ class ExecutionRole(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
-        self.role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"))
+        # sts:TagSession: SageMaker passes the launch's session tags on when it assumes the role.
+        self.role = iam.Role(self, "Role", assumed_by=iam.SessionTagsPrincipal(iam.ServicePrincipal("sagemaker.amazonaws.com")))
         inputs = list(inputs)  # the datasets bucket, then cdk.json's input_buckets: what specs may read
         for bucket in inputs:
             bucket.grant_read(self.role)
-        results.grant_read(self.role, "control/*")  # the job's own shutdown token, as its platform channel
-        results.grant_read_write(self.role, "artifacts/*")
-        results.grant_read_write(self.role, "checkpoints/*")
+        for statement in run_scoped_statements(results):
+            self.role.add_to_policy(statement)
         results.grant_read_write(self.role, "neuron-cache/*")  # compiled Neuron graphs, reused across jobs
         for image in images:
             image.repository.grant_pull(self.role)
@@ -55,17 +66,54 @@ class ExecutionRole(Construct):
         acknowledge(
             self.role,
             "S3 action families from grant_read/grant_read_write, held to the input buckets (datasets, and cdk.json's "
-            "input_buckets) and the results "
-            "bucket's control/ (read), artifacts/, checkpoints/ and neuron-cache/ prefixes; SageMaker's training log group; PutMetricData and "
+            "input_buckets) and the results bucket's neuron-cache/; each job's own objects under its session tags' prefixes "
+            "(checkpoints/, artifacts/, control/: the * is what lies under the job's own key), or under direct.runs/ for "
+            "an untagged session; SageMaker's training log group; PutMetricData and "
             "ecr:GetAuthorizationToken take no resource ARN (the former is held to SageMaker's namespace).",
             *wildcard_actions(*S3_READ_ACTIONS, *S3_WRITE_ACTIONS),
             *wildcard_resources(
                 "*",
                 *(f"{arn_token(bucket)}/*" for bucket in inputs),
-                f"{arn_token(results)}/control/*",
-                f"{arn_token(results)}/artifacts/*",
-                f"{arn_token(results)}/checkpoints/*",
+                # cdk-nag writes a policy variable ${x} as <x>
+                *(f"{arn_token(results)}/{prefix}".replace("${", "<").replace("}", ">") for prefix in own_prefixes()),
                 f"{arn_token(results)}/neuron-cache/*",
                 f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{SAGEMAKER_NAMESPACE}:*",
             ),
         )
+
+
+OWN_READ_WRITE = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts")
+
+
+def _tag(key: str) -> str:
+    return "${aws:PrincipalTag/" + key + "}"
+
+
+# (the results bucket's key pattern, written too) that a job's session reaches: a tagged session (a
+# state-machine launch) by its tags; an untagged one (a direct launch) under direct.runs/.
+TAGGED_PREFIXES = ((f"checkpoints/{_tag(RUN_KEY_TAG)}/*", True), (f"artifacts/{_tag(JOB_KEY_TAG)}/*", True),
+                   (f"control/{_tag(CONTROL_KEY_TAG)}/*", False), (f"checkpoints/{_tag(RESUME_KEY_TAG)}/*", False))
+UNTAGGED_PREFIXES = ((f"checkpoints/{DIRECT_RUNS}/*", True), (f"artifacts/{DIRECT_RUNS}/*", True), (f"control/{DIRECT_RUNS}/*", False))
+
+
+def own_prefixes() -> list[str]:
+    return [pattern for pattern, _ in (*TAGGED_PREFIXES, *UNTAGGED_PREFIXES)]
+
+
+def run_scoped_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
+    """The results bucket's statements for a job's own prefixes: a tagged session's by its tags, an
+    untagged one's (Null: no run_key tag) under direct.runs/ only."""
+    untagged = {"Null": {f"aws:PrincipalTag/{RUN_KEY_TAG}": "true"}}
+    statements = []
+    for patterns, conditions in ((TAGGED_PREFIXES, {}), (UNTAGGED_PREFIXES, untagged)):
+        listed = [prefix for pattern, _ in patterns for prefix in (pattern, pattern[:-2])]  # "<key>/*" and "<key>" itself
+        statements += [
+            iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects(pattern) for pattern, _ in patterns],
+                                conditions=conditions or None),
+            iam.PolicyStatement(actions=list(OWN_READ_WRITE), resources=[results.arn_for_objects(pattern) for pattern, writes in patterns if writes],
+                                conditions=conditions or None),
+            iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
+                                conditions={"StringLike": {"s3:prefix": listed}} | conditions),
+        ]
+    statements.append(iam.PolicyStatement(actions=["s3:GetBucketLocation"], resources=[results.bucket_arn]))
+    return statements

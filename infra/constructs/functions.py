@@ -28,6 +28,7 @@ from infra.nag import (
     wildcard_resources,
 )
 from lambdas.core.sweep import METRIC_NAMESPACE
+from lambdas.core.training_request import RUN_KEY_TAG, SESSION_TAG_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # What the handlers import, and nothing else (no torch, no grpc: these modules are standard library).
@@ -180,20 +181,15 @@ class TrainingRunFunctions(Construct):
         self.stop = function(FunctionSpec("StopJob", "stop_job", "Stop a run's training job after a failure or an abort"))
         self.reconcile = function(FunctionSpec("ReconcileJobs", "reconcile_jobs", "Stop running jobs whose execution no longer runs", 120))
 
+        # ListTags: a job of the launch's name is adopted only if its execution_arn tag is the launch's own.
         self.launch.add_to_role_policy(
-            # ListTags: a job of the launch's name is adopted only if its execution_arn tag is the launch's own.
-            iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags", "sagemaker:DescribeTrainingJob", "sagemaker:ListTags"],
-                                resources=[jobs_arn])
+            iam.PolicyStatement(actions=["sagemaker:DescribeTrainingJob", "sagemaker:ListTags"], resources=[jobs_arn])
         )
         # ListTrainingJobs takes no resource ARN: to refuse a run name whose job is running already.
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTrainingJobs"], resources=["*"]))
-        self.launch.add_to_role_policy(
-            iam.PolicyStatement(
-                actions=["iam:PassRole"],
-                resources=[sagemaker_role.role_arn],
-                conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}},
-            )
-        )
+        self.job_launcher = job_launcher_role(self, prefix=prefix, launch_role=self.launch.role, sagemaker_role=sagemaker_role, jobs_arn=jobs_arn)
+        self.launch.add_environment("JOB_LAUNCHER_ROLE_ARN", self.job_launcher.role_arn)
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["sts:AssumeRole", "sts:TagSession"], resources=[self.job_launcher.role_arn]))
         for fn in (self.collect, self.stop):
             fn.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:DescribeTrainingJob"], resources=[jobs_arn]))
         self.reconcile.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:ListTrainingJobs"], resources=["*"]))
@@ -266,6 +262,32 @@ class TrainingRunFunctions(Construct):
         for fn in (self.plan_sweep, self.compare_sweep):
             skip_checkov(fn, SYNCHRONOUS_ONLY, "CKV_AWS_116")
         self.sweep = (self.plan_sweep, self.compare_sweep)
+
+
+def job_launcher_role(scope: Construct, *, prefix: str, launch_role: iam.IRole, sagemaker_role: iam.IRole, jobs_arn: str) -> iam.Role:
+    """The role a state-machine launch creates its job as, on a session tagged with the job's own keys
+    (lambdas/core/training_request.py SESSION_TAG_KEYS) that SageMaker chains into the job's session of the
+    execution role. Only the launch function assumes it, only with those tag keys, and with run_key set: a
+    job created here is always held to its own prefixes (infra/constructs/execution_role.py)."""
+    role = iam.Role(
+        scope, "JobLauncherRole",
+        description="Creates the platform's training jobs on sessions tagged with each job's own S3 prefixes",
+        assumed_by=iam.SessionTagsPrincipal(iam.ArnPrincipal(launch_role.role_arn)).with_conditions({
+            "ForAllValues:StringEquals": {"aws:TagKeys": list(SESSION_TAG_KEYS)},
+            "Null": {f"aws:RequestTag/{RUN_KEY_TAG}": "false"},
+        }),
+        max_session_duration=Duration.hours(1),
+    )
+    role.add_to_policy(iam.PolicyStatement(actions=["sagemaker:CreateTrainingJob", "sagemaker:AddTags"], resources=[jobs_arn]))
+    role.add_to_policy(
+        iam.PolicyStatement(
+            actions=["iam:PassRole"],
+            resources=[sagemaker_role.role_arn],
+            conditions={"StringEquals": {"iam:PassedToService": "sagemaker.amazonaws.com"}},
+        )
+    )
+    acknowledge(role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(training_jobs_arn(Stack.of(scope), prefix)))
+    return role
 
 
 RETENTION = {30: logs.RetentionDays.ONE_MONTH, 90: logs.RetentionDays.THREE_MONTHS, 180: logs.RetentionDays.SIX_MONTHS,

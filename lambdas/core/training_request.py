@@ -35,6 +35,20 @@ from training.hyperparameters import PLATFORM_CHANNEL, RESUME_CHANNEL, PlatformS
 from training.metrics import METRIC_DEFINITIONS
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
+# Session tags a state-machine launch puts on its own session (it assumes the job launcher role with them)
+# and SageMaker chains into the job's session of the execution role (SessionChainingConfig, "ABAC for
+# multi-tenancy training" in SageMaker's guide). The role's statements name the job's prefixes through
+# ${aws:PrincipalTag/<key>} (infra/constructs/execution_role.py): a job reaches its own run's checkpoints,
+# its own token and its own artifacts, and reads only the checkpoints of the run it resumes.
+RUN_KEY_TAG = "run_key"  # checkpoints/<run id>/
+CONTROL_KEY_TAG = "control_key"  # control/<key>/: the job's shutdown token
+JOB_KEY_TAG = "job_key"  # artifacts/<job name>/: what SageMaker uploads
+RESUME_KEY_TAG = "resume_key"  # checkpoints/<resumed run id>/, read only (the run's own when it resumes none)
+SESSION_TAG_KEYS = (RUN_KEY_TAG, CONTROL_KEY_TAG, JOB_KEY_TAG, RESUME_KEY_TAG)
+# A job launched without the state machine (hetero/direct.py) keeps its checkpoints, token and artifacts
+# under this (checkpoints/direct.runs/<run id>/, ...), and its untagged session reaches only that: never a
+# state-machine run's prefix, whose run id (an execution name: letters, digits, '-', '_') cannot be it.
+DIRECT_RUNS = "direct.runs"
 
 
 class RequestError(ValueError):
@@ -109,10 +123,19 @@ def token_uri(settings: LaunchSettings, key: str) -> str:
     return f"{settings.control_s3_uri.rstrip('/')}/{key}/"
 
 
-def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, run_id: str, control_key: str | None = None) -> dict[str, Any]:
+def job_session_tags(spec: JobSpec, *, name: str, run_id: str, control_key: str | None = None) -> dict[str, str]:
+    """The session tags of job ``name`` of run ``run_id`` (see SESSION_TAG_KEYS), the keys of its own
+    S3 prefixes. Pure."""
+    return {RUN_KEY_TAG: run_id, CONTROL_KEY_TAG: control_key or name, JOB_KEY_TAG: name, RESUME_KEY_TAG: spec.resume_from or run_id}
+
+
+def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name: str, run_id: str, control_key: str | None = None,
+                                chain_session_tags: bool = False) -> dict[str, Any]:
     """The request for job ``name`` of run ``run_id``. Its shutdown token lies under control/<control_key>/,
     by default the job's name; a launch that learns the job's name only as it is sent (the SageMaker
-    SDK's ModelTrainer names jobs <base>-<time>: hetero/sdk.py) keys it by the run instead."""
+    SDK's ModelTrainer names jobs <base>-<time>: hetero/sdk.py) keys it by the run instead.
+    ``chain_session_tags``: the caller's session carries job_session_tags, which the job's session of the
+    execution role inherits (a state-machine launch)."""
     try:
         image = settings.image_uris[spec.variant]
     except KeyError:
@@ -147,6 +170,8 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         "EnableInterContainerTrafficEncryption": settings.inter_container_encryption,
         "Tags": [{"Key": key, "Value": value} for key, value in ({"run_name": spec.run_name} | dict(settings.tags)).items()],
     }
+    if chain_session_tags:
+        request["SessionChainingConfig"] = {"EnableSessionTagChaining": True}
     if settings.vpc_config:
         request["VpcConfig"] = {"SecurityGroupIds": list(settings.vpc_config["SecurityGroupIds"]), "Subnets": list(settings.vpc_config["Subnets"])}
     return request

@@ -18,6 +18,11 @@ launch (``previous``) and the reason: after a backoff it creates the next attemp
 ``CAPACITY_RELAUNCHES`` times, carrying the poll budgets over and recording every failed attempt
 (``attempts``, which result.json keeps).
 
+One run never reaches another's prefixes: the job is created on a session of the job launcher role that
+carries the job's session tags (its run, token, artifacts and resumed run: job_session_tags), which
+SageMaker chains into the job's session of the execution role (SessionChainingConfig), whose S3
+statements name each prefix by those tags.
+
 Errors the state machine retries are raised by name: LaunchThrottled, CapacityUnavailable. A run name
 whose job is running already is refused (RunNameInUse) before anything is created, and so is a run whose
 checkpoint prefix holds checkpoints already (CheckpointsExist). A job is adopted only when its
@@ -32,15 +37,23 @@ import secrets
 from dataclasses import replace
 from typing import Any
 
+import boto3
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client, object_size_or_none, put_new_object, recent_running_jobs
+from lambdas.clients import CONFIG, client, object_size_or_none, put_new_object, recent_running_jobs
 from lambdas.core.deadlines import next_backoff_s, poll_plan
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, split_s3_uri, validate_job_spec
 from lambdas.core.results import ResultExistsError
-from lambdas.core.training_request import checkpoint_uri, create_training_job_request, settings_from_environment, token_uri
+from lambdas.core.training_request import (
+    JOB_KEY_TAG,
+    checkpoint_uri,
+    create_training_job_request,
+    job_session_tags,
+    settings_from_environment,
+    token_uri,
+)
 from training.hyperparameters import TOKEN_FILE
 
 logger = Logger(service="launch-job")
@@ -123,7 +136,7 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     settings = settings_from_environment(dict(os.environ))
     # The reconciler (lambdas/reconcile_jobs) finds the execution of a running job by this tag.
     settings = replace(settings, tags=dict(settings.tags) | {EXECUTION_TAG: event["execution_arn"]})
-    request = create_training_job_request(spec, settings, name=name, run_id=run)
+    request = create_training_job_request(spec, settings, name=name, run_id=run, chain_session_tags=True)
     if spec.resume_from and not _has_checkpoints(checkpoint_uri(settings, spec.resume_from)):
         raise NothingToResume(f"run {spec.resume_from!r} left no checkpoints ({checkpoint_uri(settings, spec.resume_from)}): "
                               "name a run that wrote some, or leave resume_from out to start afresh")
@@ -146,7 +159,7 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
         if others:
             raise RunNameInUse(f"run {spec.run_name!r} is running already (training job {sorted(others)[0]}); wait for it, stop it, or pick another run_name")
         _write_token(token_uri(settings, name))
-        sagemaker.create_training_job(**request)
+        job_creator(job_session_tags(spec, name=name, run_id=run)).create_training_job(**request)
     except ClientError as error:
         code = error.response["Error"]["Code"]
         message = error.response["Error"].get("Message", "")
@@ -159,6 +172,18 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     logger.info("launched", extra={"job_name": name, "attempt": plan["attempt"], "instance_groups": [g.name for g in spec.instance_groups]})
     stop_if_execution_ended(sagemaker, event["execution_arn"], name)
     return {"job_name": name} | plan
+
+
+def job_creator(tags: dict[str, str]) -> Any:
+    """A SageMaker client on a session of the job launcher role that carries the job's session tags: the
+    job's own session of the execution role inherits them (SessionChainingConfig), and with them reaches
+    only its own prefixes. The session lasts the call (15 minutes, STS's least)."""
+    credentials = client("sts").assume_role(
+        RoleArn=os.environ["JOB_LAUNCHER_ROLE_ARN"], RoleSessionName=tags[JOB_KEY_TAG][:64], DurationSeconds=900,
+        Tags=[{"Key": key, "Value": value} for key, value in tags.items()],
+    )["Credentials"]
+    return boto3.client("sagemaker", aws_access_key_id=credentials["AccessKeyId"], aws_secret_access_key=credentials["SecretAccessKey"],
+                        aws_session_token=credentials["SessionToken"], config=CONFIG)
 
 
 def stop_if_execution_ended(sagemaker: Any, execution_arn: str, name: str) -> bool:

@@ -447,3 +447,57 @@ def test_every_alarm_notifies_the_encrypted_alarm_topic(template_json) -> None:
     assert len(alarms) >= 4
     for alarm in alarms.values():
         assert alarm["Properties"]["AlarmActions"] == [{"Ref": topic_id}]
+
+
+def role_statements(template_json: dict[str, Any], role_prefix: str) -> list[dict[str, Any]]:
+    """The statements of the policies attached to the role whose logical id starts with ``role_prefix``."""
+    (role,) = [name for name in resources(template_json, "AWS::IAM::Role") if name.startswith(role_prefix)]
+    return [statement for policy in resources(template_json, "AWS::IAM::Policy").values()
+            if {"Ref": role} in policy["Properties"]["Roles"] for statement in policy["Properties"]["PolicyDocument"]["Statement"]]
+
+
+def test_a_jobs_session_reaches_only_its_own_runs_prefixes(template_json) -> None:
+    """One execution role for every job, held per job by the session tags SageMaker chains into the job's
+    session: checkpoints, artifacts and token under the job's own keys; an untagged session (a direct
+    launch) only under direct.runs/. No statement reaches every run's checkpoints, artifacts or tokens."""
+    own = {"checkpoints/${aws:PrincipalTag/run_key}/*", "artifacts/${aws:PrincipalTag/job_key}/*",
+           "control/${aws:PrincipalTag/control_key}/*", "checkpoints/${aws:PrincipalTag/resume_key}/*"}
+    direct = {"checkpoints/direct.runs/*", "artifacts/direct.runs/*", "control/direct.runs/*"}
+    seen: dict[str, set[str]] = {}
+    for statement in role_statements(template_json, "SageMakerExecutionRole"):
+        for resource in as_list(statement["Resource"]):
+            rendered = json.dumps(resource)
+            if "BucketsResults" not in rendered or "Fn::Join" not in rendered:
+                continue
+            key = resource["Fn::Join"][1][1].lstrip("/")
+            if key.startswith("neuron-cache/"):
+                continue  # shared by design: compiled graphs every Trainium job reuses
+            assert key in own | direct, key
+            untagged = statement.get("Condition") == {"Null": {"aws:PrincipalTag/run_key": "true"}}
+            assert untagged == (key in direct), statement  # direct.runs/ only for a session without the tags
+            seen.setdefault(key, set()).update(as_list(statement["Action"]))
+    writes = {"s3:PutObject", "s3:DeleteObject"}
+    assert {key for key, actions in seen.items() if actions >= writes} == {
+        "checkpoints/${aws:PrincipalTag/run_key}/*", "artifacts/${aws:PrincipalTag/job_key}/*", "checkpoints/direct.runs/*", "artifacts/direct.runs/*"}
+    assert set(seen) == own | direct  # the token and the resumed run's checkpoints: read only
+    (role,) = [r for name, r in resources(template_json, "AWS::IAM::Role").items() if name.startswith("SageMakerExecutionRole")]
+    assert as_list(role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+
+
+def test_only_the_launch_function_creates_jobs_on_sessions_that_carry_the_jobs_keys(template_json) -> None:
+    from lambdas.core.training_request import SESSION_TAG_KEYS
+
+    (launcher_id,) = [name for name in resources(template_json, "AWS::IAM::Role") if "JobLauncherRole" in name]
+    trust = template_json["Resources"][launcher_id]["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    (statement,) = trust  # the launch function's role alone, with the job's tag keys alone, run_key among them
+    assert statement["Action"] == ["sts:AssumeRole", "sts:TagSession"] and statement["Effect"] == "Allow"
+    assert statement["Principal"]["AWS"]["Fn::GetAtt"][0].startswith("TrainingRunFunctionsLaunchJobRole")
+    assert statement["Condition"] == {"ForAllValues:StringEquals": {"aws:TagKeys": list(SESSION_TAG_KEYS)},
+                                      "Null": {"aws:RequestTag/run_key": "false"}}
+    launch = role_statements(template_json, "TrainingRunFunctionsLaunchJobRole")
+    actions = {action for statement in launch for action in as_list(statement["Action"])}
+    assert "sagemaker:CreateTrainingJob" not in actions and "iam:PassRole" not in actions  # only through the launcher role
+    (assume,) = [s for s in launch if "sts:AssumeRole" in as_list(s["Action"])]
+    assert as_list(assume["Action"]) == ["sts:AssumeRole", "sts:TagSession"] and assume["Resource"] == {"Fn::GetAtt": [launcher_id, "Arn"]}
+    creates = {action for statement in role_statements(template_json, "TrainingRunFunctionsJobLauncherRole") for action in as_list(statement["Action"])}
+    assert creates == {"sagemaker:CreateTrainingJob", "sagemaker:AddTags", "iam:PassRole"}

@@ -29,6 +29,7 @@ ENVIRONMENT = {
     "JOB_NAME_PREFIX": "hetero",
     "IMAGE_URIS": json.dumps({"pytorch": f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/training-pytorch:abc"}),
     "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/training-sagemaker",
+    "JOB_LAUNCHER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/training-job-launcher",
     "OUTPUT_S3_URI": f"s3://{RESULTS_BUCKET}/artifacts/",
     "CHECKPOINT_S3_URI": f"s3://{RESULTS_BUCKET}/checkpoints/",
     "CONTROL_S3_URI": f"s3://{RESULTS_BUCKET}/control/",

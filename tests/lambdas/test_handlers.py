@@ -6,13 +6,13 @@ import copy
 import json
 from pathlib import Path
 
+import boto3
 import pytest
-from botocore.stub import Stubber
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moto.sagemaker.models import sagemaker_backends
+from moto.core.exceptions import JsonRESTError
+from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 
-from lambdas.clients import client
 from lambdas.collect_results.handler import handler as collect
 from lambdas.core.execution import job_name_for_execution
 from lambdas.core.job_spec import JobSpecError
@@ -152,14 +152,14 @@ def test_an_execution_name_no_sagemaker_tag_can_hold_is_refused_before_anything_
 
 
 @pytest.mark.parametrize(("code", "error"), [("ThrottlingException", LaunchThrottled), ("ResourceLimitExceeded", CapacityUnavailable)])
-def test_launch_names_the_errors_the_state_machine_retries(aws, context, code: str, error: type) -> None:
-    with Stubber(client("sagemaker")) as stubber:
-        # SageMaker's answer for a job that does not exist (no earlier attempt created it)
-        stubber.add_client_error("describe_training_job", service_error_code="ValidationException", service_message="Requested resource not found.")
-        stubber.add_response("list_training_jobs", {"TrainingJobSummaries": []})
-        stubber.add_client_error("create_training_job", service_error_code=code, service_message="slow down")
-        with pytest.raises(error, match="slow down"):
-            launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+def test_launch_names_the_errors_the_state_machine_retries(aws, context, monkeypatch, code: str, error: type) -> None:
+    def refuse(self, *args, **kwargs):  # SageMaker's answer, at moto's boundary (botocore retries throttling 4 times first)
+        raise JsonRESTError(code, "slow down")
+
+    monkeypatch.setattr(SageMakerModelBackend, "create_training_job", refuse)
+    with pytest.raises(error, match="slow down"):
+        launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
 
 
 def test_collect_writes_the_result_once(aws, context) -> None:
@@ -379,3 +379,25 @@ def test_stop_of_an_execution_refused_for_its_spec_looks_for_nothing_and_does_no
     after Lambda's retries, raise the 'a job may be billing' alarm for a run that launched nothing."""
     event = {"detail": {"executionArn": EXECUTION, "status": "FAILED", "input": bad_input, "startDate": 1796040000000}}
     assert stop(event, context) == {"job_name": None, "stopped": False, "status": "NotStarted"}
+
+
+def test_a_launch_creates_its_job_on_a_session_tagged_with_its_own_prefixes(aws, context, monkeypatch) -> None:
+    """The job's session of the execution role inherits the launch's session tags (SessionChainingConfig),
+    and the role's S3 statements name the job's prefixes by them (tests/infra: the role's side). Captured
+    as botocore sends them."""
+    sent: dict[str, dict] = {}
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # the test's own, gone after it
+    boto3.setup_default_session()  # every client of this launch is made from it and copies its handlers
+    for operation in ("sts.AssumeRole", "sagemaker.CreateTrainingJob"):
+        boto3.DEFAULT_SESSION.events.register(f"provide-client-params.{operation}",
+                                              lambda params, model, **_: sent.__setitem__(model.name, dict(params)))
+    resumed = spec() | {"resume_from": "run-0000"}
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key="checkpoints/run-0000/checkpoint.pt", Body=b"the earlier run's")
+    name = launch({"spec": resumed, "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
+    assume = sent["AssumeRole"]
+    assert assume["RoleArn"].endswith(":role/training-job-launcher") and assume["RoleSessionName"] == name
+    assert {tag["Key"]: tag["Value"] for tag in assume["Tags"]} == {
+        "run_key": "run-0001", "control_key": name, "job_key": name, "resume_key": "run-0000"}
+    create = sent["CreateTrainingJob"]
+    assert create["SessionChainingConfig"] == {"EnableSessionTagChaining": True} and create["TrainingJobName"] == name
+    assert create["CheckpointConfig"]["S3Uri"].endswith("/checkpoints/run-0001/")  # the prefix run_key names

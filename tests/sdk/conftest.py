@@ -87,8 +87,10 @@ class Aws:
 
     def finish(self, job_name: str, summary: dict[str, Any] | None, billable_s: int = 600) -> None:
         """The job completes, its hosts' summary (if any) in output.tar.gz as SageMaker uploads it."""
-        if summary is not None:
-            self.s3.put_object(Bucket=RESULTS, Key=f"artifacts/{job_name}/output/output.tar.gz", Body=output_archive(summary))
+        if summary is not None:  # under the job's own S3OutputPath, as SageMaker uploads it
+            output = self.sagemaker.describe_training_job(TrainingJobName=job_name)["OutputDataConfig"]["S3OutputPath"]
+            prefix = output.removeprefix(f"s3://{RESULTS}/").rstrip("/")
+            self.s3.put_object(Bucket=RESULTS, Key=f"{prefix}/{job_name}/output/output.tar.gz", Body=output_archive(summary))
         job = sagemaker_backends[ACCOUNT][REGION].training_jobs[job_name]
         job.training_job_status = job.secondary_status = "Completed"
         job.billable_time_in_seconds = billable_s

@@ -32,8 +32,10 @@ SPECS = ["pytorch-heterogeneous.json", "tensorflow-heterogeneous.json", "neuron-
 def builders_request(raw: dict, job_name: str, run_id: str) -> dict:
     """What lambdas/core/training_request.py makes for this job, computed here on its own."""
     settings = settings_from_environment(LAUNCH_SETTINGS)
-    settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run_id})
-    key = f"direct.runs/{run_id}"  # a direct run's checkpoints and token: apart from every state-machine run's
+    # A direct run's checkpoints, token and artifacts: apart from every state-machine run's (an untagged job
+    # session reaches only direct.runs/, infra/constructs/execution_role.py).
+    settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run_id}, output_s3_uri=f"{settings.output_s3_uri}direct.runs/")
+    key = f"direct.runs/{run_id}"
     return create_training_job_request(validate_job_spec(raw), settings, name=job_name, run_id=key, control_key=key)
 
 
