@@ -5,9 +5,10 @@
   own ``main`` and, when ranks fail, writes the one that caused it as JSON (rank, local rank, exit code,
   signal) to the file the launcher names in ``TRAINING_RANK_FAILURE_FILE``, then fails as torchrun does.
   The cause is found by the kind of each death before its time (``cause``): a rank SIGKILLed (the OOM
-  killer) before one that crashed, before one that aborted, before an exit code, before a rank stopped by
-  the SIGTERM torchrun itself sends; a peer that died of the broken collective a moment later, by
-  whatever means, is not the cause.
+  killer) before one that crashed (SIGSEGV, SIGBUS, SIGFPE, SIGILL), before one that exited non-zero (a
+  rank that raised), before one that aborted (SIGABRT: how a peer of a dead rank often ends), before a
+  rank stopped by the SIGTERM torchrun itself sends; a peer that died of the broken collective a moment
+  later, by whatever means, is not the cause.
 * On SIGTERM torchrun passes the signal to its ranks and kills them 30 s later (the default of its
   process context's ``close``). When the SIGTERM came to torchrun (a stop: StopTrainingJob, a spot
   interruption), its ranks get RANK_STOP_GRACE_S instead, within SageMaker's 120 s, to save; when torchrun
@@ -36,11 +37,12 @@ RANK_STOP_GRACE_S = 90
 
 # How likely a rank's death is the cause rather than a consequence of its peer's, by kind, best first.
 # SIGKILL comes from outside (the kernel's OOM killer, an operator): no rank sends it to itself. A crash
-# signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL) is the rank's own fault. SIGABRT is how a rank whose peer died
-# often ends too: gloo's or NCCL's error escapes into C++'s terminate while the process tears down. Then
-# exit codes (a peer's broken collective exits 1), and last the ranks that were stopped: by torchrun's own
-# SIGTERM, by SIGINT, or saved and left on one (TrainingStopped's 143).
-EXTERNAL, CRASHED, ABORTED, EXITED, STOPPED = range(5)
+# signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL) is the rank's own fault. Then exit codes: a rank that raised
+# exits 1, and so may a peer whose collective broke, so among them the time decides. SIGABRT after them:
+# it is how a rank whose peer died usually ends (gloo's or NCCL's error escapes into C++'s terminate while
+# the process tears down, or NCCL's watchdog aborts it). Last the ranks that were stopped: by torchrun's
+# own SIGTERM, by SIGINT, or saved and left on one (TrainingStopped's 143, 130).
+EXTERNAL, CRASHED, EXITED, ABORTED, STOPPED = range(5)
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 

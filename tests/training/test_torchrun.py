@@ -34,5 +34,17 @@ def test_a_signal_death_from_outside_is_the_cause_whatever_its_peers_died_of_in_
     assert cause({0: failure(0, -6, 99), 1: failure(1, -9, 100)})[0] == 1  # stamped earlier, still a consequence
     # A crash of a rank's own (SIGSEGV) is a cause before its peers' abort or exit code.
     assert cause({0: failure(0, 1, 100), 1: failure(1, -6, 100), 2: failure(2, -11, 101)})[0] == 2
+    assert cause({0: failure(0, -6, 100), 1: failure(1, -7, 101)})[0] == 1  # SIGBUS, stamped later, before SIGABRT
     # Stopped ranks (SIGTERM, SIGINT, 143, 130) come last, after any exit code.
     assert cause({0: failure(0, -2, 100), 1: failure(1, 130, 100), 2: failure(2, 143, 99), 3: failure(3, 2, 101)})[0] == 3
+
+
+def test_a_rank_that_raised_is_the_cause_not_the_peer_that_aborted_in_the_same_poll() -> None:
+    # Rank 0 raised (exit 1); its NCCL/gloo peer aborted (SIGABRT) as the collective broke, both seen in
+    # one poll: the culprit's exit code, not "killed by SIGABRT".
+    assert cause({0: failure(0, 1, 100), 1: failure(1, -6, 100)})[0] == 0
+    assert cause({0: failure(0, -6, 99), 1: failure(1, 1, 100)})[0] == 1  # the abort stamped a second earlier
+    record = failure_record(ChildFailedError("m", {0: failure(0, 1, 100), 1: failure(1, -6, 100)}))
+    assert (record["rank"], record["exitcode"], record["signal"]) == (0, 1, None)
+    # The OOM killer's SIGKILL stays the cause before any of them.
+    assert cause({0: failure(0, 1, 100), 1: failure(1, -6, 100), 2: failure(2, -9, 101)})[0] == 2
