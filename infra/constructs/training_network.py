@@ -48,7 +48,7 @@ from infra.nag import S3_READ_ACTIONS, S3_WRITE_ACTIONS, acknowledge, wildcard_r
 # Execution Role Permissions", VPC section). The four that act on network interfaces take resource ARNs
 # (IAM's service authorization reference for EC2: network-interface, and for the create also subnet and
 # security-group, each with the ec2:Vpc condition key); the Describe actions take none.
-INTERFACE_ACTIONS = ("ec2:CreateNetworkInterfacePermission", "ec2:DeleteNetworkInterface", "ec2:DeleteNetworkInterfacePermission")
+INTERFACE_ACTIONS = ("ec2:CreateNetworkInterfacePermission", "ec2:DeleteNetworkInterface")
 DESCRIBE_ACTIONS = ("ec2:DescribeNetworkInterfaces", "ec2:DescribeVpcs", "ec2:DescribeDhcpOptions", "ec2:DescribeSubnets",
                     "ec2:DescribeSecurityGroups")
 # What the endpoint lets through to the platform's buckets: what the SageMaker role may do there (reads,
@@ -96,19 +96,34 @@ class TrainingNetwork(Construct):
 
         in_this_vpc = {"ArnEquals": {"ec2:Vpc": ec2_arn("vpc", self.vpc.vpc_id)}}
         interfaces = ec2_arn("network-interface", "*")  # created by SageMaker at each job's start: no ID beforehand
+        # Each resource of a request is authorized on its own, with the condition keys its type has (the
+        # service authorization reference): CreateNetworkInterface's subnet and security group carry ec2:Vpc,
+        # the interface it creates does not (a condition on an absent key denies), so the subnets and group
+        # are what hold the create to the training VPC.
         sagemaker_role.add_to_policy(iam.PolicyStatement(
             sid="CreateJobInterfacesInTheTrainingSubnets", actions=["ec2:CreateNetworkInterface"],
             resources=[*(ec2_arn("subnet", subnet_id) for subnet_id in self.subnet_ids),
-                       ec2_arn("security-group", self.security_group.security_group_id), interfaces],
+                       ec2_arn("security-group", self.security_group.security_group_id)],
             conditions=in_this_vpc,
+        ))
+        sagemaker_role.add_to_policy(iam.PolicyStatement(
+            sid="CreateJobInterfaces", actions=["ec2:CreateNetworkInterface"], resources=[interfaces],
         ))
         sagemaker_role.add_to_policy(iam.PolicyStatement(
             sid="ManageJobInterfacesInTheTrainingVpc", actions=list(INTERFACE_ACTIONS), resources=[interfaces], conditions=in_this_vpc,
         ))
+        # Its network-interface resource is optional (the request names a permission, not always an
+        # interface): scoped to interfaces, a request without one would be denied; held to the training VPC
+        # whenever the request names an interface (IfExists).
+        sagemaker_role.add_to_policy(iam.PolicyStatement(
+            sid="RevokeJobInterfacePermissions", actions=["ec2:DeleteNetworkInterfacePermission"], resources=["*"],
+            conditions={"ArnEqualsIfExists": in_this_vpc["ArnEquals"]},
+        ))
         sagemaker_role.add_to_policy(iam.PolicyStatement(sid="DescribeTheTrainingNetwork", actions=list(DESCRIBE_ACTIONS), resources=["*"]))
-        acknowledge(sagemaker_role, "SageMaker creates each job's network interfaces at its start (no ID known beforehand): held by "
-                                    "condition to the training VPC (ec2:Vpc); the EC2 Describe actions take no resource ARN "
-                                    "(service authorization reference for EC2).",
+        acknowledge(sagemaker_role, "SageMaker creates each job's network interfaces at its start (no ID known beforehand): the "
+                                    "create held to the training subnets and security group, the rest by condition to the training VPC "
+                                    "(ec2:Vpc); the EC2 Describe actions take no resource ARN, and DeleteNetworkInterfacePermission's "
+                                    "interface is optional in its request (service authorization reference for EC2).",
                     *wildcard_resources("*", f"arn:<AWS::Partition>:ec2:{stack.region}:<AWS::AccountId>:network-interface/*"))
 
     @property

