@@ -286,6 +286,22 @@ def test_evaluation_labels_mean_what_they_meant_in_training(tiny_model, tmp_path
         tokenize_channel(only_positive, "test", tokenizer, 16, tmp_path / "cache", classes=(1, 2))
 
 
+def test_an_evaluation_writes_a_progress_mark_per_batch(tiny_model, polarity, tmp_path, monkeypatch) -> None:
+    """The launcher's stall rule sees no step during an evaluation: each of its batches is a mark."""
+    from training.trainers.loop import PROGRESS_DIR_ENV
+
+    (tmp_path / "progress").mkdir()
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path / "progress"))
+    run = trainer(tiny_model, polarity, tmp_path, eval_channel="test")
+    written: list[str] = []
+    write = run._write_mark
+    monkeypatch.setattr(run, "_write_mark", lambda text: (written.append(text), write(text)))
+    assert run.evaluate() is not None
+    batches = len(EvalShard(run.eval_data, rank=0, world_size=1, batch_size=16))
+    assert batches == 6 and written == [f"evaluate {count} 0" for count in range(1, batches + 1)]
+    assert (tmp_path / "progress" / "rank-0").read_text() == "evaluate 6 0"
+
+
 def test_evaluation_counts_every_example_once_across_ranks(tiny_model, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -26,9 +26,11 @@ must look the same across variants:
 * the model in ``/opt/ml/model``, and ``summary.json`` plus the resolved ``config.json`` in
   ``/opt/ml/output/data`` (and the config beside the model);
 * a progress mark per process (a file in the folder the launcher names in ``TRAINING_PROGRESS_DIR``,
-  rewritten with the step's number after every step, and with ``done <step>`` once every rank passed the
-  final barrier): how the launcher tells a stalled or frozen rank, or a job whose batches stopped coming,
-  from a slow one, and a finished run whose processes do not exit from one still working.
+  rewritten with the step's number after every step, with ``<phase> <count> <step>`` during the long
+  phases that run no step (``mark_progress``: each evaluation batch, the start and end of a checkpoint
+  write, of the summary, of the model's save), and with ``done <step>`` once every rank passed the final
+  barrier): how the launcher tells a stalled or frozen rank, or a job whose batches stopped coming, from
+  a slow one, and a finished run whose processes do not exit from one still working.
 """
 
 from __future__ import annotations
@@ -188,6 +190,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         # Samples this rank consumed in earlier runs of the job (from the checkpoint): where ``batches``
         # starts, so that a resumed run does not replay what was already trained on.
         self.resume_samples = 0
+        self._marked_step = 0  # the last step this process's mark reported
+        self._phase_marks = 0  # phase marks written: each one's text differs from the last
 
     @property
     def is_chief(self) -> bool:
@@ -254,6 +258,19 @@ class TrainingLoop(ABC, Generic[BatchT]):
         """The variant's part of the summary; runs on every process, so it may gather across them."""
         return {}
 
+    def mark_progress(self, phase: str) -> None:
+        """Tell the launcher that this process works on in a phase that runs no training step (call it per
+        evaluation batch, for instance): its stall rule counts any change of the mark as progress, and a
+        phase that writes none for ``trainer_stall_timeout_s`` is taken for a frozen rank. Cheap (one small
+        file write); a no-op outside a launcher."""
+        self._phase_marks += 1
+        self._write_mark(f"{phase} {self._phase_marks} {self._marked_step}")
+
+    def _write_mark(self, text: str) -> None:
+        mark = _progress_mark(self.rank)
+        if mark is not None:
+            mark.write_text(text)
+
     # The loop ------------------------------------------------------------------------------------
 
     @property
@@ -270,8 +287,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         # Outside a launcher (a trainer run in-process), from the loop's own start.
         container_started = container_started_at() or time.time()
         first_batch_s = float("nan")
-        progress = _progress_mark(self.rank)
         start_step = self._restore()
+        self._marked_step = start_step
         if self.is_chief:
             self._write_config()
         step_ms: list[float] = []
@@ -294,8 +311,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
             loss = self.train_step(batch)
             self._steps_this_run = step - start_step
             now = time.perf_counter()
-            if progress is not None:
-                progress.write_text(str(step))
+            self._marked_step = step
+            self._write_mark(str(step))
             elapsed, waited = (now - last) * 1000, (fetched - last) * 1000
             timed = step - start_step > config.warmup_steps
             (step_ms if timed else warmup_ms).append(elapsed)
@@ -332,6 +349,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
         wait_ms = elementwise_max([waits for waits, _ in ranks])
         # Training starts when the last rank has its first batch (a rank that trained no step has none).
         first_batches = [first for _, first in ranks if first == first]
+        self.mark_progress("summary")  # the variant's part may evaluate (which marks each batch) or gather
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
         summary["time_to_first_batch_s"] = round(max(first_batches), 3) if first_batches else None
         # The instants too (wall clock, NTP-synced on SageMaker): results.py counts from the job's billing start.
@@ -340,11 +358,13 @@ class TrainingLoop(ABC, Generic[BatchT]):
         if stopped:
             summary |= {"status": "stopped", "stopped_after_step": step}
         if self.is_chief:
+            self.mark_progress("save-model")
             try:
                 self.paths.model_dir.mkdir(parents=True, exist_ok=True)
                 self.save_model(self.paths.model_dir)
             except OSError as error:
                 raise write_failure_of("model", self.paths.model_dir, error, free_bytes_at(self.paths.model_dir / "model")) from None
+            self.mark_progress("saved-model")
             try:
                 _write_json(self.paths.output_data_dir / "summary.json", summary)
             except OSError as error:
@@ -353,10 +373,10 @@ class TrainingLoop(ABC, Generic[BatchT]):
         # No rank leaves before the chief saved: torchrun would take an early exit (143 on a stop) for a
         # failure and close the chief within its 30 s.
         self.barrier()
-        if progress is not None and not stopped:
+        if not stopped:
             # Past the final barrier: the chief saved the model and the summary, so the run's work is done
             # whatever happens to these processes now (the launcher ends them if they do not exit).
-            progress.write_text(f"{DONE_MARK} {step}")
+            self._write_mark(f"{DONE_MARK} {step}")
         if stopped:
             raise TrainingStopped(f"stopped by SIGTERM after step {step} of {config.steps}; checkpoint and model saved")
         return summary
@@ -381,6 +401,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
         return self.rng_state()
 
     def _checkpoint(self, step: int) -> None:
+        self.mark_progress("checkpoint")
         self.settle()  # every rank: no collective of the last step may still be pending while the chief saves
         rng = self.gather(self.rng_state())
         if self.is_chief:
@@ -396,6 +417,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
                 if isinstance(error, RuntimeError) and "writ" not in str(error):
                     raise  # not a write that failed: the error as it is
                 raise write_failure_of(f"checkpoint of step {step}", partial, error, free_bytes_at(partial)) from None
+            self.mark_progress("checkpointed")
         self.barrier()
 
     def _write_config(self) -> None:

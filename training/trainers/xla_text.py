@@ -383,6 +383,7 @@ class TextTrainer(TrainingLoop[Batch]):
                 logits = self.model(input_ids=input_ids, attention_mask=additive_mask(attention_mask)).logits
                 correct += ((logits.argmax(-1) == labels) * weights).sum()
                 total += weights.sum()
+                self.mark_progress("evaluate")  # no step runs meanwhile: the launcher's stall rule counts these
         self.model.train()
         counts = torch.stack([correct, total])
         if self.world_size > 1:
