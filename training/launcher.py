@@ -21,12 +21,15 @@ and the failure reason names the rank and the signal. SIGTERM (StopTrainingJob, 
 passed to the trainers, which save a checkpoint and the model at the next step boundary; SageMaker
 sends SIGKILL 120 s later, so they get STOP_GRACE_S.
 
-Nothing frozen keeps the job billed: a DNN host whose trainers finish no step for
-``trainer_stall_timeout_s`` fails with TrainerStalled (the marks they write after every step, timed on
-the monotonic clock); a failure the launcher decides kills the trainers' whole tree at once (an abort
-saves nothing, and a stopped process ignores SIGINT); a finished run whose processes do not exit within
-``trainer_exit_timeout_s`` is killed and the host exits 0 (the work is saved); and the container's first
-process kills a launcher that stopped heartbeating (LauncherFrozen), so that its host exits.
+Nothing frozen keeps the job billed: a DNN host whose trainers make no progress for
+``trainer_stall_timeout_s`` fails with TrainerStalled (the marks they write after every step, every
+evaluation batch and around every save, timed on the monotonic clock; marks already in the folder when
+they start are not theirs); a failure the launcher decides kills the trainers' whole tree at once (an
+abort saves nothing, and a stopped process ignores SIGINT); a finished run whose processes do not exit
+within ``trainer_exit_timeout_s`` is killed and the host exits 0 (the work is saved), and so does a host
+whose trainer crashed after every local rank's done mark (a teardown crash: TrainerCrashedAfterSaving,
+a warning); and the container's first process kills a launcher that stopped heartbeating
+(LauncherFrozen), so that its host exits.
 
 The image runs this module as its entrypoint (training/images/Dockerfile), so that it is the process
 SageMaker's SIGTERM reaches; SageMaker appends the word ``train``, which is accepted and ignored.
@@ -374,20 +377,15 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
             status = _precompile(command, environment, stop, cluster.current_host)
             if status != 0:
                 return status
-        watch = TrainerWatch(progress_dir)
         data_watch, reports = None, None
         if data_targets:
             data_watch, reports = _start_data_host_watch(stack, cluster, settings, variant, addresses, data_targets)
-
-        def abort() -> str | None:
-            progress, now = watch.look(), time.monotonic()
-            return (data_watch(progress, now) if data_watch else None) or trainer_stalled(
-                progress, now, host=cluster.current_host, bound_s=settings.trainer_stall_timeout_s,
-                first_step_bound_s=settings.trainer_first_step_timeout_s,
-            )
-
-        def finished() -> bool:  # ``abort`` looked at the marks a moment ago
-            return trainers_lingering(watch.progress, time.monotonic(), settings.trainer_exit_timeout_s)
+        watch = TrainerWatch(
+            progress_dir, host=cluster.current_host, stall_timeout_s=settings.trainer_stall_timeout_s,
+            first_step_timeout_s=settings.trainer_first_step_timeout_s, exit_timeout_s=settings.trainer_exit_timeout_s,
+            # torchrun and Horovod run processes_per_host ranks here, each writing its own mark; else one process.
+            local_ranks=processes_per_host if settings.distribution in ("torchrun", "horovod") else 1, data_watch=data_watch,
+        )
         if settings.distribution == "horovod":
             processes = _start_horovod_ranks(
                 stack, cluster, settings, command, environment, dnn_hosts, processes_per_host, addresses, master_address
@@ -396,7 +394,9 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
             log.info("host %s (dnn, node rank %d) starting the trainer: %s", cluster.current_host, node_rank, " ".join(command[1:]))
             processes = [subprocess.Popen(command, env=environment)]
         peer_grace_s = TORCHRUN_PEER_GRACE_S if settings.distribution == "torchrun" else PEER_GRACE_S
-        outcome = wait_for_trainers(processes, stop, abort=abort, finished=finished, peer_grace_s=peer_grace_s)
+        outcome = wait_for_trainers(
+            processes, stop, abort=watch.abort, finished=watch.finished, saved=watch.saved, peer_grace_s=peer_grace_s
+        )
         status = outcome.status
         reason = failure_to_write(
             outcome, stopped=stop.is_set(), written=_failure_text(), rank_failure=read_rank_failure(rank_failure_file), host=cluster.current_host
@@ -415,10 +415,13 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
 
 def _precompile(command: list[str], environment: dict[str, str], stop: threading.Event, host: str) -> int:
     """Run the trainer once under neuron_parallel_compile (a few steps, graph extraction only, outputs
-    thrown away by the trainer), so that the real run finds every graph compiled in the cache."""
+    thrown away by the trainer), so that the real run finds every graph compiled in the cache. It writes
+    no progress marks: nothing watches it, and its ``done`` marks, left in the real run's folder, would
+    say that run had finished before it began."""
     if shutil.which(NEURON_PARALLEL_COMPILE, path=environment.get("PATH")) is None:
         raise HyperparameterError(f"precompile_steps needs {NEURON_PARALLEL_COMPILE} (the Neuron SDK's), which this image does not have")
     log.info("host %s pre-compiling the trainer's graphs: %s", host, " ".join(precompile_command(command)[:2]))
+    environment = {key: value for key, value in environment.items() if key != PROGRESS_DIR_ENV}
     outcome = wait_for_trainers([subprocess.Popen(precompile_command(command), env=environment)], stop, abort=None, peer_grace_s=TORCHRUN_PEER_GRACE_S)
     if outcome.status != 0 and not stop.is_set():
         write_failure(f"NeuronPrecompileError: {NEURON_PARALLEL_COMPILE} exited with status {outcome.status}")
@@ -492,18 +495,23 @@ class Progress:
 
     Every time is the launcher's monotonic clock, never a mark's mtime: the wall clock may be stepped (NTP,
     an operator), and an hour back would hide a stall for that hour. A mark counts as news when anything
-    about it changed (its mtime, its text), timed when the launcher saw the change."""
+    about it changed (its mtime, its text), timed when the launcher saw the change. A mark that was in the
+    folder before the trainers started (``stale``: another run's, a graph extraction's ``done``), and has
+    not changed since, is not theirs and counts for nothing."""
 
     since: float  # when a mark last changed (the trainers' start while none has)
     seen_at: float  # the last look
     marks: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # mark → (mtime_ns, text) at the last look
     step: int = 0  # the newest step a mark reported
     done_at: float | None = None  # when a mark first said that the run finished, saved
+    done: int = 0  # how many marks say so now (one per rank of this host, each past the final barrier)
+    stale: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # marks there before the trainers started
 
 
 def parse_mark(text: str) -> tuple[int, bool]:
-    """(step, finished) from a mark's text: "12", or "done 12"; a mark read while it was being rewritten
-    reads as step 0. Pure."""
+    """(step, finished) from a mark's text: "12", "done 12", or a phase with no step of its own and a count
+    ("evaluate 3 12", "checkpoint 1 12": the step is the last word); a mark read while it was being
+    rewritten reads as step 0. Pure."""
     words = text.split()
     finished = bool(words) and words[0] == DONE_MARK
     number = words[-1] if words else ""
@@ -517,18 +525,28 @@ def observe(progress: Progress, marks: Mapping[str, tuple[int, str]], now: float
     if gap > PAUSED_S:  # the launcher did not run in the gap: no one's silence counts for it
         since += gap
         done_at = None if done_at is None else done_at + gap
+    marks = {name: mark for name, mark in marks.items() if progress.stale.get(name) != mark}
     if marks != progress.marks:
         since = now
     parsed = [parse_mark(text) for _, text in marks.values()]
     step = max([progress.step, *(number for number, _ in parsed)])
-    if done_at is None and any(finished for _, finished in parsed):
+    done = sum(finished for _, finished in parsed)
+    if done_at is None and done:
         done_at = now
-    return Progress(since=since, seen_at=now, marks=types.MappingProxyType(dict(marks)), step=step, done_at=done_at)
+    return Progress(since=since, seen_at=now, marks=types.MappingProxyType(marks), step=step, done_at=done_at, done=done,
+                    stale=progress.stale)
 
 
 def trainer_stalled(progress: Progress, now: float, *, host: str, bound_s: float, first_step_bound_s: float) -> str | None:
-    """Why the host must fail, if its trainers finished no step for longer than the bound (before the
-    first step: ``first_step_bound_s``). A bound of 0 turns the rule off. Pure."""
+    """Why the host must fail, if its trainers made no progress for longer than the bound (before their
+    first mark: ``first_step_bound_s``). A bound of 0 turns the rule off. Pure.
+
+    Progress is any change of any of this host's marks (training/trainers/loop.py): every training step,
+    every batch of an evaluation (periodic or final, ``TrainingLoop.mark_progress``), and the start and end
+    of each checkpoint write, of the summary's part that the variant computes, and of the model's save. What
+    writes no mark: one batch, one evaluation batch or one save that alone takes longer than the bound, and
+    a rank that waits in a collective for a peer on another host (the chief's checkpoint write holds the
+    other hosts' ranks in the barrier after it): the bound must exceed the longest of those."""
     if progress.done_at is not None:
         return None  # finished: whether they exit is trainers_lingering's
     silent = now - progress.since
@@ -550,6 +568,12 @@ def trainers_lingering(progress: Progress, now: float, bound_s: float) -> bool:
     return progress.done_at is not None and bound_s > 0 and now - progress.done_at > bound_s
 
 
+def every_rank_done(progress: Progress, local_ranks: int) -> bool:
+    """Whether every one of this host's ``local_ranks`` ranks wrote its done mark (past the final barrier:
+    the model and the summary are saved). Pure."""
+    return progress.done >= max(1, local_ranks)
+
+
 def read_marks(progress_dir: Path) -> dict[str, tuple[int, str]]:
     """Every mark in the folder: (mtime_ns, text)."""
     marks = {}
@@ -562,16 +586,46 @@ def read_marks(progress_dir: Path) -> dict[str, tuple[int, str]]:
 
 
 class TrainerWatch:
-    """The edge of the progress rules: looks at the marks, on the monotonic clock."""
+    """The edge of the progress rules: looks at the marks, on the monotonic clock, and applies the rules to
+    what it saw (wait_for_trainers calls ``abort``, ``finished`` and ``saved``). Create it just before the
+    trainers start: the marks already in the folder then are not theirs."""
 
-    def __init__(self, progress_dir: Path) -> None:
-        self.progress_dir = progress_dir
+    def __init__(
+        self,
+        progress_dir: Path,
+        *,
+        host: str,
+        stall_timeout_s: float,
+        first_step_timeout_s: float,
+        exit_timeout_s: float,
+        local_ranks: int = 1,
+        data_watch: Callable[[Progress, float], str | None] | None = None,
+    ) -> None:
+        self.progress_dir, self.host, self.local_ranks, self.data_watch = progress_dir, host, local_ranks, data_watch
+        self.stall_timeout_s, self.first_step_timeout_s, self.exit_timeout_s = stall_timeout_s, first_step_timeout_s, exit_timeout_s
         now = time.monotonic()
-        self.progress = Progress(since=now, seen_at=now)
+        self.progress = Progress(since=now, seen_at=now, stale=types.MappingProxyType(read_marks(progress_dir)))
+        if self.progress.stale:
+            log.warning("progress marks left before the trainers started (%s): not theirs, ignored", ", ".join(sorted(self.progress.stale)))
 
     def look(self) -> Progress:
         self.progress = observe(self.progress, read_marks(self.progress_dir), time.monotonic())
         return self.progress
+
+    def abort(self) -> str | None:
+        """Why the trainers must be killed now: the data hosts' verdict, or a stall."""
+        progress, now = self.look(), time.monotonic()
+        return (self.data_watch(progress, now) if self.data_watch else None) or trainer_stalled(
+            progress, now, host=self.host, bound_s=self.stall_timeout_s, first_step_bound_s=self.first_step_timeout_s
+        )
+
+    def finished(self) -> bool:
+        """Whether the run finished and its processes linger (``abort`` looked at the marks a moment ago)."""
+        return trainers_lingering(self.progress, time.monotonic(), self.exit_timeout_s)
+
+    def saved(self) -> bool:
+        """Whether every local rank is past the final barrier (a fresh look: asked when a trainer ended)."""
+        return every_rank_done(self.look(), self.local_ranks)
 
 
 def _start_horovod_ranks(
@@ -656,12 +710,16 @@ def wait_for_trainers(
     stop_grace_s: float = STOP_GRACE_S,
     peer_grace_s: float = PEER_GRACE_S,
     finished: Callable[[], bool] | None = None,
+    saved: Callable[[], bool] | None = None,
 ) -> TrainersOutcome:
     """Wait for every trainer process of this host. The first to fail fails the host: the others are
     stopped (a Horovod rank whose peer died would otherwise wait for ever); SIGTERM to the launcher is
     passed on to all of them, with ``stop_grace_s`` to save; ``abort`` returning a reason kills them all
     at once and fails the host with it; ``finished`` returning True (the run is done and saved, but its
-    processes have not exited) kills them all and leaves the host's status 0."""
+    processes have not exited) kills them all and leaves the host's status 0. A process that fails when
+    ``saved`` says every local rank is past the final barrier (a crash in NCCL's or XLA's teardown, after
+    the model and the summary were written) leaves the status 0 too, with a warning that names the crash:
+    failing the host would fail the job, and SageMaker uploads no model of a failed job."""
     status, returncode, abort_reason = 0, 0, None
     stopping_since: float | None = None
     lingered = False
@@ -669,6 +727,10 @@ def wait_for_trainers(
     failed: list[subprocess.Popen] = []  # in the order their failures were seen
     while alive := [process for process in processes if process.poll() is None]:  # polls every one
         failed += [process for process in processes if process.returncode not in (None, 0) and process not in failed]
+        if failed and stopping_since is None and not lingered and saved is not None and saved():
+            _log_crash_after_saving(failed[0].returncode)
+            lingered, stopping_since = True, time.monotonic()
+            kill_trees([process.pid for process in alive])
         if abort is not None and stopping_since is None and not failed and (abort_reason := abort()):
             log.error("%s", abort_reason)
             write_failure(abort_reason)
@@ -705,6 +767,9 @@ def wait_for_trainers(
     failed += [process for process in processes if process.returncode != 0 and process not in failed]
     if not status and not lingered and failed:
         returncode = failed[0].returncode
+        if saved is not None and saved():
+            _log_crash_after_saving(returncode)
+            return TrainersOutcome(0, returncode)
         status = exit_status(returncode)
         _log_trainer_end(returncode)
     return TrainersOutcome(status, returncode, abort_reason)
@@ -743,6 +808,13 @@ def kill_trees(roots: list[int]) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return len(pids)
+
+
+def _log_crash_after_saving(returncode: int) -> None:
+    log.warning(
+        "TrainerCrashedAfterSaving: %s after every rank of this host had passed the final barrier (the model "
+        "and the summary are saved; a teardown crash, NCCL's or XLA's): the host exits 0", trainer_failure(returncode, None)
+    )
 
 
 def _log_trainer_end(returncode: int) -> None:

@@ -22,6 +22,7 @@ from training.launcher import (
     Heartbeat,
     Progress,
     TrainersOutcome,
+    TrainerWatch,
     data_failure_verdict,
     describe_rank_failure,
     dispatcher_lost,
@@ -352,6 +353,87 @@ def test_trainers_that_finished_but_do_not_exit_are_killed_and_the_host_succeeds
     hung.stdout.readline()
     outcome = wait_for_trainers([hung], threading.Event(), abort=lambda: None, finished=lambda: True)
     assert (outcome.status, outcome.abort_reason, hung.returncode) == (0, None, -signal.SIGKILL)
+
+
+def stepping_trainer(progress_dir: Path, rank: int, steps: int, end: str = "raise SystemExit(0)") -> subprocess.Popen:
+    """A trainer process that writes its step mark every 0.1 s, then its done mark, then ``end``."""
+    code = (
+        "import os, pathlib, signal, time\n"
+        f"mark = pathlib.Path({str(progress_dir / f'rank-{rank}')!r})\n"
+        f"for step in range(1, {steps} + 1):\n"
+        "    time.sleep(0.1)\n"
+        "    mark.write_text(str(step))\n"
+        f"mark.write_text('done {steps}')\n"
+        f"{end}\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def watch_of(progress_dir: Path, local_ranks: int = 1, exit_timeout_s: float = 0.5) -> TrainerWatch:
+    return TrainerWatch(progress_dir, host="algo-1", stall_timeout_s=10, first_step_timeout_s=30, exit_timeout_s=exit_timeout_s,
+                        local_ranks=local_ranks)
+
+
+def test_done_marks_left_before_the_trainers_started_do_not_end_them(tmp_path: Path) -> None:
+    # The graph-extraction run (precompile_steps) finished in this folder: its "done" marks are there
+    # when the real trainers start. They are not the real run's: healthy trainers must not be killed for
+    # lingering, and the stall rule must stay on.
+    progress_dir = tmp_path / "progress"
+    progress_dir.mkdir()
+    for rank in (0, 1):
+        (progress_dir / f"rank-{rank}").write_text("done 3")
+    watch = watch_of(progress_dir, local_ranks=2, exit_timeout_s=0.5)
+    assert (watch.progress.marks, watch.progress.done_at) == ({}, None)
+    trainers = [stepping_trainer(progress_dir, rank, steps=25) for rank in (0, 1)]  # 2.5 s, five exit timeouts
+    outcome = wait_for_trainers(trainers, threading.Event(), abort=watch.abort, finished=watch.finished, saved=watch.saved)
+    assert (outcome.status, [trainer.returncode for trainer in trainers]) == (0, [0, 0])  # ended by themselves
+    assert watch.look().step == 25 and watch.progress.done == 2
+    # An unchanged leftover mark is no progress either: the first-step bound governs, and it runs out.
+    (progress_dir / "rank-0").write_text("done 3")
+    stale = observe(Progress(since=0.0, seen_at=0.0, stale=read_marks(progress_dir)), read_marks(progress_dir), now=1.0)
+    assert (stale.marks, stale.done_at, stale.done) == ({}, None, 0)
+    assert trainer_stalled(stale, 31.0, host="algo-1", bound_s=10, first_step_bound_s=30).startswith("TrainerStalled")
+
+
+def test_the_graph_extraction_run_writes_no_marks_where_the_real_run_writes_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.launcher import _precompile
+    from training.trainers.loop import PROGRESS_DIR_ENV
+
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
+    tool = tmp_path / "neuron_parallel_compile"
+    tool.write_text('#!/bin/sh\nexec "$@"\n')
+    tool.chmod(0o755)
+    told = [sys.executable, "-c", f"import os, sys; sys.exit(3 if {PROGRESS_DIR_ENV!r} in os.environ else 0)"]
+    environment = {"PATH": f"{tmp_path}:{os.environ['PATH']}", PROGRESS_DIR_ENV: str(tmp_path / "progress")}
+    assert _precompile(told, environment, threading.Event(), "algo-1") == 0
+
+
+def test_a_crash_after_every_local_rank_finished_and_saved_leaves_the_host_succeeded(tmp_path: Path) -> None:
+    # A teardown crash (NCCL, XLA) after the final barrier: the model and the summary are saved.
+    progress_dir = tmp_path / "progress"
+    progress_dir.mkdir()
+    watch = watch_of(progress_dir, exit_timeout_s=60)
+    crashed = stepping_trainer(progress_dir, 0, steps=3, end="os.kill(os.getpid(), signal.SIGSEGV)")
+    outcome = wait_for_trainers([crashed], threading.Event(), abort=watch.abort, finished=watch.finished, saved=watch.saved)
+    assert (outcome.status, crashed.returncode) == (0, -signal.SIGSEGV)
+    # Two local ranks, both done; one crashes as the other lingers in its teardown: killed, the host succeeds.
+    progress_dir = tmp_path / "two"
+    progress_dir.mkdir()
+    watch = watch_of(progress_dir, local_ranks=2, exit_timeout_s=60)
+    ranks = [stepping_trainer(progress_dir, 0, steps=3, end="time.sleep(0.5); raise SystemExit(1)"),
+             stepping_trainer(progress_dir, 1, steps=3, end="time.sleep(120)")]
+    outcome = wait_for_trainers(ranks, threading.Event(), abort=watch.abort, finished=watch.finished, saved=watch.saved, peer_grace_s=30)
+    assert (outcome.status, [rank.returncode for rank in ranks]) == (0, [1, -signal.SIGKILL])
+
+
+def test_a_crash_before_every_local_rank_finished_fails_the_host(tmp_path: Path) -> None:
+    progress_dir = tmp_path / "progress"
+    progress_dir.mkdir()
+    watch = watch_of(progress_dir, local_ranks=2, exit_timeout_s=60)
+    ranks = [stepping_trainer(progress_dir, 0, steps=3, end="raise SystemExit(1)"),  # done, then crashed
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])]  # rank 1 never got there
+    outcome = wait_for_trainers(ranks, threading.Event(), abort=watch.abort, finished=watch.finished, saved=watch.saved, peer_grace_s=5)
+    assert (outcome.status, ranks[0].returncode) == (1, 1)
 
 
 def test_a_rank_failure_names_the_rank_and_the_signal() -> None:
