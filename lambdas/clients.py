@@ -12,7 +12,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from lambdas.core.results import ResultExistsError
+from lambdas.core.results import ResultExistsError, WriteConflict
 
 # SageMaker's longest MaxRuntimeInSeconds (28 days): no running job was created before that.
 LONGEST_RUNTIME_S = 28 * 24 * 3600
@@ -36,12 +36,16 @@ def pricing_client() -> Any:
 
 def put_new_object(bucket: str, key: str, body: bytes, content_type: str) -> None:
     """Write an object only if none exists at that key (If-None-Match): results and reports are never
-    overwritten. Raises ResultExistsError when one does."""
+    overwritten. Raises ResultExistsError when one does, WriteConflict when a concurrent write of the key
+    is in progress (409: retry)."""
     try:
         client("s3").put_object(Bucket=bucket, Key=key, Body=body, ContentType=content_type, IfNoneMatch="*")
     except ClientError as error:
-        if error.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
+        code = error.response["Error"]["Code"]
+        if code == "PreconditionFailed":
             raise ResultExistsError(f"s3://{bucket}/{key} exists already; results and reports are never overwritten") from None
+        if code == "ConditionalRequestConflict":
+            raise WriteConflict(f"s3://{bucket}/{key}: a concurrent write is in progress (409); retry") from None
         raise
 
 

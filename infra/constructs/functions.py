@@ -199,7 +199,8 @@ class TrainingRunFunctions(Construct):
                                       arn_format=ArnFormat.COLON_RESOURCE_NAME)
         for fn in (self.reconcile, self.launch):  # the launch checks that its own execution still runs
             fn.add_to_role_policy(iam.PolicyStatement(actions=["states:DescribeExecution"], resources=[executions]))
-        self.stop.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob"], resources=[jobs_arn]))
+        # ListTags: after an abort it stops only a job tagged with the aborted execution.
+        self.stop.add_to_role_policy(iam.PolicyStatement(actions=["sagemaker:StopTrainingJob", "sagemaker:ListTags"], resources=[jobs_arn]))
         results.grant_read(self.collect, "artifacts/*")
         results.grant_put(self.collect, "results/*")
         results.grant_read(self.collect, "results/*")  # a retried collect reads the result it wrote

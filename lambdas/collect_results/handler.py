@@ -18,7 +18,7 @@ from lambdas.clients import client, object_size_or_none, put_new_object, read_ob
 from lambdas.core.execution import run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
-from lambdas.core.results import ResultExistsError, read_summary, result_document
+from lambdas.core.results import ResultExistsError, WriteConflict, read_summary, result_document
 
 logger = Logger(service="collect-results")
 
@@ -49,7 +49,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     except ResultExistsError:
         written = read_object_or_none(bucket, key)
         if written is None:  # a concurrent write that did not complete: the state machine retries the collect
-            raise
+            raise WriteConflict(f"s3://{bucket}/{key} was refused as existing but reads as missing; retry") from None
         existing = json.loads(written)
         if existing.get("job_name") != job_name:
             raise  # another run's result: never ours to replace

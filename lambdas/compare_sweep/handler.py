@@ -19,6 +19,7 @@ from aws_lambda_powertools import Logger
 from lambdas.clients import client, pricing_client, put_new_object, read_object_or_none
 from lambdas.core.chart import render_chart
 from lambdas.core.pricing import prices_for
+from lambdas.core.results import ResultExistsError
 from lambdas.core.sweep import METRIC_NAMESPACE, compare, render_markdown
 
 logger = Logger(service="compare-sweep")
@@ -46,14 +47,28 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     report |= {"sweep_id": sweep["sweep_id"], "sweep_name": sweep["sweep_name"], "date": today}
     title = f"{sweep['sweep_name']} {today}"
     prefix = f"benchmarks/{sweep['sweep_id']}"
+    written = read_object_or_none(bucket, f"{prefix}/report.json")
+    if written is not None:  # a retried compare: the report was complete (report.json is written last)
+        logger.info("report written by an earlier attempt of this compare", extra={"sweep_id": sweep["sweep_id"]})
+        return _reply(bucket, prefix, json.loads(written))
+    # The chart and the markdown first, report.json last: its presence says the report is whole. A retry
+    # after a partial attempt keeps what that attempt wrote (each object is written once).
     for name, body, content_type in (
-        ("report.json", json.dumps(report, indent=2).encode(), "application/json"),
-        ("report.md", render_markdown(report, f"Benchmark sweep {title}").encode(), "text/markdown"),
         ("chart.png", render_chart(report, title), "image/png"),
+        ("report.md", render_markdown(report, f"Benchmark sweep {title}").encode(), "text/markdown"),
     ):
-        put_new_object(bucket, f"{prefix}/{name}", body, content_type)
+        try:
+            put_new_object(bucket, f"{prefix}/{name}", body, content_type)
+        except ResultExistsError:
+            logger.info("kept from an earlier attempt", extra={"key": f"{prefix}/{name}"})
+    # Before report.json: a retry after it would skip them (a retry between the two publishes them twice).
     _publish_metrics(sweep["sweep_name"], report)
+    put_new_object(bucket, f"{prefix}/report.json", json.dumps(report, indent=2).encode(), "application/json")
     logger.info("sweep compared", extra={"sweep_id": sweep["sweep_id"], "recommended": report["recommended"], "failed": report["failed"]})
+    return _reply(bucket, prefix, report)
+
+
+def _reply(bucket: str, prefix: str, report: dict[str, Any]) -> dict[str, Any]:
     return {
         "report_uri": f"s3://{bucket}/{prefix}/report.json",
         "recommended": report["recommended"],

@@ -23,14 +23,20 @@ SUMMARY_NAME = "summary.json"
 MAX_SUMMARY_BYTES = 1 << 20
 # The collect function reads the job's output.tar.gz into its memory: a larger one is not read at all.
 MAX_ARCHIVE_BYTES = 64 << 20
-# ... and inflates at most this much of it looking for the summary (gzip inflates ~150 MB/s in a Lambda:
-# about 3.5 s, well inside the function's timeout). 64 MiB of zeros inflate to tens of GiB: minutes that
-# would time the function out and lose the result.
-MAX_INFLATED_BYTES = 512 << 20
+# ... and inflates at most this much of it looking for the summary: gzip inflates ~150 MB/s on a whole
+# core, and the function's 256 MB get ~0.14 of one (Lambda gives a vCPU per 1,769 MB): about 13 s, well
+# inside its 60 s timeout. 64 MiB of zeros inflate to tens of GiB: minutes that would time the function
+# out (26.9 s per 4 GiB on a whole core).
+MAX_INFLATED_BYTES = 256 << 20
 
 
 class ResultExistsError(RuntimeError):
     """results/<run id>/result.json exists already; results are never overwritten."""
+
+
+class WriteConflict(RuntimeError):
+    """S3 answered 409 ConditionalRequestConflict: another conditional write of the key is in progress, or
+    one just finished. Its outcome is unknown yet: retried (S3's guidance), never taken as 'exists'."""
 
 
 class SummaryUnreadable(ValueError):

@@ -45,7 +45,7 @@ from lambdas.clients import CONFIG, client, object_size_or_none, put_new_object,
 from lambdas.core.deadlines import next_backoff_s, poll_plan
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, split_s3_uri, validate_job_spec
-from lambdas.core.results import ResultExistsError
+from lambdas.core.results import ResultExistsError, WriteConflict
 from lambdas.core.training_request import (
     JOB_KEY_TAG,
     checkpoint_uri,
@@ -242,6 +242,8 @@ def _write_token(prefix_uri: str) -> None:
         put_new_object(bucket, f"{prefix}{TOKEN_FILE}", secrets.token_urlsafe(32).encode(), "text/plain")
     except ResultExistsError:
         pass
+    except WriteConflict as conflict:  # a concurrent write of the same token: the state machine retries the launch
+        raise LaunchThrottled(str(conflict)) from None
 
 
 def _named(code: str, message: str) -> Exception:

@@ -17,8 +17,8 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
 from lambdas.clients import client
-from lambdas.core.execution import job_name_for_execution
-from lambdas.core.job_spec import validate_job_spec
+from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution
+from lambdas.core.job_spec import MAX_RUN_NAME, RUN_NAME
 
 logger = Logger(service="stop-job")
 RUNNING = {"InProgress"}
@@ -31,12 +31,14 @@ def job_names_from_event(event: dict[str, Any]) -> list[str]:
     detail = event.get("detail", {})
     try:
         # ValueError: bad JSON, or an integer past Python's 4,300 digits
-        spec = validate_job_spec(json.loads(detail.get("input") or "{}"))
-    except (ValueError, TypeError, RecursionError):
-        # A spec the validator refuses (the run failed InvalidJobSpec) launched nothing: no job to look
-        # for, and no error either (a failed stop raises the "a job may be billing" alarm).
+        run_name = json.loads(detail.get("input") or "{}")["run_name"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return []  # an input that never validated launched nothing
+    # Only the run name makes the job's name, so only it is checked (a spec the code of today refuses may
+    # have launched under yesterday's). A name no run can have (the run failed InvalidJobSpec) launched
+    # nothing: no job to look for, and no error either (a failed stop raises the "a job may be billing" alarm).
+    if not isinstance(run_name, str) or len(run_name) > MAX_RUN_NAME or not RUN_NAME.fullmatch(run_name):
         return []
-    run_name = spec.run_name
     attempts = 1 + int(os.environ.get("CAPACITY_RELAUNCHES", "0"))
     prefix = os.environ["JOB_NAME_PREFIX"]
     return [job_name_for_execution(prefix, run_name, detail["executionArn"], detail["startDate"], attempt) for attempt in range(attempts)]
@@ -55,8 +57,18 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
                 continue
             raise
         outcome = {"job_name": name, "stopped": False, "status": status}
+        if status in RUNNING and "job_name" not in event and not _launched_by(sagemaker, name, event.get("detail", {}).get("executionArn")):
+            logger.warning("a job of this name is another execution's: left running", extra={"job_name": name})
+            continue
         if status in RUNNING:
             sagemaker.stop_training_job(TrainingJobName=name)
             logger.info("stopped", extra={"job_name": name})
             return {"job_name": name, "stopped": True, "status": "Stopping"}
     return outcome
+
+
+def _launched_by(sagemaker: Any, name: str, execution_arn: str | None) -> bool:
+    """Whether job ``name`` carries ``execution_arn`` as its execution tag (the launch tags every job)."""
+    arn = sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobArn"]
+    tags = {tag["Key"]: tag["Value"] for tag in sagemaker.list_tags(ResourceArn=arn, MaxResults=100).get("Tags", [])}
+    return tags.get(EXECUTION_TAG) == execution_arn

@@ -14,6 +14,7 @@ from moto.core.exceptions import JsonRESTError
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 
 from lambdas.collect_results.handler import handler as collect
+from lambdas.core.deadlines import COLLECT_FINAL_ERRORS
 from lambdas.core.execution import job_name_for_execution
 from lambdas.core.job_spec import JobSpecError
 from lambdas.core.results import ResultExistsError
@@ -401,3 +402,51 @@ def test_a_launch_creates_its_job_on_a_session_tagged_with_its_own_prefixes(aws,
     create = sent["CreateTrainingJob"]
     assert create["SessionChainingConfig"] == {"EnableSessionTagChaining": True} and create["TrainingJobName"] == name
     assert create["CheckpointConfig"]["S3Uri"].endswith("/checkpoints/run-0001/")  # the prefix run_key names
+
+
+def test_a_collect_whose_write_meets_a_concurrent_one_is_retried_not_written_off(aws, context, monkeypatch) -> None:
+    """S3's 409 ConditionalRequestConflict is a write in progress, not a result that exists: WriteConflict,
+    which the state machine retries (ResultExistsError it does not), and the retry writes the result."""
+    from moto.s3.exceptions import S3ClientError
+    from moto.s3.models import S3Backend
+
+    from lambdas.core.results import WriteConflict
+
+    class Conflict(S3ClientError):
+        code = 409
+
+    original, conflicts = S3Backend.put_object, []
+
+    def put_object(self, bucket_name, key_name, *args, **kwargs):
+        if key_name.startswith("results/") and not conflicts:
+            conflicts.append(key_name)
+            raise Conflict("ConditionalRequestConflict", "A conflicting conditional operation is currently in progress")
+        return original(self, bucket_name, key_name, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "put_object", put_object)
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{name}/output/output.tar.gz",
+                      Body=output_archive({"timed_steps": 10, "step_time_ms": {"p50": 90.0, "p90": 95.0, "mean": 91.0}}))
+    with pytest.raises(WriteConflict, match="409"):
+        collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
+    assert "WriteConflict" not in COLLECT_FINAL_ERRORS
+    assert collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)["status"] == "Completed"
+
+
+def test_an_aborted_runs_job_is_stopped_though_todays_validator_refuses_its_spec(aws, context) -> None:
+    """Launched under an earlier deployment, its spec now refused (a range tightened): only the run name
+    makes the job's name, so only it is checked, and the job is stopped."""
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
+    aws.training_job(name).training_job_status = "InProgress"
+    refused_today = spec() | {"hyperparameters": {"steps": -1}}
+    event = {"detail": {"executionArn": EXECUTION, "status": "ABORTED", "input": json.dumps(refused_today), "startDate": 1796040000000}}
+    assert stop(event, context) == {"job_name": name, "stopped": True, "status": "Stopping"}
+
+
+def test_an_abort_never_stops_a_job_of_its_name_that_another_execution_launched(aws, context) -> None:
+    name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
+    job = aws.training_job(name)
+    job.training_job_status = "InProgress"
+    aws.sagemaker.add_tags(ResourceArn=job.arn, Tags=[{"Key": "execution_arn", "Value": EXECUTION + "-someone-else"}])
+    event = {"detail": {"executionArn": EXECUTION, "status": "ABORTED", "input": json.dumps(spec()), "startDate": 1796040000000}}
+    assert stop(event, context)["stopped"] is False and job.training_job_status == "InProgress"

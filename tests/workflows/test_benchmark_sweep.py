@@ -115,3 +115,30 @@ def test_an_invalid_sweep_fails_naming_the_field_and_launches_nothing(run) -> No
     execution = harness.wait(harness.start_sweep({"sweep_name": "bad", "base": SPEC, "data_hosts": [1, 1]}, "sweep-bad"))
     assert execution["status"] == "FAILED" and execution["error"] == "InvalidSweep"
     assert "data_hosts" in execution["cause"] and harness.training_jobs() == []
+
+
+def test_a_sweep_whose_compare_fails_once_is_retried_and_keeps_one_report(run, prices_answer, monkeypatch) -> None:
+    """PutMetricData refused once after the chart and markdown are written: the compare is retried, keeps
+    what the first attempt wrote (each object once), writes report.json last, and the sweep succeeds."""
+    from moto.cloudwatch.exceptions import InvalidParameterValue
+    from moto.cloudwatch.models import CloudWatchBackend
+
+    original, refused = CloudWatchBackend.put_metric_data, []
+
+    def put_metric_data(self, *args, **kwargs):
+        if not refused:
+            refused.append(True)
+            raise InvalidParameterValue("CloudWatch refused the call once")  # a 400: botocore retries it not
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CloudWatchBackend, "put_metric_data", put_metric_data)
+    harness = run(Scenario(runs_for_s=1.0))
+    prices_answer(price_list_endpoint())
+    sweep = {"sweep_name": "mnist-weekly", "base": SPEC, "data_hosts": [0, 1]}
+    execution = harness.wait(harness.start_sweep(sweep, "sweep-compare-retried", SUMMARIES), timeout_s=240)
+    assert execution["status"] == "SUCCEEDED", execution
+    assert refused == [True]
+    report, markdown, png = report_files(harness, "sweep-compare-retried")
+    assert report["recommended"] == "vision-hetero-d1" and "(recommended)" in markdown and png[:4] == b"\x89PNG"
+    versions = harness.s3.list_object_versions(Bucket=RESULTS_BUCKET, Prefix="benchmarks/sweep-compare-retried/")["Versions"]
+    assert sorted(v["Key"].rsplit("/", 1)[-1] for v in versions) == ["chart.png", "report.json", "report.md"]  # each once
