@@ -29,7 +29,8 @@ abort saves nothing, and a stopped process ignores SIGINT); a finished run whose
 within ``trainer_exit_timeout_s`` is killed and the host exits 0 (the work is saved), and so does a host
 whose trainer crashed after every local rank's done mark (a teardown crash: TrainerCrashedAfterSaving,
 a warning); and the container's first process kills a launcher that stopped heartbeating
-(LauncherFrozen), so that its host exits.
+(LauncherFrozen), so that its host exits: non-zero on a DNN host, 0 on a data host (its trainers go on with
+the other data hosts; the reason is logged and left in the host's output/data).
 
 The image runs this module as its entrypoint (training/images/Dockerfile), so that it is the process
 SageMaker's SIGTERM reaches; SageMaker appends the word ``train``, which is accepted and ignored.
@@ -829,7 +830,8 @@ HEARTBEAT_FD_ENV = "TRAINING_HEARTBEAT_FD"
 # "1": supervise the launcher as the container's first process does, though this one is not PID 1 (the
 # emulated cluster runs every host so, so that its tests go through the same supervisor).
 SUPERVISE_ENV = "TRAINING_SUPERVISE"
-# The host's exit status when its first process killed a frozen launcher.
+# The host's exit status when its first process killed a frozen launcher of a DNN host (or of a host
+# whose role it was not told). A data host's is 0 (frozen_exit_status).
 LAUNCHER_FROZEN_EXIT = 1
 # What /proc/<pid>/stat's state letter means, for the reason a frozen launcher leaves.
 PROCESS_STATES = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible sleep (I/O)", "R": "running",
@@ -846,16 +848,18 @@ class Heartbeat:
     heard_at: float | None = None
     bound_s: float = 0.0
     host: str = ""
+    role: str = ""  # the host's role (DATA, DNN), as the launcher found it; "" when it did not say
     pending: bytes = b""  # a beat's line not whole yet
 
 
 def heard(beat: Heartbeat, data: bytes, now: float) -> Heartbeat:
-    """The heartbeat after reading ``data`` from the pipe (JSON lines: the bound and the host). Pure."""
+    """The heartbeat after reading ``data`` from the pipe (JSON lines: the bound, the host, its role). Pure."""
     *lines, pending = (beat.pending + data).split(b"\n")
     for line in reversed(lines):
         try:
             said = json.loads(line)
-            return dataclasses.replace(beat, heard_at=now, bound_s=float(said["bound_s"]), host=str(said["host"]), pending=pending)
+            return dataclasses.replace(beat, heard_at=now, bound_s=float(said["bound_s"]), host=str(said["host"]),
+                                       role=str(said.get("role", "")), pending=pending)
         except (ValueError, KeyError, TypeError):
             continue  # not a beat: nothing else writes there, but a torn line must not end the supervisor
     return dataclasses.replace(beat, pending=pending)
@@ -875,14 +879,32 @@ def heartbeat_lost(beat: Heartbeat, now: float) -> tuple[Heartbeat, str | None]:
     return beat, f"LauncherFrozen: the launcher on {beat.host} sent no heartbeat for {now - heard_at:.0f} s (bound {beat.bound_s:.0f} s)"
 
 
-def start_heartbeat(bound_s: float, host: str, environ: Mapping[str, str] = os.environ) -> bool:
+def frozen_exit_status(role: str) -> int:
+    """The host's exit status once its first process killed its frozen launcher, by the host's role. Pure.
+
+    SageMaker fails the whole job when any container exits non-zero. A data host is one of the trainers'
+    sources: they drop a lost one and train on with the others (and when every data host is lost the DNN
+    hosts fail by themselves, naming it), so its loss is not the job's failure, and it exits 0. A DNN
+    host's trainers are gone with it: the job has failed (non-zero), as it has when the role is unknown."""
+    return 0 if role == DATA else LAUNCHER_FROZEN_EXIT
+
+
+def frozen_note_path(host: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a data host whose frozen launcher was killed leaves the reason: beside the job's outputs
+    (every host's /opt/ml/output/data goes into the job's output.tar.gz), not in the failure file, which is
+    the job's FailureReason when it fails, and a lost data host is not why."""
+    return base_dir(environ) / "output" / "data" / f"LauncherFrozen-{host or 'unknown'}.txt"
+
+
+def start_heartbeat(bound_s: float, host: str, role: str = "", environ: Mapping[str, str] = os.environ) -> bool:
     """Beat to the supervising first process (when there is one, and a bound) from a thread of its own,
     every tenth of the bound: a launcher whose every thread stopped (SIGSTOP, a hang that holds the GIL)
-    stops beating. Returns whether it beats."""
+    stops beating. Each beat says the bound, the host and its role (what the supervisor's exit status
+    depends on: frozen_exit_status). Returns whether it beats."""
     fd = environ.get(HEARTBEAT_FD_ENV)
     if not fd or bound_s <= 0:
         return False
-    line = json.dumps({"bound_s": bound_s, "host": host}).encode() + b"\n"
+    line = json.dumps({"bound_s": bound_s, "host": host, "role": role}).encode() + b"\n"
     interval = min(10.0, bound_s / 10)
 
     def beat() -> None:
@@ -916,9 +938,10 @@ def supervise(command: list[str]) -> int:
     It also watches the launcher's heartbeat: a launcher that stopped beating for its bound is frozen, and
     a frozen launcher never exits (on a data host, its DNN hosts' shutdown cannot reach it), so the job
     would stay InProgress and bill every instance until its deadline. Then this kills it and everything
-    it started, writes LauncherFrozen as the host's failure, and exits, which ends the container. What it
-    cannot see: a frozen first process (the whole instance frozen), and a launcher whose main thread is
-    deadlocked while its other threads run."""
+    it started, and exits, which ends the container: on a DNN host with LAUNCHER_FROZEN_EXIT and
+    LauncherFrozen as the host's failure; on a data host with 0 (frozen_exit_status), the reason logged as
+    an error and left in frozen_note_path. What it cannot see: a frozen first process (the whole instance
+    frozen), and a launcher whose main thread is deadlocked while its other threads run."""
     pr_set_child_subreaper = 36  # so that this holds when it is not PID 1 too (the tests)
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_child_subreaper, 1)
     pending: list[int] = []
@@ -959,10 +982,26 @@ def supervise(command: list[str]) -> int:
             state = process_state(child.pid)
             killed = kill_trees([pid for pid in process_tree(os.getpid()) if pid != os.getpid()])
             reason = f"{frozen}: it was {state}; killed it and the {killed - 1} processes under it"
-            log.error("%s", reason)
-            write_failure(reason)
+            status = frozen_exit_status(heartbeat.role)
+            if status == 0:
+                log.error(
+                    "%s. This data host exits 0: the trainers drop it and train on with the other data hosts (the "
+                    "DNN hosts fail by themselves, naming it, if every data host is lost)", reason
+                )
+                _leave_note(frozen_note_path(heartbeat.host), reason)
+            else:
+                log.error("%s", reason)
+                write_failure(reason)
             _reap_all(deadline=time.monotonic() + 10)  # all killed: collected, so that none outlives this
-            return LAUNCHER_FROZEN_EXIT
+            return status
+
+
+def _leave_note(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    except OSError as error:  # a full or read-only disk: the log line above still says it
+        log.warning("could not write %s: %s", path, error)
 
 
 def _reap(launcher: int) -> int | None:
@@ -1012,7 +1051,7 @@ def main() -> int:
             )
         role = settings.role_of(cluster.current_group)
         log.info("host %s is in instance group %s (%s): role %s", cluster.current_host, cluster.current_group, cluster.current_instance_type, role)
-        start_heartbeat(settings.launcher_heartbeat_timeout_s, cluster.current_host)
+        start_heartbeat(settings.launcher_heartbeat_timeout_s, cluster.current_host, role)
         os.environ.pop(HEARTBEAT_FD_ENV, None)  # the trainers' environment is ours: the pipe is not theirs
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

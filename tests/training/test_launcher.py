@@ -301,11 +301,14 @@ def test_the_first_process_blames_a_launcher_only_after_its_first_beat_and_its_b
     assert frozen is None and paused.heard_at == 1_109.0
 
 
-def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("role", "status"), [("dnn", 1), ("", 1), ("data", 0)])
+def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_it(tmp_path: Path, role: str, status: int) -> None:
+    # A frozen DNN host (or one whose role is unknown) fails the job; a frozen data host does not (the
+    # trainers go on with the other data hosts): it exits 0, its reason logged and left in its output/data.
     launcher = (
         "import os, signal, subprocess, sys, time\n"
         "from training.launcher import start_heartbeat\n"
-        "assert start_heartbeat(2.0, 'algo-1')\n"
+        f"assert start_heartbeat(2.0, 'algo-1', {role!r})\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(1)\n"
@@ -316,10 +319,21 @@ def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_
         env=os.environ | {"PYTHONPATH": str(REPO), "SAGEMAKER_BASE_DIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True,
     )
     grandchild = int(supervisor.stdout.readline())
-    assert supervisor.wait(timeout=60) == 1
-    failure = (tmp_path / "output" / "failure").read_text()
-    assert failure.startswith("LauncherFrozen: the launcher on algo-1 sent no heartbeat for ") and "it was stopped" in failure, failure
+    assert supervisor.wait(timeout=60) == status
+    failure_file, note = tmp_path / "output" / "failure", tmp_path / "output" / "data" / "LauncherFrozen-algo-1.txt"
+    reason = (note if role == "data" else failure_file).read_text()
+    assert reason.startswith("LauncherFrozen: the launcher on algo-1 sent no heartbeat for ") and "it was stopped" in reason, reason
+    assert not (failure_file if role == "data" else note).exists()  # a lost data host is not the job's FailureReason
     assert not Path(f"/proc/{grandchild}").exists()  # what it started went with it
+
+
+def test_the_heartbeat_says_the_hosts_role_and_a_frozen_data_host_exits_0() -> None:
+    from training.launcher import LAUNCHER_FROZEN_EXIT, frozen_exit_status
+
+    beat = heard(Heartbeat(checked_at=0.0), b'{"bound_s": 30, "host": "algo-1", "role": "data"}\n', 1.0)
+    assert (beat.host, beat.role) == ("algo-1", "data")
+    assert heard(Heartbeat(checked_at=0.0), b'{"bound_s": 30, "host": "algo-1"}\n', 1.0).role == ""  # an older launcher's beat
+    assert (frozen_exit_status("data"), frozen_exit_status("dnn"), frozen_exit_status("")) == (0, LAUNCHER_FROZEN_EXIT, LAUNCHER_FROZEN_EXIT)
 
 
 def stopped_tree() -> subprocess.Popen:
