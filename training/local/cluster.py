@@ -46,7 +46,9 @@ from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
-from training.launcher import SUPERVISE_ENV
+
+# process_tree: also a container's first process's (every process of a host, across sessions)
+from training.launcher import SUPERVISE_ENV, process_tree
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
 from training.trainers.loop import CONTAINER_STARTED_ENV
@@ -499,27 +501,6 @@ class EmulatedCluster:
         """The chief DNN host's summary.json, if training got that far."""
         path = self.hosts_with_role("dnn")[0].base_dir / "output" / "data" / "summary.json"
         return json.loads(path.read_text()) if path.exists() else None
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants, from /proc. Session boundaries do not stop it: torchrun starts
-    its workers in sessions of their own, which a kill of the host's process group would miss."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # Field 4 of /proc/<pid>/stat is the parent pid; the command name before it may hold spaces.
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-        children.setdefault(parent, []).append(int(entry.name))
-    tree, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        tree.append(pid)
-        frontier.extend(children.get(pid, []))
-    return tree
 
 
 def _enter_host(cpus: tuple[int, ...], quota_procs: Path | None) -> None:
