@@ -16,7 +16,7 @@ the job says why (``fallback``). Without the SDK, boto3 sends it.
 
 Before anything is written or billed, the checks of a state-machine launch: the spec with the
 deployment's policy (input bucket allow-list, cost ceiling), the run id (no checkpoints of it: a second
-job of one id would resume the first's last step and train nothing), resume_from's checkpoints. A direct
+job of one id would resume the first's last step and train nothing); a resume_from is refused. A direct
 run keeps its checkpoints, token and artifacts under checkpoints/direct.runs/<run id>/,
 control/direct.runs/<run id>/ and artifacts/direct.runs/, where no state-machine run's id (letters,
 digits, "-" and "_") can reach; its job's session (untagged: no SessionChainingConfig) reaches only those
@@ -134,6 +134,11 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
         spec = validate_job_spec(raw, SpecPolicy.from_environment(environment))  # the deployment's allow-list and ceiling
     except JobSpecError as error:
         raise SpecRefused(label, error.field, error.problem) from None
+    if spec.resume_from:
+        # Its job's session reaches only direct.runs/ prefixes, and a resumed run's checkpoints lie elsewhere:
+        # the job would start, bill, and fail on its resume channel.
+        raise SpecRefused(label, "resume_from", "a direct run cannot resume another run's checkpoints: resume it through the "
+                                                "state machine (`hetero run` without --direct)")
     try:
         settings = settings_from_environment(environment)
         prefix = environment["JOB_NAME_PREFIX"]
@@ -231,8 +236,7 @@ def _run_of(job: str, platform: Platform) -> str | None:
 
 
 def _check_run_id(launch: Launch, platform: Platform) -> None:
-    """Refuse a run id that has checkpoints (a job of it would resume their last step and train nothing), or
-    a resume_from that has none."""
+    """Refuse a run id that has checkpoints (a job of it would resume their last step and train nothing)."""
     s3 = platform.client("s3")
 
     def holds_objects(uri: str) -> bool:
@@ -242,8 +246,6 @@ def _check_run_id(launch: Launch, platform: Platform) -> None:
     if holds_objects(checkpoint_uri(launch.settings, launch.key)):
         raise InputRefused(f"run id {launch.run_id!r} has checkpoints already (a job of it would resume their last step): "
                            "launch under another name")
-    if launch.spec.resume_from and not holds_objects(checkpoint_uri(launch.settings, launch.spec.resume_from)):
-        raise InputRefused(f"run {launch.spec.resume_from!r} left no checkpoints: name a run that wrote some, or leave resume_from out")
 
 
 def _write_token(platform: Platform, bucket: str, key: str, run: str) -> None:

@@ -10,9 +10,10 @@ only. Stop is held to direct jobs (tagged with a run id and no execution).
 
 What IAM cannot say: an instance count (the cost ceiling stays the client's), and the image, command,
 environment and S3 locations of a job. Whoever holds this policy can run code of their choosing as the
-platform's SageMaker role (read the input buckets, write the results bucket's artifacts/ and
-checkpoints/): attach it only to people trusted with that, as with anyone who may start the platform's
-jobs. A role of its own for direct jobs, writing only under direct prefixes, would narrow it.
+platform's SageMaker role: read the input buckets and, its job's session carrying no session tags, the
+results bucket's direct.runs/ prefixes only (infra/constructs/execution_role.py), never a state-machine
+run's. A caller whose own session carries any of a job's session-tag keys is denied CreateTrainingJob: it
+could chain them into its job and reach that run's prefixes. Attach it only to people trusted with that.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from constructs import Construct
 
 from infra.nag import acknowledge, arn_token, training_jobs_arn, wildcard_resources
 from lambdas.core.job_spec import MAX_RUNTIME_S
+from lambdas.core.training_request import SESSION_TAG_KEYS
 
 # SageMaker's log group for training jobs (`hetero follow` and `hetero logs` read it).
 TRAINING_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
@@ -60,6 +62,12 @@ class DirectLaunchPolicy(Construct):
             statements=[
                 iam.PolicyStatement(sid="CreatePlatformJobs", actions=["sagemaker:CreateTrainingJob"], resources=[jobs_arn],
                                     conditions=create_conditions),
+                # A session carrying any of a job's session-tag keys could chain them into its job (SessionChainingConfig:
+                # no condition key says whether a request asks for it) and reach that run's prefixes: denied, key by key.
+                *(iam.PolicyStatement(sid=f"NoJobsFromSessionsTagged{key.title().replace('_', '')}", effect=iam.Effect.DENY,
+                                      actions=["sagemaker:CreateTrainingJob"], resources=[jobs_arn],
+                                      conditions={"Null": {f"aws:PrincipalTag/{key}": "false"}})
+                  for key in SESSION_TAG_KEYS),
                 # CreateTrainingJob with Tags needs AddTags too; held to the tags a direct job carries.
                 iam.PolicyStatement(sid="TagPlatformJobs", actions=["sagemaker:AddTags"], resources=[jobs_arn],
                                     conditions={"ForAllValues:StringEquals": {"aws:TagKeys": DIRECT_TAG_KEYS},

@@ -8,8 +8,11 @@ SageMaker chains those tags into the job's session of this role (SessionChaining
 "ABAC for multi-tenancy training"), so its statements name the prefixes through ${aws:PrincipalTag/...}:
 checkpoints/<its run>/ and artifacts/<its job>/ to read and write, control/<its job>/ (its token) and
 checkpoints/<the run it resumes>/ to read. A job launched without the state machine (hetero/direct.py)
-carries no such tags; an untagged session reaches only the direct.runs/ prefixes. The compiled Neuron
-graphs (neuron-cache/) are shared by design: every Trainium job reuses them.
+carries no such tags; an untagged session reaches only the direct.runs/ prefixes (which direct runs
+share), and a session with some keys but not all reaches nothing of the results bucket's runs. The compiled
+Neuron graphs (neuron-cache/) are shared by design: every Trainium job reuses them, so a job could plant a
+graph another loads. The isolation holds while nobody creates jobs of this role from a session whose tags they
+chose (DirectLaunchPolicy denies it: infra/constructs/direct_launch.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import S3_READ_ACTIONS, S3_WRITE_ACTIONS, acknowledge, arn_token, wildcard_actions, wildcard_resources
-from lambdas.core.training_request import CONTROL_KEY_TAG, DIRECT_RUNS, JOB_KEY_TAG, RESUME_KEY_TAG, RUN_KEY_TAG
+from lambdas.core.training_request import CONTROL_KEY_TAG, DIRECT_RUNS, JOB_KEY_TAG, RESUME_KEY_TAG, RUN_KEY_TAG, SESSION_TAG_KEYS
 
 SAGEMAKER_NAMESPACE = "/aws/sagemaker/TrainingJobs"
 
@@ -47,7 +50,8 @@ class ExecutionRole(Construct):
             bucket.grant_read(self.role)
         for statement in run_scoped_statements(results):
             self.role.add_to_policy(statement)
-        results.grant_read_write(self.role, "neuron-cache/*")  # compiled Neuron graphs, reused across jobs
+        for statement in neuron_cache_statements(results):  # compiled Neuron graphs, reused across jobs
+            self.role.add_to_policy(statement)
         for image in images:
             image.repository.grant_pull(self.role)
         self.role.add_to_policy(
@@ -101,19 +105,30 @@ def own_prefixes() -> list[str]:
 
 
 def run_scoped_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
-    """The results bucket's statements for a job's own prefixes: a tagged session's by its tags, an
-    untagged one's (Null: no run_key tag) under direct.runs/ only."""
-    untagged = {"Null": {f"aws:PrincipalTag/{RUN_KEY_TAG}": "true"}}
+    """The results bucket's statements for a job's own prefixes: a tagged session's by its tags (every key
+    present), an untagged one's (no key at all) under direct.runs/ only."""
+    tagged = {"Null": {f"aws:PrincipalTag/{key}": "false" for key in SESSION_TAG_KEYS}}
+    untagged = {"Null": {f"aws:PrincipalTag/{key}": "true" for key in SESSION_TAG_KEYS}}
     statements = []
-    for patterns, conditions in ((TAGGED_PREFIXES, {}), (UNTAGGED_PREFIXES, untagged)):
-        listed = [prefix for pattern, _ in patterns for prefix in (pattern, pattern[:-2])]  # "<key>/*" and "<key>" itself
+    for patterns, conditions in ((TAGGED_PREFIXES, tagged), (UNTAGGED_PREFIXES, untagged)):
+        # "<key>/*" only: a listing of "checkpoints/abc" (no slash) would also list checkpoints/abc-x/.
+        listed = [pattern for pattern, _ in patterns]
         statements += [
             iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects(pattern) for pattern, _ in patterns],
-                                conditions=conditions or None),
+                                conditions=conditions),
             iam.PolicyStatement(actions=list(OWN_READ_WRITE), resources=[results.arn_for_objects(pattern) for pattern, writes in patterns if writes],
-                                conditions=conditions or None),
+                                conditions=conditions),
             iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
                                 conditions={"StringLike": {"s3:prefix": listed}} | conditions),
         ]
     statements.append(iam.PolicyStatement(actions=["s3:GetBucketLocation"], resources=[results.bucket_arn]))
     return statements
+
+
+def neuron_cache_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
+    """The shared compile cache (neuron-cache/): read and write its objects, list only under it (a bucket-wide
+    s3:List* would let any job enumerate every run's keys)."""
+    return [
+        iam.PolicyStatement(actions=list(OWN_READ_WRITE), resources=[results.arn_for_objects("neuron-cache/*")]),
+        iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn], conditions={"StringLike": {"s3:prefix": ["neuron-cache/*"]}}),
+    ]

@@ -243,6 +243,8 @@ class TrainingRunFunctions(Construct):
         results.grant_read(self.compare_sweep, "prices/*")
         results.grant_put(self.compare_sweep, "prices/*")
         results.grant_put(self.compare_sweep, "benchmarks/*")
+        # A retried compare reads back the report an earlier attempt wrote (a missing key must answer 404, not 403).
+        results.grant_read(self.compare_sweep, "benchmarks/*")
         self.compare_sweep.add_to_role_policy(iam.PolicyStatement(actions=["pricing:GetProducts"], resources=["*"]))
         self.compare_sweep.add_to_role_policy(
             iam.PolicyStatement(

@@ -19,7 +19,7 @@ from aws_lambda_powertools import Logger
 from lambdas.clients import client, pricing_client, put_new_object, read_object_or_none
 from lambdas.core.chart import render_chart
 from lambdas.core.pricing import prices_for
-from lambdas.core.results import ResultExistsError
+from lambdas.core.results import ResultExistsError, WriteConflict
 from lambdas.core.sweep import METRIC_NAMESPACE, compare, render_markdown
 
 logger = Logger(service="compare-sweep")
@@ -63,7 +63,13 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
             logger.info("kept from an earlier attempt", extra={"key": f"{prefix}/{name}"})
     # Before report.json: a retry after it would skip them (a retry between the two publishes them twice).
     _publish_metrics(sweep["sweep_name"], report)
-    put_new_object(bucket, f"{prefix}/report.json", json.dumps(report, indent=2).encode(), "application/json")
+    try:
+        put_new_object(bucket, f"{prefix}/report.json", json.dumps(report, indent=2).encode(), "application/json")
+    except ResultExistsError:  # an overlapping attempt finished first: its report is the sweep's
+        written = read_object_or_none(bucket, f"{prefix}/report.json")
+        if written is None:
+            raise WriteConflict(f"s3://{bucket}/{prefix}/report.json was refused as existing but reads as missing; retry") from None
+        return _reply(bucket, prefix, json.loads(written))
     logger.info("sweep compared", extra={"sweep_id": sweep["sweep_id"], "recommended": report["recommended"], "failed": report["failed"]})
     return _reply(bucket, prefix, report)
 

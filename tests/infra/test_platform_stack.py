@@ -500,8 +500,10 @@ def test_a_jobs_session_reaches_only_its_own_runs_prefixes(template_json) -> Non
             if key.startswith("neuron-cache/"):
                 continue  # shared by design: compiled graphs every Trainium job reuses
             assert key in own | direct, key
-            untagged = statement.get("Condition") == {"Null": {"aws:PrincipalTag/run_key": "true"}}
-            assert untagged == (key in direct), statement  # direct.runs/ only for a session without the tags
+            # direct.runs/ only for a session with none of the keys; the tagged prefixes only with all of them
+            keys = ("run_key", "control_key", "job_key", "resume_key")
+            expected = {f"aws:PrincipalTag/{tag}": "true" if key in direct else "false" for tag in keys}
+            assert statement["Condition"] == {"Null": expected}, statement
             seen.setdefault(key, set()).update(as_list(statement["Action"]))
     writes = {"s3:PutObject", "s3:DeleteObject"}
     assert {key for key, actions in seen.items() if actions >= writes} == {
@@ -509,6 +511,25 @@ def test_a_jobs_session_reaches_only_its_own_runs_prefixes(template_json) -> Non
     assert set(seen) == own | direct  # the token and the resumed run's checkpoints: read only
     (role,) = [r for name, r in resources(template_json, "AWS::IAM::Role").items() if name.startswith("SageMakerExecutionRole")]
     assert as_list(role["Properties"]["AssumeRolePolicyDocument"]["Statement"][0]["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+    # No job lists the results bucket beyond its own prefixes (a bucket-wide s3:List* would show every run's keys).
+    for statement in role_statements(template_json, "SageMakerExecutionRole"):
+        on_the_bucket = any(isinstance(resource, dict) and resource.get("Fn::GetAtt", [""])[0].startswith("BucketsResults")
+                            for resource in as_list(statement["Resource"]))
+        lists = any(action.startswith("s3:List") for action in as_list(statement["Action"]))
+        if on_the_bucket and lists:
+            prefixes = statement["Condition"]["StringLike"]["s3:prefix"]
+            assert all(prefix.endswith("/*") for prefix in prefixes), statement
+
+
+def test_a_direct_launcher_whose_session_carries_a_jobs_tag_keys_may_create_no_job(template_json) -> None:
+    """It could chain them into its job (SessionChainingConfig) and reach that run's prefixes."""
+    from lambdas.core.training_request import SESSION_TAG_KEYS
+
+    (policy,) = resources(template_json, "AWS::IAM::ManagedPolicy").values()
+    denies = [s for s in policy["Properties"]["PolicyDocument"]["Statement"] if s["Effect"] == "Deny"]
+    assert sorted(key for s in denies for key in s["Condition"]["Null"]) == sorted(f"aws:PrincipalTag/{key}" for key in SESSION_TAG_KEYS)
+    assert all(s["Action"] == "sagemaker:CreateTrainingJob" and "training-job/hetero-*" in json.dumps(s["Resource"])
+               and set(s["Condition"]["Null"].values()) == {"false"} for s in denies)
 
 
 def test_only_the_launch_function_creates_jobs_on_sessions_that_carry_the_jobs_keys(template_json) -> None:

@@ -144,8 +144,9 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
     aws.s3.put_object(Bucket=RESULTS, Key="checkpoints/direct.runs/trained-before/step-100.pt", Body=b"x")
     with pytest.raises(InputRefused, match="checkpoints already"):
         launch_direct(raw, platform(), name="trained-before")  # it would resume step 100 and train nothing new
-    with pytest.raises(InputRefused, match="left no checkpoints"):
-        launch_direct(raw | {"resume_from": "never-ran"}, platform(), name="resuming")
+    # Its job's session reaches only direct.runs/: another run's checkpoints would be refused after billing.
+    with pytest.raises(SpecRefused, match="resume_from.*cannot resume another run's checkpoints"):
+        launch_direct(raw | {"resume_from": "some-run"}, platform(), name="resuming")
     assert aws.created == [] and aws.keys("control/") == []
     launch_direct(raw, platform(), name="once")
     with pytest.raises(InputRefused, match="launched before"):
