@@ -45,8 +45,11 @@ from tests.lambdas.conftest import (
     output_archive,
     refuse_a_name_in_use,
 )
+from tests.workflows.permissions import Call, allowed, call_of, function_roles, role_statements
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# The handler whose code is running in this thread (None: the harness itself, or a timer).
+CALLER = threading.local()
 HANDLERS: dict[str, Callable[[dict, Any], dict]] = {
     "ValidateSpec": validate, "LaunchJob": launch, "CollectResults": collect, "StopJob": stop, "ReconcileJobs": reconcile,
     "PlanSweep": plan_sweep, "CompareSweep": compare_sweep,
@@ -245,10 +248,13 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
             if name == "StopJob" and state["scenario"].stop_fails:
                 state["stop_attempts"] = state.get("stop_attempts", 0) + 1
                 raise ConnectionError("SageMaker unreachable from the stop function")
+            CALLER.name = name  # the calls the handler makes, checked against its role (tests/workflows/permissions.py)
             result = HANDLERS[name](json.loads(body), LambdaContext(function_name=name))
         except Exception as error:  # noqa: BLE001 - the runtime reports any error by its type
             response_headers["x-amz-function-error"] = "Unhandled"
             return json.dumps({"errorType": type(error).__name__, "errorMessage": str(error)}).encode()
+        finally:
+            CALLER.name = None
         if name == "LaunchJob" and "job_name" in result:  # a launch, not a relaunch decision
             script_job(result["job_name"])
         return json.dumps(result).encode()
@@ -327,6 +333,17 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     client.cache_clear()
     with mock_aws(config={"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}):
 
+        calls: list[Call] = []
+
+        def record(params: dict, model: Any, **_: Any) -> None:
+            if getattr(CALLER, "name", None):
+                calls.append(call_of(CALLER.name, model.service_model.signing_name, model.name, params))
+
+        # Every client made from here (the handlers', the job creator's) copies the default session's handlers.
+        monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+        boto3.setup_default_session()
+        boto3.DEFAULT_SESSION.events.register("provide-client-params", record)
+
         def make(scenario: Scenario) -> Harness:
             state["scenario"], state["throttles_left"] = scenario, scenario.throttle_first_launches
             state["describe_throttles_left"] = scenario.throttle_describes
@@ -339,5 +356,11 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     for timer in timers:
         timer.cancel()
     client.cache_clear()
+    roles = {next(key for key in HANDLERS if logical_id.startswith(f"TrainingRunFunctions{key}")): names
+             for logical_id, names in function_roles(platform).items()}
+    denied = sorted({call for call in calls
+                     if not allowed(call, [s for role in roles[call.function] for s in role_statements(platform, role)], RESULTS_BUCKET)},
+                    key=str)
+    assert not denied, f"calls the synthesized roles would refuse on AWS: {denied}"
 
 
