@@ -369,6 +369,7 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             stats = self.service.stats
             local = {
                 "lost_data_hosts": stats.unavailable_hosts,
+                "lost_data_host_reasons": stats.lost_reasons,
                 "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
                 "skipped_samples": stats.skipped_samples,
                 "epochs": stats.ledger.as_dict(),
@@ -380,6 +381,8 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
                 "data_hosts": list(self.service.addresses),
                 # A host any rank lost is lost to the job; what each host served, summed over every rank.
                 "lost_data_hosts": sorted({host for rank in ranks for host in rank["lost_data_hosts"]}),
+                # Why: the first rank's word for each (a hung host's stall, a MalformedBatchError, a refusal).
+                "lost_data_host_reasons": {host: reason for rank in reversed(ranks) for host, reason in rank["lost_data_host_reasons"].items()},
                 "batches_per_data_host": {
                     address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in self.service.addresses
                 },

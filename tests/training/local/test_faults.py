@@ -60,6 +60,8 @@ def test_a_hung_data_host_is_dropped_and_training_goes_on_with_the_others(tmp_pa
     assert summary["status"] == "stopped" and summary["stopped_after_step"] > lost_at_step
     port = cluster.hyperparameters["data_service_port"]
     assert summary["lost_data_hosts"] == [f"{cluster.host('algo-1').address}:{port}"]
+    # ... and why: its stall, not the "unreachable" of the reconnects after it
+    assert "no batch for 8 s: the host is hung" in summary["lost_data_host_reasons"][f"{cluster.host('algo-1').address}:{port}"]
     assert result.outcome("algo-1").exit_code == 0 and result.outcome("algo-2").exit_code == 0  # both shut down
     assert result.orphans == []
 
