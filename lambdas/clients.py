@@ -12,6 +12,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from lambdas.core.execution import EXECUTION_TAG
 from lambdas.core.results import ResultExistsError, WriteConflict
 
 # SageMaker's longest MaxRuntimeInSeconds (28 days): no running job was created before that.
@@ -32,6 +33,12 @@ def pricing_client() -> Any:
     from lambdas.core.pricing import PRICING_REGION
 
     return boto3.client("pricing", region_name=PRICING_REGION, config=CONFIG)
+
+
+def execution_of(sagemaker: Any, job_arn: str) -> str | None:
+    """The ARN of the execution that launched a job (its execution_arn tag), or None for an untagged one."""
+    tags = sagemaker.list_tags(ResourceArn=job_arn, MaxResults=100).get("Tags", [])
+    return {tag["Key"]: tag["Value"] for tag in tags}.get(EXECUTION_TAG)  # a key SageMaker's AddTags set again: its last value
 
 
 def put_new_object(bucket: str, key: str, body: bytes, content_type: str) -> None:
@@ -57,6 +64,15 @@ def read_object_or_none(bucket: str, key: str) -> bytes | None:
         if error.response["Error"]["Code"] in ("NoSuchKey", "404"):
             return None
         raise
+
+
+def read_existing(bucket: str, key: str) -> bytes:
+    """The object a write-once put was refused for (it exists). Raises WriteConflict when it reads as missing:
+    a concurrent write that did not complete (retry)."""
+    written = read_object_or_none(bucket, key)
+    if written is None:
+        raise WriteConflict(f"s3://{bucket}/{key} was refused as existing but reads as missing; retry")
+    return written
 
 
 def object_size_or_none(bucket: str, key: str) -> int | None:

@@ -22,9 +22,14 @@ def failure_path(environ: Mapping[str, str] = os.environ) -> Path:
 
 
 def write_failure(message: str, environ: Mapping[str, str] = os.environ) -> None:
-    path = failure_path(environ)
+    write_quietly(failure_path(environ), message[:1024])
+
+
+def write_quietly(path: Path, text: str) -> None:
+    """Write a reason to ``path``; a full, read-only or missing tree is logged, never raised: it must not
+    hide the reason itself, which the log still holds."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(message[:1024])
-    except OSError as error:  # a read-only or missing tree must not hide the original error
+        path.write_text(text)
+    except OSError as error:
         log.warning("could not write %s: %s", path, error)

@@ -77,7 +77,7 @@ from training.data_service.dataset import (
 )
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
-from training.failure import RANK_FAILURE_ENV, failure_path, write_failure
+from training.failure import RANK_FAILURE_ENV, failure_path, write_failure, write_quietly
 from training.hyperparameters import (
     DATA,
     DNN,
@@ -988,20 +988,12 @@ def supervise(command: list[str]) -> int:
                     "%s. This data host exits 0: the trainers drop it and train on with the other data hosts (the "
                     "DNN hosts fail by themselves, naming it, if every data host is lost)", reason
                 )
-                _leave_note(frozen_note_path(heartbeat.host), reason)
+                write_quietly(frozen_note_path(heartbeat.host), reason + "\n")
             else:
                 log.error("%s", reason)
                 write_failure(reason)
             _reap_all(deadline=time.monotonic() + 10)  # all killed: collected, so that none outlives this
             return status
-
-
-def _leave_note(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-    except OSError as error:  # a full or read-only disk: the log line above still says it
-        log.warning("could not write %s: %s", path, error)
 
 
 def _reap(launcher: int) -> int | None:

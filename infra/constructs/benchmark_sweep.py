@@ -31,9 +31,8 @@ from aws_cdk import aws_stepfunctions_tasks as tasks
 from constructs import Construct
 
 from infra.constructs.functions import TrainingRunFunctions, retention
-from infra.constructs.training_workflow import retrier
+from infra.constructs.training_workflow import retry_unless_final
 from infra.nag import SQS_MANAGED_ENCRYPTION, acknowledge, arn_token, skip_checkov, wildcard_resources
-from lambdas.core.deadlines import COLLECT_FINAL_ERRORS, COLLECT_RETRY
 from lambdas.core.sweep import METRIC_NAMESPACE
 
 
@@ -91,8 +90,7 @@ class BenchmarkSweep(Construct):
         )
         # A retried compare finds the report whole (report.json, written last) or writes what is missing:
         # one transient error must not lose a sweep whose configurations were all paid for.
-        compare.add_retry(errors=list(COLLECT_FINAL_ERRORS), max_attempts=0)
-        compare.add_retry(**retrier(COLLECT_RETRY))
+        retry_unless_final(compare)
         definition = plan.next(configurations).next(compare).next(sfn.Succeed(self, "Done"))
         self.log_group = logs.LogGroup(self, "Logs", retention=retention(log_retention_days), removal_policy=RemovalPolicy.DESTROY)
         self.state_machine = sfn.StateMachine(

@@ -60,6 +60,13 @@ def retrier(schedule: RetrySchedule) -> dict:
             **({"max_delay": Duration.seconds(schedule.max_delay_s)} if schedule.max_delay_s else {})}
 
 
+def retry_unless_final(task: sfn.TaskStateBase) -> None:
+    """COLLECT_RETRY on anything but COLLECT_FINAL_ERRORS: those first, matched and not retried (MaxAttempts
+    0), then States.ALL alone and last, as Step Functions requires."""
+    task.add_retry(errors=list(COLLECT_FINAL_ERRORS), max_attempts=0)
+    task.add_retry(**retrier(COLLECT_RETRY))
+
+
 # What a launch (and a relaunch) retries: throttling, and capacity or quota errors CreateTrainingJob itself
 # returns.
 LAUNCH_RETRIES = tuple(retrier(schedule) for schedule in LAUNCH_RETRY_SCHEDULE)
@@ -128,8 +135,7 @@ class TrainingWorkflow(Construct):
             {"spec": SPEC, "execution_arn": EXECUTION_ARN, "failure": sfn.JsonPath.object_at("$.error")}, None,
         )
         for record in (record_failure, record_launch_failure):  # a failure unrecorded is a run with no result at all
-            record.add_retry(errors=list(COLLECT_FINAL_ERRORS), max_attempts=0)
-            record.add_retry(**retrier(COLLECT_RETRY))
+            retry_unless_final(record)
         invalid = sfn.Fail(self, "InvalidJobSpec", error="InvalidJobSpec", cause_path="$.error.Cause")
         validate.add_catch(invalid, errors=["JobSpecError"], result_path="$.error")
         launch.add_catch(record_launch_failure.next(sfn.Fail(self, "LaunchFailed", error="LaunchFailed", cause_path="$.error.Cause")),
@@ -161,10 +167,7 @@ class TrainingWorkflow(Construct):
         # The original error stays in $.error.
         stop.add_catch(record_failure, result_path="$.stop_error")
         for state in (collect, collect_failed):
-            # A collect retries what may pass (see COLLECT_RETRY) before the Catch writes the run off;
-            # the final errors first, matched and not retried (MaxAttempts 0).
-            state.add_retry(errors=list(COLLECT_FINAL_ERRORS), max_attempts=0)
-            state.add_retry(**retrier(COLLECT_RETRY))
+            retry_unless_final(state)  # what may pass is retried before the Catch writes the run off
             state.add_catch(cleanup, result_path="$.error")
 
         count_down = sfn.Pass(

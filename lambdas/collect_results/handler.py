@@ -14,11 +14,11 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from lambdas.clients import client, object_size_or_none, put_new_object, read_object_or_none
+from lambdas.clients import client, object_size_or_none, put_new_object, read_existing, read_object_or_none
 from lambdas.core.execution import run_id
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
-from lambdas.core.results import ResultExistsError, WriteConflict, read_summary, result_document
+from lambdas.core.results import ResultExistsError, read_summary, result_document
 
 logger = Logger(service="collect-results")
 
@@ -47,10 +47,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     try:
         put_new_object(bucket, key, json.dumps(document, indent=2, default=str).encode(), "application/json")
     except ResultExistsError:
-        written = read_object_or_none(bucket, key)
-        if written is None:  # a concurrent write that did not complete: the state machine retries the collect
-            raise WriteConflict(f"s3://{bucket}/{key} was refused as existing but reads as missing; retry") from None
-        existing = json.loads(written)
+        existing = json.loads(read_existing(bucket, key))  # WriteConflict: the state machine retries the collect
         if existing.get("job_name") != job_name:
             raise  # another run's result: never ours to replace
         logger.info("result written by an earlier attempt of this collect", extra={"key": key})

@@ -16,10 +16,10 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from lambdas.clients import client, pricing_client, put_new_object, read_object_or_none
+from lambdas.clients import client, pricing_client, put_new_object, read_existing, read_object_or_none
 from lambdas.core.chart import render_chart
 from lambdas.core.pricing import prices_for
-from lambdas.core.results import ResultExistsError, WriteConflict
+from lambdas.core.results import ResultExistsError
 from lambdas.core.sweep import METRIC_NAMESPACE, compare, render_markdown
 
 logger = Logger(service="compare-sweep")
@@ -66,10 +66,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     try:
         put_new_object(bucket, f"{prefix}/report.json", json.dumps(report, indent=2).encode(), "application/json")
     except ResultExistsError:  # an overlapping attempt finished first: its report is the sweep's
-        written = read_object_or_none(bucket, f"{prefix}/report.json")
-        if written is None:
-            raise WriteConflict(f"s3://{bucket}/{prefix}/report.json was refused as existing but reads as missing; retry") from None
-        return _reply(bucket, prefix, json.loads(written))
+        return _reply(bucket, prefix, json.loads(read_existing(bucket, f"{prefix}/report.json")))
     logger.info("sweep compared", extra={"sweep_id": sweep["sweep_id"], "recommended": report["recommended"], "failed": report["failed"]})
     return _reply(bucket, prefix, report)
 

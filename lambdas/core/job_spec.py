@@ -191,6 +191,11 @@ def role_map(spec: JobSpec) -> dict[str, str]:
     return {group.name: group.role for group in spec.instance_groups}
 
 
+def is_run_name(name: str) -> bool:
+    """Whether ``name`` can be a run's name (and so part of its jobs' names). Pure."""
+    return len(name) <= MAX_RUN_NAME and RUN_NAME.fullmatch(name) is not None
+
+
 def parse_job_spec(raw: Any) -> JobSpec:
     if not isinstance(raw, Mapping):
         raise JobSpecError("$", f"a job spec is a JSON object, got {type(raw).__name__}")
@@ -201,7 +206,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if isinstance(version, bool) or version != SPEC_VERSION:  # True == 1 in Python; not in a spec
         raise JobSpecError("spec_version", f"version {version!r} is not supported; use {SPEC_VERSION}")
     run_name = _string(raw, "run_name")
-    if len(run_name) > MAX_RUN_NAME or not RUN_NAME.fullmatch(run_name):
+    if not is_run_name(run_name):
         raise JobSpecError("run_name", f"{run_name!r} must be 1–{MAX_RUN_NAME} letters, digits or hyphens, starting with a letter or digit")
     groups = _groups(raw.get("instance_groups"))
     resume_from = _resume_from(raw.get("resume_from", ""))

@@ -41,7 +41,7 @@ import boto3
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import CONFIG, client, object_size_or_none, put_new_object, recent_running_jobs
+from lambdas.clients import CONFIG, client, execution_of, object_size_or_none, put_new_object, recent_running_jobs
 from lambdas.core.deadlines import next_backoff_s, poll_plan
 from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution, run_id
 from lambdas.core.job_spec import RUN_ID, SpecPolicy, split_s3_uri, validate_job_spec
@@ -270,5 +270,4 @@ def _own_job(sagemaker: Any, name: str, execution_arn: str) -> bool:
         if error.response["Error"]["Code"] in ("ValidationException", "ResourceNotFound"):  # SageMaker's "not found"
             return False
         raise _named(error.response["Error"]["Code"], error.response["Error"].get("Message", "")) from None
-    tags = {tag["Key"]: tag["Value"] for tag in sagemaker.list_tags(ResourceArn=arn, MaxResults=100).get("Tags", [])}
-    return tags.get(EXECUTION_TAG) == execution_arn
+    return execution_of(sagemaker, arn) == execution_arn

@@ -17,8 +17,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client, recent_running_jobs
-from lambdas.core.execution import EXECUTION_TAG
+from lambdas.clients import client, execution_of, recent_running_jobs
 
 logger = Logger(service="reconcile-jobs")
 
@@ -36,8 +35,7 @@ def orphans(jobs: dict[str, str | None], execution_status: Callable[[str], str |
 def _running_jobs(sagemaker: Any, prefix: str) -> dict[str, str | None]:
     jobs: dict[str, str | None] = {}
     for name, arn in recent_running_jobs(sagemaker, f"{prefix}-").items():
-        tags = sagemaker.list_tags(ResourceArn=arn)["Tags"]
-        jobs[name] = next((tag["Value"] for tag in tags if tag["Key"] == EXECUTION_TAG), None)
+        jobs[name] = execution_of(sagemaker, arn)
     return jobs
 
 

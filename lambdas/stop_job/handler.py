@@ -16,9 +16,9 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 
-from lambdas.clients import client
-from lambdas.core.execution import EXECUTION_TAG, job_name_for_execution
-from lambdas.core.job_spec import MAX_RUN_NAME, RUN_NAME
+from lambdas.clients import client, execution_of
+from lambdas.core.execution import job_name_for_execution
+from lambdas.core.job_spec import is_run_name
 
 logger = Logger(service="stop-job")
 RUNNING = {"InProgress"}
@@ -37,7 +37,7 @@ def job_names_from_event(event: dict[str, Any]) -> list[str]:
     # Only the run name makes the job's name, so only it is checked (a spec the code of today refuses may
     # have launched under yesterday's). A name no run can have (the run failed InvalidJobSpec) launched
     # nothing: no job to look for, and no error either (a failed stop raises the "a job may be billing" alarm).
-    if not isinstance(run_name, str) or len(run_name) > MAX_RUN_NAME or not RUN_NAME.fullmatch(run_name):
+    if not isinstance(run_name, str) or not is_run_name(run_name):
         return []
     attempts = 1 + int(os.environ.get("CAPACITY_RELAUNCHES", "0"))
     prefix = os.environ["JOB_NAME_PREFIX"]
@@ -51,13 +51,15 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     outcome = {"job_name": names[0] if names else None, "stopped": False, "status": "NotStarted"}
     for name in names:
         try:
-            status = sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobStatus"]
+            described = sagemaker.describe_training_job(TrainingJobName=name)
         except ClientError as error:
             if error.response["Error"]["Code"] == "ValidationException":  # no such job: this attempt never launched
                 continue
             raise
+        status = described["TrainingJobStatus"]
         outcome = {"job_name": name, "stopped": False, "status": status}
-        if status in RUNNING and "job_name" not in event and not _launched_by(sagemaker, name, event.get("detail", {}).get("executionArn")):
+        # After an abort, only the aborted execution's own job (the state machine names its job itself).
+        if status in RUNNING and "job_name" not in event and execution_of(sagemaker, described["TrainingJobArn"]) != event["detail"]["executionArn"]:
             logger.warning("a job of this name is another execution's: left running", extra={"job_name": name})
             continue
         if status in RUNNING:
@@ -66,9 +68,3 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
             return {"job_name": name, "stopped": True, "status": "Stopping"}
     return outcome
 
-
-def _launched_by(sagemaker: Any, name: str, execution_arn: str | None) -> bool:
-    """Whether job ``name`` carries ``execution_arn`` as its execution tag (the launch tags every job)."""
-    arn = sagemaker.describe_training_job(TrainingJobName=name)["TrainingJobArn"]
-    tags = {tag["Key"]: tag["Value"] for tag in sagemaker.list_tags(ResourceArn=arn, MaxResults=100).get("Tags", [])}
-    return tags.get(EXECUTION_TAG) == execution_arn

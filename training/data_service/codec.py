@@ -34,8 +34,8 @@ VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 MAX_RANK = 32
 # No dimension of a tensor that arrived in one gRPC message can exceed that message's byte count, which gRPC
 # keeps below 2 GiB (its length prefix is an int32), unless another dimension is 0 and the tensor empty.
-MAX_DIMENSION = 2**31 - 1
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
+MAX_DIMENSION = MAX_GRPC_MESSAGE_BYTES
 # Batch.skipped_samples is a uint32.
 MAX_UINT32 = 2**32 - 1
 
