@@ -28,6 +28,7 @@ import difflib
 import json
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -50,10 +51,22 @@ PLATFORM_CHANNEL = "platform"
 # own (/opt/ml/checkpoints, synced to checkpoints/<this run>/): a run never writes into another's.
 RESUME_CHANNEL = "resume"
 TOKEN_FILE = "shutdown_token"
+# The channel a user workload's code arrives in, on every host: its packed folder (training/workload/code.py),
+# as SageMaker's own script mode ships a source_dir (a channel routed to every instance group).
+CODE_CHANNEL = "code"
 # Platform settings that never travel in hyperparameters.
 SECRET_SETTINGS = frozenset({"shutdown_token"})
 
 T = TypeVar("T")
+
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_relative_path(path: str) -> bool:
+    """A path that stays inside the folder it is relative to (no root, no '..', no backslash). Pure."""
+    parts = path.split("/")
+    return bool(path) and not path.startswith("/") and "\\" not in path and all(part not in ("", "..") for part in parts)
 
 
 class HyperparameterError(ValueError):
@@ -76,6 +89,12 @@ class PlatformSettings:
     shutdown_token: str = ""
     # Which trainer runs on the DNN group ("pytorch" here; "tensorflow" and "neuron" follow).
     variant: str = "pytorch"
+    # A user workload (training/workload/): the module to import from the code channel's folder, the
+    # SHA-256 of the packed folder (the launcher refuses any other), and its requirements file inside the
+    # folder ("" for none). An empty module: the variant's built-in workload.
+    workload_module: str = ""
+    workload_sha256: str = ""
+    workload_requirements: str = ""
     # How the trainer spans the DNN group: "torchrun" (PyTorch), "horovod" (one process per device on
     # every DNN host, gloo rendezvous on the first), "mirrored" (tf.distribute, one process on one host),
     # "none" (one process). Each variant accepts some of them (training/variants.py).
@@ -140,6 +159,12 @@ class PlatformSettings:
         for name in ("data_service_port", "master_port", "tf_dispatcher_port", "tf_worker_port", "job_control_port"):
             if not 1024 <= getattr(self, name) <= 65535:
                 raise HyperparameterError(f"{name} must be a port in 1024..65535, got {getattr(self, name)}")
+        if self.workload_module and not MODULE_NAME.fullmatch(self.workload_module):
+            raise HyperparameterError(f"workload_module {self.workload_module!r} must be a dotted Python module name (workload, my_pkg.train)")
+        if self.workload_module and not SHA256.fullmatch(self.workload_sha256):
+            raise HyperparameterError("workload_sha256 must be the 64 hex digits of the packed code's SHA-256")
+        if self.workload_requirements and not is_relative_path(self.workload_requirements):
+            raise HyperparameterError(f"workload_requirements {self.workload_requirements!r} must be a relative path inside the code folder")
         for name in ("trainer_stall_timeout_s", "trainer_first_step_timeout_s", "trainer_exit_timeout_s", "launcher_heartbeat_timeout_s"):
             if getattr(self, name) < 0:
                 raise HyperparameterError(f"{name} must be 0 (no bound) or a number of seconds, got {getattr(self, name)}")
@@ -225,17 +250,20 @@ def load_settings(trainer_config: type[T], environ: Mapping[str, str] = os.envir
     return parse_settings(raw, trainer_config, load_shutdown_token(environ))
 
 
-def parse_settings(raw: Mapping[str, Any], trainer_config: type[T], shutdown_token: str) -> tuple[PlatformSettings, T]:
+def parse_settings(raw: Mapping[str, Any], trainer_config: type[T], shutdown_token: str,
+                   also_known: frozenset[str] = frozenset()) -> tuple[PlatformSettings, T]:
     """Split the job's hyperparameters into platform settings and the trainer's config, refusing any key
-    that belongs to neither, and any secret that came as a hyperparameter."""
+    that belongs to neither, and any secret that came as a hyperparameter. ``also_known``: names a caller
+    takes itself (a user workload's own), suggested for a typo like the others."""
     leaked = sorted(SECRET_SETTINGS & set(raw))
     if leaked:
         raise HyperparameterError(f"{leaked[0]} must not be a hyperparameter (DescribeTrainingJob shows those): "
                                   f"the platform delivers it in the {PLATFORM_CHANNEL!r} channel")
-    known = platform_keys() | {item.name for item in fields(trainer_config)}
+    known = platform_keys() | {item.name for item in fields(trainer_config)} | also_known
     unknown = sorted(key for key in raw if key not in known and not key.startswith(RESERVED_PREFIX))
     if unknown:
         raise HyperparameterError("; ".join(_unknown_message(key, known) for key in unknown))
+    known -= also_known
     if len(shutdown_token) < 16:
         raise HyperparameterError(f"the job's shutdown token ({TOKEN_FILE} in the {PLATFORM_CHANNEL!r} channel) must be a random "
                                   "string of at least 16 characters")

@@ -84,11 +84,18 @@ from training.hyperparameters import (
     RESUME_CHANNEL,
     HyperparameterError,
     PlatformSettings,
+    build,
     load_hyperparameters,
     load_settings,
+    load_shutdown_token,
+    platform_keys,
 )
+from training.data_service.augmentation import AugmentConfig
 from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
-from training.variants import VARIANTS, Variant
+from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
+from training.workload.code import CodeError
+from training.workload.contract import WorkloadError
+from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_PACKAGES_ENV, PreparedWorkload, prepare, unpack_on_host
 
 if TYPE_CHECKING:
     from training.data_service.control import FailureReports
@@ -295,6 +302,33 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     return reason.exit_code
 
 
+def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: threading.Event, packages_dir: Path | None) -> int:
+    """Serve a user workload's training channel: listed and preprocessed by its own hooks (the first
+    sample before serving: what Describe announces), in worker processes that import it by name."""
+    from training.data_service.server import ServerSettings, default_workers, serve
+    from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features
+
+    settings, config = prepared.settings, prepared.config
+    root = prepared.channel(settings.data_channel)
+    sharded = channel_is_sharded(settings.data_channel)
+    listing = host_listing(prepared.workload, settings.data_channel, root, prepared.hyperparameters, prepared.channels)
+    recipe = recipe_for(prepared.workload, listing, packages_dir=packages_dir, hyperparameters=prepared.hyperparameters, seed=config.seed)
+    data_hosts = settings.data_hosts(cluster)
+    host_index = data_hosts.index(cluster.current_host)
+    addresses = host_addresses()
+    workers = default_workers()
+    server_settings = ServerSettings(
+        host=cluster.current_host, bind_address=addresses.get(cluster.current_host, "0.0.0.0"), port=settings.data_service_port,
+        channel=settings.data_channel, batch_size=config.batch_size, augment=AugmentConfig(image_size=8),
+        shutdown_token=settings.shutdown_token, idle_timeout_s=settings.data_idle_timeout_s, start_deadline_s=settings.data_start_deadline_s,
+        workers=workers, seed=data_seed(config.seed, settings.shutdown_token), hosts=len(data_hosts), sharded=sharded,
+        features=wire_features(recipe.features),
+    )
+    producer = WorkloadBatchProducer(listing, recipe, batch_size=config.batch_size, workers=workers, seed=server_settings.seed,
+                                     host_index=host_index, queue_depth=server_settings.queue_depth, hosts=len(data_hosts), sharded=sharded)
+    return serve(server_settings, listing, host_index, stop, source=producer).exit_code
+
+
 def data_seed(seed: int, token: str) -> int:
     """The data hosts' sampling seed: the configured seed mixed with the job's random token. A data host
     cannot know whether its job resumes a checkpoint; with the configured seed alone, the data hosts of a
@@ -346,19 +380,29 @@ def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:
     return copied
 
 
-def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0) -> int:
+def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0,
+                 workload: PreparedWorkload | None = None, trainer_env: Mapping[str, str] | None = None) -> int:
+    """Train across the DNN group; ``workload``: a user's (checked on this host), whose trainer is the one
+    PyTorch runtime, started with ``trainer_env`` (where its code is)."""
     seed_checkpoints()
     addresses = host_addresses()
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)
-    if not data_targets:
+    if workload is not None:
+        # The hooks run on this host's own samples before any trainer starts: the validation channel
+        # always, the training channel when no data group preprocesses it.
+        if workload.config.eval_channel:
+            workload.features(workload.list(workload.config.eval_channel, training=False), training=False)
+        if not data_targets:
+            workload.features(workload.list(settings.data_channel, training=True), training=True)
+    elif not data_targets:
         # Homogeneous: the channel must be here; fail now rather than after the trainer started.
         CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
     node_rank = dnn_hosts.index(cluster.current_host)
     processes_per_host = settings.processes_per_host or max(1, gpu_count())
     master_address = address_of(dnn_hosts[0], addresses)
     command = trainer_command(
-        variant.module,
+        WORKLOAD_TRAINER if workload is not None else variant.module,
         distribution=settings.distribution,
         nnodes=len(dnn_hosts),
         processes_per_host=processes_per_host,
@@ -373,7 +417,7 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
         environment = trainer_environment(settings, dict(os.environ), instance_type=cluster.current_instance_type, nnodes=len(dnn_hosts)) | {
             PROGRESS_DIR_ENV: str(progress_dir),
             RANK_FAILURE_ENV: str(rank_failure_file),
-        }
+        } | dict(trainer_env or {})
         if precompile_steps:
             status = _precompile(command, environment, stop, cluster.current_host)
             if status != 0:
@@ -1031,11 +1075,23 @@ def main() -> int:
     os.environ.setdefault(CONTAINER_STARTED_ENV, repr(time.time()))
     if os.getpid() == 1 or os.environ.get(SUPERVISE_ENV) == "1":
         return supervise([sys.executable, "-m", "training.launcher", *sys.argv[1:]])
+    workload: PreparedWorkload | None = None
+    packages_dir: Path | None = None
+    trainer_env: dict[str, str] = {}
     try:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
-        settings, config = load_settings(variant.config, hyperparameters=hyperparameters)
+        if hyperparameters.get("workload_module"):
+            # A user workload, before the role split: its code unpacked, installed, imported and checked
+            # on every host, and the job's hyperparameters split between platform, loop and workload.
+            platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
+            code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()}))
+            workload = prepare(code_dir, packages_dir, raw=hyperparameters)
+            settings, config = workload.settings, workload.config
+            trainer_env = {WORKLOAD_DIR_ENV: str(code_dir), WORKLOAD_PACKAGES_ENV: str(packages_dir or "")}
+        else:
+            settings, config = load_settings(variant.config, hyperparameters=hyperparameters)
         settings.check_cluster(cluster)
         if settings.distribution not in variant.distributions:
             raise HyperparameterError(
@@ -1047,19 +1103,24 @@ def main() -> int:
         os.environ.pop(HEARTBEAT_FD_ENV, None)  # the trainers' environment is ours: the pipe is not theirs
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    except (ClusterConfigError, HyperparameterError) as error:
+    except (ClusterConfigError, HyperparameterError, CodeError, WorkloadError) as error:
         return refuse(error)
     try:
         if role == DATA:
             try:
+                if workload is not None:
+                    return run_workload_data_host(cluster, workload, stop, packages_dir)
                 return run_data_host(cluster, settings, variant, config, stop)
+            except WorkloadError as error:
+                return fail_data_host(cluster, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
             except (ChannelError, TfServiceError, DataHostError, PortInUseError) as error:
                 # A channel that is wrong exits as a usage error; anything else as failed preprocessing.
                 code = CONFIG_ERROR_EXIT if isinstance(error, ChannelError) else StopReason.FAILED.exit_code
                 message = str(error) if isinstance(error, DataHostError) else f"{type(error).__name__}: {error}"
                 return fail_data_host(cluster, settings, message, code, stop)
-        return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0))
-    except (HyperparameterError, ChannelError, PortInUseError) as error:
+        return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0), workload=workload,
+                            trainer_env=trainer_env)
+    except (HyperparameterError, ChannelError, PortInUseError, WorkloadError) as error:
         return refuse(error)
 
 

@@ -17,8 +17,13 @@ METRIC_DEFINITIONS: dict[str, str] = {
 }
 
 
+# Times and rates print with one decimal; everything else (losses, accuracies, a workload's own metrics)
+# with four significant digits.
+TIMINGS = frozenset({"step_time_ms", "data_wait_ms", "samples_per_s", "warmup_ms"})
+
+
 def metric_line(step: int, total_steps: int, values: dict[str, float]) -> str:
-    return " ".join([f"step={step}/{total_steps}", *(f"{name}={value:.4g}" if name in ("loss", "eval_accuracy") else f"{name}={value:.1f}" for name, value in values.items())])
+    return " ".join([f"step={step}/{total_steps}", *(f"{name}={value:.1f}" if name in TIMINGS else f"{name}={value:.4g}" for name, value in values.items())])
 
 
 def parse_metric_line(line: str) -> dict[str, float]:

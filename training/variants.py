@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.trainers.config import KerasVisionConfig, TextConfig, VisionConfig
+from training.trainers.config import KerasVisionConfig, TextConfig, VisionConfig, WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,16 @@ class Variant:
     input_format: str  # what its training channel holds: "images" (files or tar shards), "image_files" or "text" (.csv/.jsonl)
     # What data hosts run for it: "grpc" (training/data_service/server.py) or "tf.data.service".
     data_service: str = "grpc"
+    # Whether it trains user workloads (training/workload/): they run on the one PyTorch runtime, GPU or XLA,
+    # with the gRPC data service on any data groups.
+    user_workloads: bool = False
+
+
+# The trainer of every user workload, and its settings; the workload's own hyperparameters come on top.
+WORKLOAD_TRAINER = "training.trainers.pytorch_runtime"
+WORKLOAD_CONFIG = WorkloadConfig
+# The name a spec's "workload" takes when it is a user's module ({"code": ..., "module": ...}).
+USER_WORKLOAD = "user"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -35,6 +45,7 @@ VARIANTS: dict[str, Variant] = {
         has_data_service=True,
         accelerator="gpu",
         input_format="images",
+        user_workloads=True,
     ),
     "tensorflow": Variant(
         name="tensorflow",
@@ -56,5 +67,6 @@ VARIANTS: dict[str, Variant] = {
         has_data_service=False,  # the text trainer tokenises once per node; no CPU data group feeds it
         accelerator="trainium",
         input_format="text",
+        user_workloads=True,
     ),
 }

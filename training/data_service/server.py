@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Protocol
@@ -120,6 +120,9 @@ class ServerSettings:
     sharded: bool = False
     # After SIGTERM, serve on this long at most (SageMaker sends SIGKILL 120 s after its SIGTERM).
     stop_grace_s: float = 110.0
+    # A user workload's batches (codec.encode_features): what Describe announces in DatasetInfo.features,
+    # and what the trainers then check every batch against. Empty: the built-in image batches.
+    features: tuple[codec.FeatureSpec, ...] = ()
 
 
 @dataclass
@@ -235,13 +238,22 @@ class BatchProducer:
         self.serves_batches = True
         self._stop = threading.Event()
         # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
+        initializer, initargs = self.worker_setup(folder, augment)
         self._pool = futures.ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(folder.samples, augment),
+            initializer=initializer,
+            initargs=initargs,
         )
         self._thread = threading.Thread(target=self._run, name="batch-producer", daemon=True)
+
+    def worker_setup(self, folder: ImageDataset, augment: AugmentConfig) -> tuple[Callable[..., None], tuple[object, ...]]:
+        """How each worker process is set up (a user workload's producer imports its module there)."""
+        return _init_worker, (folder.samples, augment)
+
+    def worker_function(self) -> Callable[..., tuple[bytes, int]]:
+        """The module-level function a worker runs per batch: (indices, spares, seed, epochs) → (payload, skipped)."""
+        return _make_batch_in_worker
 
     def start(self) -> None:
         self._thread.start()
@@ -274,10 +286,11 @@ class BatchProducer:
     def _run(self) -> None:
         in_flight: collections.deque[futures.Future] = collections.deque()
         tasks = self._tasks()
+        make = self.worker_function()
         try:
             while not self._stop.is_set():
                 while len(in_flight) < self._workers:
-                    in_flight.append(self._pool.submit(_make_batch_in_worker, *next(tasks)))
+                    in_flight.append(self._pool.submit(make, *next(tasks)))
                 payload, skipped = in_flight.popleft().result()
                 self.skipped_samples += skipped
                 if skipped:
@@ -361,6 +374,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             workers=self._settings.workers,
             sharded=self._settings.sharded,
             labels_are_indices=bool(self._folder.shard_ends),
+            features=[pb.FeatureSpec(name=feature.name, dtype=feature.dtype, shape=list(feature.shape)) for feature in self._settings.features],
         )
 
     def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -41,13 +41,24 @@ def parser() -> argparse.ArgumentParser:
                      help="a fraction of a core per host of a group, e.g. data_group=0.25 (needs a writable cgroup CPU controller)")
     run.add_argument("--processes-per-host", type=int, default=0, help="trainer processes per DNN host (default: one per GPU, or 1)")
     run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
+    run.add_argument("--code", type=Path, help="the workload's code folder (default: the spec's workload.code, relative to the spec file)")
     return root
+
+
+def resolve_code(raw: object, spec_path: Path) -> object:
+    """A spec whose workload code is a folder relative to the spec file, with that folder's path as
+    seen from here (as `hetero run` resolves it before packing). Pure."""
+    if isinstance(raw, dict) and isinstance(raw.get("workload"), dict):
+        code = raw["workload"].get("code")
+        if isinstance(code, str) and not code.startswith("s3://") and not Path(code).is_absolute():
+            raw = {**raw, "workload": {**raw["workload"], "code": str(spec_path.parent / code)}}
+    return raw
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        raw = json.loads(args.spec.read_text())
+        raw = resolve_code(json.loads(args.spec.read_text()), args.spec)
         if args.set and isinstance(raw, dict):
             raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **dict(args.set)}
         # The platform's own validation: what it would refuse to launch is refused here too.
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             cpus_per_host={group: int(count) for group, count in args.cpus},
             cpu_quota={group: float(cores) for group, cores in args.cpu_quota},
             processes_per_host=args.processes_per_host,
+            code_dir=args.code,
         )
         cluster = EmulatedCluster(spec, options)
     except (OSError, json.JSONDecodeError, JobSpecError, EmulationError, ValueError) as error:

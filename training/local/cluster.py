@@ -25,6 +25,7 @@ that host would keep billing, so here it is killed and reported as an orphan.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -45,13 +46,14 @@ from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
-from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
+from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, TOKEN_FILE
 
 # process_tree: also a container's first process's (every process of a host, across sessions)
 from training.launcher import SUPERVISE_ENV, process_tree
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
 from training.trainers.loop import CONTAINER_STARTED_ENV
+from training.workload.code import ARCHIVE_NAME, CodeError, PackedCode, pack_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Every process of an emulated host carries "<cluster id>/<host name>" in this variable.
@@ -155,6 +157,8 @@ class EmulationOptions:
     # top of the CPU set: 1, 2 or 4 data hosts of a known size then fit on a small machine.
     cpu_quota: dict[str, float] = field(default_factory=dict)
     subnet: int | None = None  # the third octet of the hosts' addresses; random when None
+    # A user workload's code folder (the spec's own local "code", or this in place of an s3:// one).
+    code_dir: Path | None = None
 
 
 def assign_cpus(roles: list[str], cpus_wanted: list[int], available: list[int]) -> list[tuple[int, ...]]:
@@ -298,6 +302,18 @@ class EmulatedCluster:
     """Start with ``start()``, then ``wait()``; ``kill(host)`` injects a host failure."""
 
     def __init__(self, spec: JobSpec, options: EmulationOptions, on_line: LineCallback | None = None) -> None:
+        # A user workload's code travels as on SageMaker: packed, then a channel of every host.
+        self.code: PackedCode | None = None
+        if spec.code is not None:
+            folder = options.code_dir or (Path(spec.code.source) if spec.code.is_local else None)
+            if folder is None:
+                raise EmulationError(f"the spec's workload code is {spec.code.source}: give its folder with --code DIR")
+            try:
+                self.code = pack_code(folder)
+            except CodeError as error:
+                raise EmulationError(str(error)) from None
+            # Where the platform would have uploaded it: the hosts see only the channel, as on SageMaker.
+            spec = dataclasses.replace(spec, code=dataclasses.replace(spec.code, source=f"s3://emulated-results/{self.code.key}", sha256=self.code.sha256))
         self.spec = spec
         self.options = options
         subnet = options.subnet if options.subnet is not None else secrets.randbelow(200) + 20
@@ -348,10 +364,15 @@ class EmulatedCluster:
             (config / "resourceconfig.json").write_text(json.dumps(resource_config(host, self.hosts), indent=2))
             (config / "hyperparameters.json").write_text(json.dumps(self.hyperparameters, indent=2))
             assigned = self._channels_of(host)
+            platform_channels = [PLATFORM_CHANNEL] + ([CODE_CHANNEL] if self.code is not None else [])
             (config / "inputdataconfig.json").write_text(json.dumps(
                 {**{name: {"TrainingInputMode": INPUT_MODES[channels[name].input_mode],
                            "S3DistributionType": DISTRIBUTIONS[channels[name].distribution]} for name in assigned},
-                 PLATFORM_CHANNEL: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"}}, indent=2))
+                 **{name: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated"} for name in platform_channels}}, indent=2))
+            if self.code is not None:
+                archive = host.base_dir / "input" / "data" / CODE_CHANNEL / ARCHIVE_NAME
+                archive.parent.mkdir(parents=True, exist_ok=True)
+                archive.write_bytes(self.code.archive)
             for name in assigned:
                 folder = host.base_dir / "input" / "data" / name
                 folder.parent.mkdir(parents=True, exist_ok=True)

@@ -161,3 +161,27 @@ class TextConfig(LoopConfig):
             raise ValueError(f"precompile_steps must be in 0..steps ({self.steps}), got {self.precompile_steps}")
         if self.eval_every and not self.eval_channel:
             raise ValueError("eval_every needs an eval_channel to evaluate on")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig(LoopConfig):
+    """What the platform's loop takes for a user workload (training/trainers/pytorch_runtime.py); the
+    workload's own hyperparameters are the ones its module declares (``HYPERPARAMETERS``), checked where
+    the module is (``hetero validate``, every host), not here."""
+
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "eval_every": (0, 10_000_000), "dataloader_workers": (-1, 256), "grad_clip_norm": (0.0, 1e6), "eval_batch_size": (0, 65_536),
+    }
+    precision: str = "auto"  # see PRECISIONS: autocast (and loss scaling for fp16) around the user's step
+    eval_channel: str = ""  # the validation channel (read on the DNN group), evaluated every eval_every steps and at the end
+    eval_every: int = 0  # steps between validations; 0: only at the end (when there is an eval_channel)
+    eval_batch_size: int = 0  # 0: batch_size
+    dataloader_workers: int = -1  # preprocessing processes per trainer process in a homogeneous job; -1: this host's CPUs
+    grad_clip_norm: float = 0.0  # > 0: clip the gradients' global norm to this before each optimizer step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.eval_every and not self.eval_channel:
+            raise ValueError("eval_every needs an eval_channel to validate on")

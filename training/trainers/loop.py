@@ -212,6 +212,11 @@ class TrainingLoop(ABC, Generic[BatchT]):
         """The loss ``train_step`` returned, as a Python float; called only on the steps that log it."""
         return float(loss)
 
+    def logged_metrics(self, loss: Any) -> dict[str, float]:
+        """Further values for the metric line of a step that logs (a user workload's own), from what
+        ``train_step`` returned."""
+        return {}
+
     @abstractmethod
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         """Write the model and optimizer, and the loop's ``state`` (JSON-able: step, data position and
@@ -324,7 +329,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             longest_wait, stop_votes = self.reduce_max([waited, 1.0 if stop.signal else 0.0])
             stopped = stop_votes > 0 and step < config.steps  # a finished run is finished, not stopped
             if self.is_chief and self.report_metrics and (step % config.log_every == 0 or step == config.steps):
-                values = {"loss": self.loss_value(loss)}
+                values = {"loss": self.loss_value(loss)} | self.logged_metrics(loss)
                 if timed:
                     values |= {
                         "step_time_ms": elapsed,

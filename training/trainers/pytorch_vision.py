@@ -51,11 +51,11 @@ from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
 from training.data_service.dataset import ChannelError, CorruptDatasetError, ImageDataset, channel_dir, scan_images
-from training.data_service.epochs import epoch_report, merge
 from training.data_service.preprocess import DECODE_ERRORS, load_and_augment
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers import host_collectives
+from training.trainers.host_collectives import end_process
 from training.trainers.config import AugmentConfig, VisionConfig
 from training.trainers.loop import (
     CheckpointWriteError,
@@ -70,6 +70,7 @@ from training.trainers.loop import (
 from training.trainers.precision import resolve_precision
 from training.trainers.sampling import EndlessSampler, ShardTooSmallError
 from training.trainers.schedule import Schedule
+from training.trainers.service_summary import rank_service_stats, service_summary
 
 log = logging.getLogger("training.pytorch_vision")
 
@@ -366,30 +367,12 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         }
         local: dict[str, Any] = {"skipped_samples": self.skipped_samples}
         if self.service is not None:
-            stats = self.service.stats
-            local = {
-                "lost_data_hosts": stats.unavailable_hosts,
-                "lost_data_host_reasons": stats.lost_reasons,
-                "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
-                "skipped_samples": stats.skipped_samples,
-                "epochs": stats.ledger.as_dict(),
-            }
+            local = rank_service_stats(self.service)
         ranks = self.gather(local)
         extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
         if self.service is not None:
-            extra |= {
-                "data_hosts": list(self.service.addresses),
-                # A host any rank lost is lost to the job; what each host served, summed over every rank.
-                "lost_data_hosts": sorted({host for rank in ranks for host in rank["lost_data_hosts"]}),
-                # Why: the first rank's word for each (a hung host's stall, a MalformedBatchError, a refusal).
-                "lost_data_host_reasons": {host: reason for rank in reversed(ranks) for host, reason in rank["lost_data_host_reasons"].items()},
-                "batches_per_data_host": {
-                    address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in self.service.addresses
-                },
-                # Which data-host epochs reached training exactly once, over every rank's receipts (none
-                # when the trainers cycle a few cached batches: those are not epochs).
-                "epochs": None if self.vision.cached_input_batches else epoch_report(merge(rank["epochs"] for rank in ranks), self.epoch_samples, per_host=self.sharded),
-            }
+            extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded,
+                                     epochs=not self.vision.cached_input_batches)
         return extra
 
 
@@ -478,19 +461,6 @@ def main() -> int:
     if trainer.is_chief:
         log.info("training finished: %d steps, step time p50 %s ms", summary["steps"], (summary["step_time_ms"] or {}).get("p50"))
     return 0
-
-
-def end_process(status: int) -> None:
-    """Exit with ``status``. A distributed trainer leaves with os._exit once its output is flushed: tearing
-    down a gloo process group can deadlock (its destructor, holding the GIL, joins a worker thread that
-    needs the GIL to free the tensors of the last collective; seen here once in three 2-rank runs), and
-    a trainer that never exits after finishing is a hung job."""
-    if dist.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(status)
-    sys.exit(status)
 
 
 if __name__ == "__main__":

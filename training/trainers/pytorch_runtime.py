@@ -1,0 +1,690 @@
+"""The one PyTorch runtime of user workloads: the platform's loop around a workload's hooks, on a GPU, a CPU
+or an XLA device (Trainium's NeuronCores; torch-xla's CPU device locally).
+
+The workload (training/workload/contract.py) brings its samples, its preprocess, its model and one
+training step; this module owns everything else, the same way for every workload:
+
+* where batches come from: streamed from the data hosts (each batch a dict of the workload's named
+  arrays, training/data_service/client.py), or, without a data group, made by DataLoader workers on this
+  host's CPUs with the very same preprocess and the same draws (training/workload/samples.py): an
+  endless, resumable shard per rank (training/trainers/sampling.py), a skipped sample replaced by a spare;
+* the device: batches moved without blocking (pinned memory on a GPU) or through MpDeviceLoader on XLA,
+  the optional ``device_transform`` there, the model built under the job's seed (the same weights on
+  every rank), DDP across ranks on GPUs and CPUs, ``xm.optimizer_step`` (which all-reduces the
+  gradients) on XLA;
+* the step: ``zero_grad``, the user's ``train_step`` under autocast (``precision``: bf16, fp16 with a
+  gradient scaler, or fp32), ``backward``, optional clipping of the gradients' norm, the optimizer and
+  scheduler steps; one step in flight (the previous step's loss is read while this one runs, so that the
+  step time is the device's), checked finite on every step (``NonFiniteLossError`` names the step: a
+  diverged run fails instead of saving a model of NaNs), and on XLA each step is one graph and a batch
+  whose shapes change fails (``ShapeChangedError``: each new shape compiles anew);
+* validation every ``eval_every`` steps and at the end over the ``eval_channel`` (read on the DNN
+  hosts, ``training=False``), every sample counted once across ranks, the workload's per-sample values
+  averaged, in the metric lines (``eval_<name>``), the summary and result.json;
+* the loop's shared duties (training/trainers/loop.py): the stop vote, checkpoints with the workload's
+  ``ctx.state``, resume, metric lines, the summary;
+* a saved model that loads without the platform: ``model.pt`` (the state_dict), ``workload.json`` (the
+  module, its hyperparameters, the classes, the features), the workload's code, and ``load_model.py``.
+
+The launcher starts it through torchrun (or directly), with the unpacked code folder in the environment:
+
+    TRAINING_WORKLOAD_DIR=/opt/ml/workload/code python -m training.trainers.pytorch_runtime
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from training.cluster import ClusterConfigError, host_addresses, load_cluster
+from training.data_service.client import DataServiceDataset
+from training.data_service.control import DataServiceError, describe, describe_every
+from training.data_service.dataset import ChannelError, channel_dir
+from training.failure import write_failure
+from training.hyperparameters import HyperparameterError
+from training.trainers import host_collectives
+from training.trainers.host_collectives import end_process
+from training.trainers.config import WorkloadConfig
+from training.trainers.loop import (
+    CheckpointWriteError,
+    DataExhaustedError,
+    OutputPaths,
+    TrainingLoop,
+    TrainingStopped,
+    decode_bytes,
+    encode_bytes,
+    leave_stopped,
+)
+from training.trainers.precision import resolve_precision
+from training.trainers.sampling import ShardTooSmallError, epoch_order, eval_batches, rank_share
+from training.trainers.service_summary import rank_service_stats, service_summary
+from training.workload.contexts import TrainContext
+from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError
+from training.workload.host import PreparedWorkload, prepared_workload
+from training.workload.samples import (
+    SPARE_EPOCH,
+    AllSkippedError,
+    FeatureSpec,
+    check_features,
+    preprocess_one,
+    sample_rng,
+)
+
+log = logging.getLogger("training.pytorch_runtime")
+
+Batch = dict[str, torch.Tensor]
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Tries to fill the slot of a skipped sample in a homogeneous job (a data host uses its batch's spares).
+SPARE_TRIES = 64
+
+
+class StepOutputError(WorkloadError):
+    """train_step or eval_step returned something other than what the contract asks for."""
+
+
+class NonFiniteLossError(WorkloadError):
+    """The loss became NaN or infinite: the run fails, naming the step, and saves no model."""
+
+
+class ShapeChangedError(WorkloadError):
+    """On XLA, a batch whose shapes differ from the first one's: each new shape compiles the step again."""
+
+
+def step_output(output: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, metrics) from what train_step returned: a scalar loss tensor that requires grad, or
+    (loss, {name: scalar}). Pure."""
+    loss, metrics = (output if isinstance(output, tuple) and len(output) == 2 else (output, {}))
+    if not isinstance(loss, torch.Tensor):
+        raise StepOutputError(f"train_step returned a {type(loss).__name__} at step {step}: return the loss tensor, or (loss, {{name: value}})")
+    if loss.numel() != 1:
+        raise StepOutputError(f"train_step returned a loss of shape {list(loss.shape)} at step {step}: return one number (the batch's mean)")
+    if not loss.requires_grad:
+        raise StepOutputError(f"train_step returned a loss that does not require grad at step {step} (computed under no_grad, or detached)")
+    if not isinstance(metrics, Mapping):
+        raise StepOutputError(f"train_step's metrics at step {step} are a {type(metrics).__name__}: return (loss, {{name: scalar}})")
+    checked = {}
+    for name, value in metrics.items():
+        value = torch.as_tensor(value)
+        if value.numel() != 1:
+            raise StepOutputError(f"train_step's metric {name!r} has shape {list(value.shape)} at step {step}: metrics are scalars")
+        checked[str(name)] = value.detach()
+    return loss.reshape(()), checked
+
+
+def check_finite(value: float, step: int) -> float:
+    if not math.isfinite(value):
+        raise NonFiniteLossError(f"the loss is {value} at step {step}: training diverged (lower the learning rate, clip the gradients "
+                                 "with grad_clip_norm, or check the inputs); no model is saved")
+    return value
+
+
+def batch_shapes(batch: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in batch.items()}
+
+
+def tagged_order(size: int, *, rank: int, world_size: int, seed: int, start: int) -> Iterator[tuple[int, int]]:
+    """(epoch, index) for this rank, endlessly, from ``start`` samples in: EndlessSampler's order with the
+    epoch beside each index (preprocess draws from (seed, epoch, index))."""
+    per_epoch = size // world_size
+    if per_epoch == 0:
+        raise ShardTooSmallError(f"{size} samples cannot give each of {world_size} trainer processes one")
+    epoch, offset = divmod(start, per_epoch)
+    while True:
+        for index in rank_share(epoch_order(size, seed, epoch), rank, world_size)[offset:]:
+            yield epoch, index
+        epoch, offset = epoch + 1, 0
+
+
+class TaggedSampler(torch.utils.data.Sampler):
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, start: int) -> None:
+        tagged_order(size, rank=rank, world_size=world_size, seed=seed, start=start)  # refuses too few samples now
+        self.size, self.rank, self.world_size, self.seed, self.start = size, rank, world_size, seed, start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return tagged_order(self.size, rank=self.rank, world_size=self.world_size, seed=self.seed, start=self.start)
+
+
+class LocalSamples(Dataset):
+    """A homogeneous job's training samples: ``dataset[(epoch, index)]`` preprocessed by the workload, a
+    skipped one replaced by a spare drawn from its own stream. Returns (features, skipped)."""
+
+    def __init__(self, prepared: PreparedWorkload, samples: Sequence[Any], features: Sequence[FeatureSpec], seed: int) -> None:
+        self.prepared, self.samples, self.features, self.seed = prepared, samples, tuple(features), seed
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[dict[str, np.ndarray], int]:
+        epoch, index = key
+        spares = sample_rng(self.seed, SPARE_EPOCH, index).integers(0, len(self.samples), size=SPARE_TRIES)
+        for skipped, (candidate, candidate_epoch) in enumerate([(index, epoch), *((int(spare), SPARE_EPOCH) for spare in spares)]):
+            features = preprocess_one(self.prepared.workload, self.samples, candidate, seed=self.seed, epoch=candidate_epoch,
+                                      training=True, hyperparameters=self.prepared.hyperparameters)
+            if features is not None:
+                check_features(features, self.features, sample=self.samples[candidate], index=candidate)
+                return features, skipped
+        raise AllSkippedError(f"preprocess skipped sample {index} and {SPARE_TRIES} spares: the channel holds too few usable samples")
+
+
+def collate_features(items: list[tuple[dict[str, np.ndarray], int]]) -> tuple[Batch, int]:
+    names = list(items[0][0])
+    return {name: torch.from_numpy(np.stack([features[name] for features, _ in items])) for name in names}, sum(skipped for _, skipped in items)
+
+
+class EvalSamples(Dataset):
+    """This rank's validation batches: fixed size, a 0/1 weight per slot (padding and skipped samples 0)."""
+
+    def __init__(self, prepared: PreparedWorkload, samples: Sequence[Any], features: Sequence[FeatureSpec], *, seed: int, rank: int,
+                 world_size: int, batch_size: int) -> None:
+        self.prepared, self.samples, self.features, self.seed = prepared, samples, tuple(features), seed
+        self.batches = eval_batches(len(samples), rank=rank, world_size=world_size, batch_size=batch_size)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, position: int) -> tuple[Batch, torch.Tensor]:
+        batch = self.batches[position]
+        rows, weights = [], torch.zeros(len(batch.indices), dtype=torch.float32)
+        for slot, index in enumerate(batch.indices):
+            features = preprocess_one(self.prepared.workload, self.samples, index, seed=self.seed, epoch=0, training=False,
+                                      hyperparameters=self.prepared.hyperparameters)
+            if features is not None:
+                check_features(features, self.features, sample=self.samples[index], index=index)
+                weights[slot] = 1.0 if slot < batch.valid else 0.0
+            rows.append(features)
+        filler = next((row for row in rows if row is not None), None)
+        if filler is None:
+            filler = {spec.name: np.zeros(spec.shape, dtype=spec.dtype) for spec in self.features}
+        rows = [row if row is not None else filler for row in rows]
+        return {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in filler}, weights
+
+
+class WorkloadTrainer(TrainingLoop[Batch]):
+    checkpoint_name = "checkpoint.pt"
+
+    def __init__(
+        self,
+        config: WorkloadConfig,
+        paths: OutputPaths,
+        *,
+        prepared: PreparedWorkload,
+        classes: Sequence[str],
+        features: Sequence[FeatureSpec],
+        num_samples: int,
+        source: str,
+        samples: Sequence[Any] | None = None,
+        service: DataServiceDataset | None = None,
+        epoch_samples: Mapping[str, int] | None = None,
+        sharded: bool = False,
+        eval_samples: Sequence[Any] | None = None,
+        eval_features: Sequence[FeatureSpec] = (),
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        cpus: int = 1,
+        xla: bool = False,
+        host_group: Any = None,
+    ) -> None:
+        super().__init__(config, paths, rank=rank, world_size=world_size)
+        self.runtime = config
+        self.prepared = prepared
+        self.workload: Workload = prepared.workload
+        self.classes, self.features, self.source = tuple(classes), tuple(features), source
+        self.samples, self.service = samples, service
+        self.epoch_samples, self.sharded = dict(epoch_samples or {}), sharded
+        self.eval_samples, self.eval_features = eval_samples, tuple(eval_features)
+        self.cpus, self.xla, self.host_group = cpus, xla, host_group
+        if xla:
+            import torch_xla
+
+            self.device = torch_xla.device()
+        else:
+            self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        gpu = self.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(self.device) if gpu else None
+        self.precision = "fp32" if xla and config.precision == "auto" else resolve_precision(config.precision, gpu=gpu, capability=capability)
+        if xla and self.precision == "fp16":
+            raise HyperparameterError("precision fp16 needs a loss scaler, which XLA devices do not use: use bf16 or fp32")
+        if gpu:
+            torch.backends.cudnn.benchmark = True
+        self.ctx = TrainContext(hyperparameters=prepared.hyperparameters, device=self.device, rank=rank, world_size=world_size,
+                                local_rank=local_rank, steps=config.steps, classes=self.classes, num_samples=num_samples,
+                                precision=self.precision, is_xla=xla)
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        self.module = self._build_model()
+        if xla and world_size > 1:
+            host_collectives.broadcast_parameters(self.module, host_group)  # one model, before any device work
+        self.module.to(self.device)
+        self.model: nn.Module = self.module
+        if world_size > 1 and not xla:
+            self.model = DistributedDataParallel(self.module, device_ids=[local_rank] if gpu else None)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.scaler = torch.amp.GradScaler(self.device.type if not xla else "cpu", enabled=self.precision == "fp16")
+        self.skipped_samples = 0
+        self._in_flight: tuple[torch.Tensor, dict[str, torch.Tensor], int] | None = None
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+        self.validation: dict[str, Any] | None = None
+
+    # Building ---------------------------------------------------------------------------------------
+
+    def _build_model(self) -> nn.Module:
+        try:
+            model = self.workload.build_model(self.ctx)
+        except Exception as error:  # noqa: BLE001 — the user's hook, by name
+            raise WorkloadError(f"build_model raised {type(error).__name__}: {error}") from error
+        if not isinstance(model, nn.Module):
+            raise StepOutputError(f"build_model returned a {type(model).__name__}: return a torch.nn.Module")
+        return model
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        if not self.workload.has("build_optimizer"):
+            rate = float(self.prepared.hyperparameters.get("learning_rate", 1e-3))
+            return torch.optim.AdamW(self.module.parameters(), lr=rate), None
+        try:
+            built = self.workload.build_optimizer(self.module, self.ctx)
+        except Exception as error:  # noqa: BLE001
+            raise WorkloadError(f"build_optimizer raised {type(error).__name__}: {error}") from error
+        optimizer, scheduler = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StepOutputError(f"build_optimizer returned a {type(optimizer).__name__}: return a torch.optim optimizer, or (optimizer, scheduler)")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise StepOutputError(f"build_optimizer's scheduler is a {type(scheduler).__name__} with no step()")
+        return optimizer, scheduler
+
+    # Input ------------------------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[Batch]:
+        source = self._service_batches() if self.source == "data_service" else self._local_batches()
+        if self.xla:
+            import torch_xla.distributed.parallel_loader as pl
+
+            source = iter(pl.MpDeviceLoader(_Reiterable(source), self.device))
+        yield from source
+
+    def _service_batches(self) -> Iterator[Batch]:
+        assert self.service is not None
+        yield from self.service
+
+    def _local_batches(self) -> Iterator[Batch]:
+        assert self.samples is not None
+        dataset = LocalSamples(self.prepared, self.samples, self.features, self.runtime.seed)
+        workers = self.cpus if self.runtime.dataloader_workers < 0 else self.runtime.dataloader_workers
+        try:
+            sampler = TaggedSampler(len(self.samples), rank=self.rank, world_size=self.world_size, seed=self.runtime.seed,
+                                    start=self.resume_samples)
+        except ShardTooSmallError as error:
+            raise DataExhaustedError(str(error)) from None
+        loader = DataLoader(dataset, batch_size=self.runtime.batch_size, sampler=sampler, num_workers=workers,
+                            collate_fn=collate_features, worker_init_fn=_ignore_stop_signal, drop_last=True,
+                            pin_memory=self.device.type == "cuda", prefetch_factor=2 if workers > 0 else None,
+                            persistent_workers=False)
+        for batch, skipped in loader:
+            self.skipped_samples += skipped
+            yield batch
+
+    # The step ---------------------------------------------------------------------------------------
+
+    def _on_device(self, batch: Batch) -> Batch:
+        if not self.xla:
+            batch = {name: tensor.to(self.device, non_blocking=True) for name, tensor in batch.items()}
+        if self.workload.has("device_transform"):
+            try:
+                batch = self.workload.device_transform(batch, self.ctx)
+            except Exception as error:  # noqa: BLE001
+                raise WorkloadError(f"device_transform raised {type(error).__name__} at step {self.ctx.step}: {error}") from error
+            if not isinstance(batch, Mapping):
+                raise StepOutputError(f"device_transform returned a {type(batch).__name__}: return the batch (a dict of tensors)")
+        return dict(batch)
+
+    def _autocast(self) -> Any:
+        dtype = AUTOCAST_DTYPES.get(self.precision)
+        device_type = "xla" if self.xla else self.device.type
+        return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
+
+    def train_step(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        self.ctx.step += 1
+        step = self.ctx.step
+        if self.xla:
+            shapes = batch_shapes(batch)
+            if self._shapes is None:
+                self._shapes = shapes
+            elif shapes != self._shapes:
+                changed = next(name for name in shapes if shapes[name] != self._shapes.get(name))
+                raise ShapeChangedError(f"batch {name_shape(changed, shapes)} at step {step}, {name_shape(changed, self._shapes)} before: "
+                                        "on XLA each new shape compiles the step again; make preprocess return one shape (pad to a fixed length)")
+        batch = self._on_device(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            try:
+                output = self.workload.train_step(self.model, batch, self.ctx)
+            except Exception as error:  # noqa: BLE001 — the user's step: named, with the step
+                raise WorkloadError(f"train_step raised {type(error).__name__} at step {step}: {error}") from error
+        loss, metrics = step_output(output, step)
+        self.scaler.scale(loss).backward()
+        if self.runtime.grad_clip_norm > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.runtime.grad_clip_norm)
+        if self.xla:
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+
+            xm.optimizer_step(self.optimizer)  # all-reduces the gradients across ranks, then steps
+            if self.scheduler is not None:
+                self.scheduler.step()
+            torch_xla.sync()  # the step's one graph, sent to run
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        # One step in flight: the previous step's loss is read (and checked) while this one runs.
+        previous, self._in_flight = self._in_flight, (loss.detach(), metrics, step)
+        if previous is not None:
+            check_finite(previous[0].item(), previous[2])
+        return self._in_flight
+
+    def loss_value(self, loss: Any) -> float:
+        if isinstance(loss, tuple):
+            return check_finite(loss[0].item(), loss[2])
+        return float(loss)
+
+    def logged_metrics(self, loss: Any) -> dict[str, float]:
+        return {name: value.item() for name, value in loss[1].items()} if isinstance(loss, tuple) else {}
+
+    def settle(self) -> None:
+        if self.xla:
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+
+            torch_xla.sync()
+            xm.wait_device_ops()
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._in_flight is not None:  # no checkpoint (nor model) of a diverged step
+            check_finite(self._in_flight[0].item(), self._in_flight[2])
+        self._in_flight = None
+
+    # Validation -------------------------------------------------------------------------------------
+
+    def after_step(self, step: int) -> None:
+        if self.runtime.eval_every and step % self.runtime.eval_every == 0 and step < self.runtime.steps:
+            self.validate()
+
+    def validate(self) -> dict[str, Any]:
+        """The workload's eval_step over the whole validation channel, every sample counted once across the
+        ranks; each metric is the mean of its per-sample values (a scalar counts for the batch's samples)."""
+        assert self.eval_samples is not None
+        dataset = EvalSamples(self.prepared, self.eval_samples, self.eval_features, seed=self.runtime.seed, rank=self.rank,
+                              world_size=self.world_size, batch_size=self.runtime.eval_batch_size or self.runtime.batch_size)
+        workers = min(self.cpus, 4) if self.runtime.dataloader_workers < 0 else self.runtime.dataloader_workers
+        loader: Any = DataLoader(dataset, batch_size=None, num_workers=workers, worker_init_fn=_ignore_stop_signal)
+        if self.xla:
+            import torch_xla.distributed.parallel_loader as pl
+
+            loader = pl.MpDeviceLoader(loader, self.device)
+        sums: dict[str, torch.Tensor] = {}
+        count = torch.zeros((), device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            for batch, weights in loader:
+                weights = weights.to(self.device)
+                batch = self._on_device(batch)
+                with self._autocast():
+                    try:
+                        output = self.workload.eval_step(self.model, batch, self.ctx)
+                    except Exception as error:  # noqa: BLE001
+                        raise WorkloadError(f"eval_step raised {type(error).__name__} after step {self.ctx.step}: {error}") from error
+                if not isinstance(output, Mapping) or not output:
+                    raise StepOutputError(f"eval_step returned a {type(output).__name__}: return {{name: per-sample values [B] or a scalar}}")
+                for name, value in output.items():
+                    value = torch.as_tensor(value, device=self.device).float()
+                    if value.numel() == 1:
+                        total = value.reshape(()) * weights.sum()
+                    elif tuple(value.shape) == tuple(weights.shape):
+                        total = (value * weights).sum()
+                    else:
+                        raise StepOutputError(f"eval_step's {name!r} has shape {list(value.shape)}: per-sample values [{len(weights)}] or a scalar")
+                    sums[str(name)] = sums.get(str(name), torch.zeros((), device=self.device)) + total
+                count = count + weights.sum()
+                self.mark_progress("evaluate")
+        self.model.train()
+        local = {name: float(value.cpu()) for name, value in sums.items()} | {"__count": float(count.cpu())}
+        ranks = self.gather(local)
+        samples = sum(rank["__count"] for rank in ranks)
+        metrics = {name: sum(rank.get(name, 0.0) for rank in ranks) / samples for name in local if name != "__count"} if samples else {}
+        self.validation = {"step": self.ctx.step, "samples": int(samples), "metrics": {name: round(value, 6) for name, value in metrics.items()}}
+        if self.is_chief:
+            from training.metrics import metric_line
+
+            print(metric_line(self.ctx.step, self.runtime.steps, {f"eval_{name}": value for name, value in metrics.items()}), flush=True)
+        return self.validation
+
+    # Collectives, state, outputs --------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            host_collectives.barrier(self.host_group)
+
+    def reduce_max(self, values: list[float]) -> list[float]:
+        return host_collectives.reduce_max(values, self.host_group) if self.world_size > 1 else values
+
+    def gather(self, value: Any) -> list[Any]:
+        return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
+
+    def rng_state(self) -> dict[str, Any]:
+        state = super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes())}
+        if self.device.type == "cuda":
+            state["cuda"] = encode_bytes(torch.cuda.get_rng_state(self.device).numpy().tobytes())
+        if self.xla:
+            import torch_xla.core.xla_model as xm
+
+            state["xla"] = xm.get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        super().set_rng_state(state)
+        if "torch" in state:
+            torch.set_rng_state(_byte_tensor(state["torch"]))
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(_byte_tensor(state["cuda"]), self.device)
+        if "xla" in state and self.xla:
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(int(state["xla"]))
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        saved = {"model": _to_cpu(self.module.state_dict()), "optimizer": _to_cpu(self.optimizer.state_dict()),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None, "scaler": self.scaler.state_dict(),
+                 "workload_state": _to_cpu(self.ctx.state), "loop": state}
+        with open(path, "wb") as handle:
+            torch.save(saved, handle)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        self.module.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.scheduler is not None and saved.get("scheduler") is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.ctx.state.clear()
+        self.ctx.state.update(saved.get("workload_state") or {})
+        self.ctx.step = int(saved["loop"]["step"])
+        return saved["loop"]
+
+    def save_model(self, model_dir: Path) -> None:
+        torch.save(_to_cpu(self.module.state_dict()), model_dir / "model.pt")
+        (model_dir / "workload.json").write_text(json.dumps(self.model_card(), indent=2, sort_keys=True) + "\n")
+        code = model_dir / "code"
+        shutil.rmtree(code, ignore_errors=True)
+        shutil.copytree(self.workload.code_dir, code, ignore=shutil.ignore_patterns(".packages", "__pycache__", "wheels"))
+        shutil.copyfile(Path(__file__).with_name("load_model.py"), model_dir / "load_model.py")
+
+    def model_card(self) -> dict[str, Any]:
+        """What loading the model needs beside its weights (load_model.py reads it)."""
+        return {
+            "contract_version": CONTRACT_VERSION,
+            "module": self.workload.name,
+            "code": "code",
+            "weights": "model.pt",
+            "hyperparameters": dict(self.prepared.hyperparameters),
+            "classes": list(self.classes),
+            "num_samples": self.ctx.num_samples,
+            "features": [{"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape)} for spec in self.features],
+            "sha256": self.prepared.sha256,
+            "validation": self.validation,
+        }
+
+    def summary_extra(self) -> dict[str, Any]:
+        if self.eval_samples is not None:
+            self.validate()
+        extra: dict[str, Any] = {
+            "variant": "neuron" if self.xla else "pytorch",
+            "workload": self.workload.name,
+            "workload_sha256": self.prepared.sha256,
+            "device": str(self.device) if self.xla else self.device.type,
+            "data_source": self.source,
+            "precision": self.precision,
+            "classes": len(self.classes),
+            "features": {spec.name: str(spec) for spec in self.features},
+            "validation": self.validation,
+        }
+        local: dict[str, Any] = {"skipped_samples": self.skipped_samples}
+        if self.service is not None:
+            local = rank_service_stats(self.service)
+        ranks = self.gather(local)
+        extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
+        if self.service is not None:
+            extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded)
+        return extra
+
+
+def name_shape(name: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    return f"{name!r} {list(shapes[name])}" if name in shapes else f"{name!r} (absent)"
+
+
+class _Reiterable:
+    """An iterator that MpDeviceLoader may iterate once (it asks for iter(); a generator is its own)."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterator
+
+
+def _ignore_stop_signal(_worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to their trainer (see pytorch_vision.ignore_stop_signal)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def _byte_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(decode_bytes(text)), dtype=torch.uint8)
+
+
+def host_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
+    cluster = load_cluster(environ)
+    prepared = prepared_workload(environ)
+    settings, config = prepared.settings, prepared.config
+    xla = settings.variant == "neuron"
+    rank, world_size = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
+    cpus = max(1, host_cpus() // local_world)
+    torch.set_num_threads(cpus)
+    if torch.cuda.is_available() and not xla:
+        torch.cuda.set_device(local_rank)  # before NCCL and any pinned memory
+    host_group = None
+    if world_size > 1:
+        if xla:
+            import torch_xla.distributed.xla_backend  # noqa: F401 — registers the "xla" backend
+
+            dist.init_process_group("xla", init_method="xla://")
+        else:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        host_group = host_collectives.host_group()
+    paths = OutputPaths.from_environment(environ)
+    common: dict[str, Any] = dict(prepared=prepared, rank=rank, world_size=world_size, local_rank=local_rank, cpus=cpus, xla=xla,
+                                  host_group=host_group)
+    eval_samples, eval_features = None, ()
+    if config.eval_channel:
+        eval_samples = prepared.list(config.eval_channel, training=False)
+        eval_features = prepared.features(eval_samples, training=False)
+    common |= dict(eval_samples=eval_samples, eval_features=eval_features)
+    addresses = settings.data_service_targets(cluster, host_addresses(environ))
+    if addresses:
+        info = describe(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
+        features = tuple(FeatureSpec(spec.name, spec.dtype, tuple(spec.shape)) for spec in info.features)
+        if info.sharded:
+            infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
+            epoch_samples = {address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
+        else:
+            epoch_samples = {"channel": int(info.num_samples)}
+        service = DataServiceDataset(addresses, config.batch_size, token=settings.shutdown_token, client_id=f"{cluster.current_host}/rank{rank}",
+                                     connect_timeout_s=settings.data_connect_timeout_s, batch_timeout_s=settings.data_batch_timeout_s,
+                                     pin_memory=torch.cuda.is_available() and not xla)
+        return WorkloadTrainer(config, paths, classes=tuple(info.classes), features=features, num_samples=int(info.num_samples),
+                               source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
+    samples = prepared.list(settings.data_channel, training=True)
+    features = prepared.features(samples, training=True)
+    from training.workload.samples import classes_of
+
+    return WorkloadTrainer(config, paths, classes=classes_of(samples), features=features, num_samples=len(samples), source="local",
+                           samples=samples, **common)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    try:
+        trainer = build_trainer(dict(os.environ))
+        summary = trainer.run()
+    except (ClusterConfigError, HyperparameterError, ChannelError, WorkloadError, DataServiceError, DataExhaustedError,
+            CheckpointWriteError) as error:
+        log.error("training failed: %s: %s", type(error).__name__, error)
+        write_failure(f"{type(error).__name__}: {error}")
+        return 1
+    except TrainingStopped as stopped:
+        return leave_stopped(stopped)
+    if trainer.is_chief:
+        log.info("training finished: %d steps, step time p50 %s ms", summary["steps"], (summary["step_time_ms"] or {}).get("p50"))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        exit_code = main()
+    except Exception:  # an error none of main's handlers names (a broken collective): its traceback, then out
+        traceback.print_exc()
+        exit_code = 1
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    end_process(exit_code)

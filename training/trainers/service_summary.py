@@ -1,0 +1,38 @@
+"""The summary's account of the data hosts, for every trainer that streams from them: what each rank
+saw (``rank_service_stats``, gathered across ranks by the loop) merged into the job's figures
+(``service_summary``): hosts lost and why, batches per host, and which data-host epochs reached
+training exactly once (training/data_service/epochs.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from training.data_service.epochs import epoch_report, merge
+
+
+def rank_service_stats(service: Any) -> dict[str, Any]:
+    """This rank's view of its streams (a DataServiceDataset's stats), JSON-able for the gather."""
+    stats = service.stats
+    return {
+        "lost_data_hosts": stats.unavailable_hosts,
+        "lost_data_host_reasons": stats.lost_reasons,
+        "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
+        "skipped_samples": stats.skipped_samples,
+        "epochs": stats.ledger.as_dict(),
+    }
+
+
+def service_summary(addresses: Sequence[str], ranks: Sequence[Mapping[str, Any]], epoch_samples: Mapping[str, int], *,
+                    sharded: bool, epochs: bool = True) -> dict[str, Any]:
+    """Every rank's stream stats as the job's. ``epochs``: False when the trainers cycle a few cached
+    batches (those are not epochs). Pure."""
+    return {
+        "data_hosts": list(addresses),
+        # A host any rank lost is lost to the job; what each host served, summed over every rank.
+        "lost_data_hosts": sorted({host for rank in ranks for host in rank["lost_data_hosts"]}),
+        # Why: the first rank's word for each (a hung host's stall, a MalformedBatchError, a refusal).
+        "lost_data_host_reasons": {host: reason for rank in reversed(ranks) for host, reason in rank["lost_data_host_reasons"].items()},
+        "batches_per_data_host": {address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in addresses},
+        "epochs": epoch_report(merge(rank["epochs"] for rank in ranks), epoch_samples, per_host=sharded) if epochs else None,
+    }

@@ -1,0 +1,158 @@
+"""The context objects a workload's hooks receive, and the readers they may call.
+
+Each hook gets one ``ctx`` with what it may need and nothing it must construct itself:
+
+* ``ChannelContext`` (list_samples): the channel's name and folder on this host, whether it is the
+  training channel, the hyperparameters, ``ctx.readers`` (ImageFolder, WebDataset tar shards, CSV,
+  JSONL), and ``ctx.channel_path(name)`` for any other channel routed to this host's group;
+* ``SampleContext`` (preprocess): ``ctx.rng``, a NumPy generator the platform seeds from (seed, epoch,
+  sample), so the same sample of the same epoch draws the same augmentation on a data host and in a
+  homogeneous job's DataLoader worker; ``ctx.training`` (False for validation samples); ``ctx.Skip``,
+  the exception to raise for a sample that should be left out (counted, replaced, never fatal);
+* ``TrainContext`` (build_model, build_optimizer, train_step, eval_step, device_transform): the device,
+  rank and world size, the step, the training channel's classes and sample count, the precision, and
+  ``ctx.state``: a dict the platform checkpoints with the model and restores on resume (for what a
+  step keeps between steps: an EMA's count, a curriculum's stage).
+
+Standard library and NumPy only: a data host builds these without the trainer's framework.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from training.workload.contract import WorkloadError
+
+
+class SkipSample(Exception):  # noqa: N818 — read as an instruction in user code: raise ctx.Skip("why")
+    """Raised by ``preprocess`` for a sample to leave out (undecodable, empty): counted and replaced."""
+
+
+class ChannelNotRoutedError(WorkloadError):
+    """A workload asked for a channel that the job does not route to this host's group."""
+
+
+class Samples(list):
+    """A channel's samples, in a stable order, with the class names when the reader knows them (an
+    ImageFolder's folders): the label map saved beside the model, and ``ctx.classes`` on every host."""
+
+    def __init__(self, items: Iterable[Any] = (), classes: Iterable[str] = ()) -> None:
+        super().__init__(items)
+        self.classes = tuple(classes)
+
+
+class Readers:
+    """The platform's readers, for ``list_samples`` to call (``ctx.readers.image_folder(ctx.path)``)."""
+
+    @staticmethod
+    def image_folder(path: Path) -> Samples:
+        """(source, class index) for every image of an ImageFolder (``<class>/<file>``) or of WebDataset
+        tar shards (``*.tar`` with ``<key>.jpg`` + ``<key>.cls``); read a source with ``read_bytes`` or
+        ``decode_image``. Tar sources are (shard, offset, size) records: a listing of millions pickles
+        fast."""
+        from training.data_service.dataset import scan_images
+
+        folder = scan_images(Path(path), Path(path).name, "this host")
+        return Samples(folder.samples, folder.classes)
+
+    webdataset = image_folder
+
+    @staticmethod
+    def read_bytes(source: Any) -> np.ndarray:
+        """A sample's encoded bytes (uint8): a file's, or a tar member's."""
+        from training.data_service.dataset import read_sample
+
+        return read_sample(source)
+
+    @staticmethod
+    def decode_image(source: Any) -> np.ndarray:
+        """An image source decoded to RGB uint8 [height, width, 3]; raises SkipSample when it is no image."""
+        import io
+
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(Readers.read_bytes(source).tobytes())) as image:
+                return np.asarray(image.convert("RGB"))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            raise SkipSample(f"{source}: not a decodable image ({error})") from None
+
+    @staticmethod
+    def jsonl(path: Path) -> Samples:
+        """Every line of every ``*.jsonl`` file under ``path`` (sorted by name), as dicts."""
+        rows = Samples()
+        for file in _files(path, ".jsonl"):
+            with open(file, encoding="utf-8") as handle:
+                rows.extend(json.loads(line) for line in handle if line.strip())
+        return rows
+
+    @staticmethod
+    def csv(path: Path) -> Samples:
+        """Every row of every ``*.csv`` file under ``path`` (sorted by name), as dicts by its header."""
+        rows = Samples()
+        for file in _files(path, ".csv"):
+            with open(file, encoding="utf-8", newline="") as handle:
+                rows.extend(csv.DictReader(handle))
+        return rows
+
+
+def _files(path: Path, suffix: str) -> list[Path]:
+    path = Path(path)
+    return [path] if path.is_file() else sorted(file for file in path.rglob(f"*{suffix}") if file.is_file())
+
+
+READERS = Readers()
+
+
+@dataclass(frozen=True)
+class ChannelContext:
+    channel: str
+    path: Path
+    training: bool
+    hyperparameters: Mapping[str, Any]
+    # Every channel routed to this host's group: name → folder.
+    channels: Mapping[str, Path] = field(default_factory=dict)
+    readers: Readers = READERS
+
+    def channel_path(self, name: str) -> Path:
+        try:
+            return self.channels[name]
+        except KeyError:
+            raise ChannelNotRoutedError(f"the workload asks for channel {name!r}, which this job does not route to this host's group; "
+                                        f"it has {sorted(self.channels)}: add it to the spec's inputs for this group") from None
+
+
+@dataclass
+class SampleContext:
+    rng: np.random.Generator
+    training: bool
+    hyperparameters: Mapping[str, Any]
+    epoch: int = 0
+    index: int = 0
+    Skip: type[SkipSample] = SkipSample
+    readers: Readers = READERS
+
+
+@dataclass
+class TrainContext:
+    hyperparameters: Mapping[str, Any]
+    device: Any  # a torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    step: int = 0  # the step being taken (1-based, counted across restarts); 0 while building
+    steps: int = 0  # the run's total
+    classes: tuple[str, ...] = ()
+    num_samples: int = 0  # of the training channel (one data host's share, when each serves a shard)
+    precision: str = "fp32"
+    is_xla: bool = False
+    # The workload's own state, checkpointed with the model and restored on resume (torch.save-able:
+    # tensors, numbers, strings, lists and dicts of them).
+    state: dict[str, Any] = field(default_factory=dict)
