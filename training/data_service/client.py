@@ -19,6 +19,14 @@ gRPC's own limits on ping rates included). Either way the host is retried, then 
 
     dataset = DataServiceDataset(["10.0.0.5:6000", "10.0.0.6:6000"], batch_size=256, token=token, client_id="algo-3/rank0")
     for images_uint8, labels in dataset: ...
+
+A user workload's hosts describe named features instead (DatasetInfo.features): the dataset then yields
+one dict of tensors per batch, {name: [B, *sample shape]}, in the order of ``dataset.features`` (those the
+trainer passed, or else those the first host described), with every guarantee above (checked against the
+description, the same epoch accounting, stalls and limits).
+``dataset.features`` says which kind it yields once known: () for (images, labels), else the features.
+Every host of a dataset must describe the same kind (and the same features): one that does not is
+refused by name, and the others go on.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -81,7 +89,13 @@ def stream_options(max_message_bytes: int) -> list[tuple[str, object]]:
 def stream_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
     """The batches to expect from the host that sent ``info``: the batch size this trainer asks for, the
     host's sample shape and its number of classes (labels are indices into its classes). Refused
-    (DataServiceRefusedError) when no such batch fits one gRPC message. Pure."""
+    (DataServiceRefusedError) when no such batch fits one gRPC message. Pure.
+
+    A host that describes features (a user workload's) gets a spec of those features; refused, naming the
+    feature, when one has a bad name, a dtype that cannot travel, a dimension that is not positive, comes
+    twice, or when a batch of them does not fit one gRPC message."""
+    if info.features:
+        return _feature_spec(batch_size, info)
     spec = codec.BatchSpec(batch_size, tuple(info.sample_shape), len(info.classes) or None)
     if not spec.sample_shape or min(spec.sample_shape) <= 0 or batch_size <= 0:
         raise DataServiceRefusedError(f"data host {info.host} describes samples of shape {list(spec.sample_shape)}")
@@ -91,6 +105,40 @@ def stream_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
             f"one gRPC message can carry (2 GiB): use a smaller batch_size or image_size"
         )
     return spec
+
+
+def _feature_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
+    if batch_size <= 0:
+        raise DataServiceRefusedError(f"a trainer cannot ask for batches of {batch_size} samples")
+    features = []
+    for described in info.features:
+        try:
+            feature = codec.FeatureSpec(described.name, described.dtype, tuple(described.shape))
+        except codec.TensorFormatError as error:
+            raise DataServiceRefusedError(f"data host {info.host} describes a feature that cannot travel: {error}") from None
+        if any(dimension <= 0 for dimension in feature.shape):
+            raise DataServiceRefusedError(f"data host {info.host} describes feature {feature.name!r} of sample shape {list(feature.shape)}")
+        features.append(feature)
+    try:
+        spec = codec.BatchSpec(batch_size, (), None, tuple(features))
+    except codec.TensorFormatError as error:  # a name twice
+        raise DataServiceRefusedError(f"data host {info.host} describes features that cannot travel: {error}") from None
+    if spec.max_message_bytes > codec.MAX_GRPC_MESSAGE_BYTES:
+        largest = max(features, key=lambda feature: feature.batch_bytes(batch_size))
+        raise DataServiceRefusedError(
+            f"batches of {batch_size} samples of features {[feature.name for feature in features]} take "
+            f"{spec.max_message_bytes / 2**30:.1f} GiB, more than one gRPC message can carry (2 GiB); feature {largest.name!r} "
+            f"({largest.dtype} {list(largest.shape)} a sample) takes {largest.batch_bytes(batch_size) / 2**30:.1f} GiB of it: "
+            f"use a smaller batch_size or smaller features"
+        )
+    return spec
+
+
+def _describes(features: tuple[codec.FeatureSpec, ...]) -> str:
+    """What a host's batches are, in words, for a refusal. Pure."""
+    if not features:
+        return "image batches (images and labels)"
+    return "features " + ", ".join(f"{feature.name!r} {feature.dtype} {list(feature.shape)}" for feature in features)
 
 
 log = logging.getLogger(__name__)
@@ -154,7 +202,8 @@ class StreamStats:
 
 
 class DataServiceDataset(IterableDataset):
-    """Batches of (uint8 images [B, C, H, W], int64 labels [B]) from every data host."""
+    """Batches of (uint8 images [B, C, H, W], int64 labels [B]) from every data host; from a user workload's
+    hosts, dicts of named feature tensors {name: [B, *sample shape]} (see ``features``)."""
 
     def __init__(
         self,
@@ -167,6 +216,7 @@ class DataServiceDataset(IterableDataset):
         batch_timeout_s: float = 60.0,
         queue_depth: int = 4,
         pin_memory: bool = False,
+        features: Sequence[codec.FeatureSpec] | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("DataServiceDataset needs at least one data host address")
@@ -181,10 +231,32 @@ class DataServiceDataset(IterableDataset):
         # For a CUDA trainer: each stream's thread copies its batches into page-locked memory, so that the
         # trainer's copy to the device is a non-blocking DMA, and the copy costs the trainer's thread nothing.
         self.pin_memory = pin_memory
+        # Which kind of batch this dataset yields: None until the first host's Describe has been read (or
+        # as the caller says); () for (images, labels) tuples; else the features of the dicts it yields, in
+        # this order. Every host must describe the same (codec.FeatureSpec compared by name, any order).
+        self.features: tuple[codec.FeatureSpec, ...] | None = None if features is None else tuple(features)
+        self._features_lock = threading.Lock()
         self.stats = StreamStats()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        merged: queue.Queue[tuple[torch.Tensor, torch.Tensor, str, np.ndarray, np.ndarray]] = queue.Queue(maxsize=self.queue_depth)
+    @property
+    def yields_features(self) -> bool | None:
+        """True: dicts of feature tensors; False: (images, labels); None: no host has described yet."""
+        return None if self.features is None else bool(self.features)
+
+    def _agree(self, spec: codec.BatchSpec, host: str) -> tuple[codec.FeatureSpec, ...]:
+        """The dataset's features once this host's agree with them (the first host's set them); refused
+        (DataServiceRefusedError) otherwise: a trainer gets one kind of batch, whichever host it came from."""
+        with self._features_lock:
+            if self.features is None:
+                self.features = spec.features
+        if {feature.name: feature for feature in spec.features} != {feature.name: feature for feature in self.features}:
+            raise DataServiceRefusedError(f"data host {host} describes {_describes(spec.features)}; this trainer reads {_describes(self.features)}")
+        return self.features
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]]:
+        merged: queue.Queue[tuple[tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor], str, np.ndarray, np.ndarray]] = queue.Queue(
+            maxsize=self.queue_depth
+        )
         stop = threading.Event()
         self.stats = StreamStats({address: HostState(address) for address in self.addresses})
         ledger = self.stats.ledger
@@ -198,7 +270,7 @@ class DataServiceDataset(IterableDataset):
         try:
             while True:
                 try:
-                    images, labels, address, sample_ids, epochs = merged.get(timeout=0.1)
+                    batch, address, sample_ids, epochs = merged.get(timeout=0.1)
                 except queue.Empty:
                     if all(not thread.is_alive() for thread in threads) and merged.empty():
                         self._raise_if_all_lost()
@@ -206,7 +278,7 @@ class DataServiceDataset(IterableDataset):
                     continue
                 # Counted as it goes to training: the batches still queued when training ends never do.
                 ledger.add(address, sample_ids, epochs)
-                yield images, labels
+                yield batch
         finally:
             stop.set()
 
@@ -253,6 +325,7 @@ class DataServiceDataset(IterableDataset):
                     metadata=call_metadata(self.token),
                 )
                 spec = stream_spec(self.batch_size, info)
+                features = self._agree(spec, info.host or state.address)
                 channel.close()
                 channel = grpc.insecure_channel(state.address, options=stream_options(spec.max_message_bytes))
                 call = channel.unary_stream(
@@ -267,8 +340,11 @@ class DataServiceDataset(IterableDataset):
                         state.lost = batch.end_reason not in CLEAN_ENDS
                         return
                     codec.check_batch(batch, spec)
-                    item = (_to_tensor(batch.images, self.pin_memory), _to_tensor(batch.labels, self.pin_memory),
-                            state.address, batch.sample_ids, batch.epochs)
+                    if features:
+                        tensors = {feature.name: _to_tensor(batch.features[feature.name], self.pin_memory) for feature in features}
+                    else:
+                        tensors = (_to_tensor(batch.images, self.pin_memory), _to_tensor(batch.labels, self.pin_memory))
+                    item = (tensors, state.address, batch.sample_ids, batch.epochs)
                     state.streaming = True
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples

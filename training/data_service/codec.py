@@ -11,12 +11,18 @@ walks the protobuf wire format of Batch and Tensor itself and returns numpy view
 the image bytes are never copied after gRPC hands them over (protobuf's own parser would copy them once
 more, which measurably slows a stream of multi-megabyte batches). ``decode_batch`` agrees with protobuf's
 parser on every message (tests/training/test_codec.py).
+
+Two kinds of batch travel. A built-in image workload's: uint8 images [B, C, H, W] and int64 labels [B]
+(``encode_batch``). A user workload's: named features, each [B, *its sample shape] of any allowed dtype
+(``encode_features``), announced by the data host's Describe (DatasetInfo.features, read as FeatureSpec)
+and checked against that announcement as images are against theirs. A batch is one kind, never both.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +44,12 @@ MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 MAX_DIMENSION = MAX_GRPC_MESSAGE_BYTES
 # Batch.skipped_samples is a uint32.
 MAX_UINT32 = 2**32 - 1
+# A feature's name: a Python identifier's characters (a key of the user's preprocess dict), 1 to 64 of them.
+FEATURE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+# What one feature adds to a Batch besides its tensor's bytes and its shape's varints, at most: the
+# Feature's key and length (6), the name's key, length and bytes (66), the Tensor's key and length (6), the
+# dtype's key, length and name (9), the shape's key and length (3), the data's key and length (6). Rounded up.
+FEATURE_OVERHEAD_BYTES = 256
 
 
 class TensorFormatError(ValueError):
@@ -54,6 +66,39 @@ class MalformedBatchError(TensorFormatError):
         self.expected, self.seen = expected, seen
 
 
+def check_feature_name(name: object) -> None:
+    """Refuse (TensorFormatError) a feature name that is not 1 to 64 characters of [A-Za-z0-9_]. Pure."""
+    if not isinstance(name, str) or not FEATURE_NAME.fullmatch(name):
+        raise TensorFormatError(f"feature name {name!r} is not 1 to 64 characters of [A-Za-z0-9_]")
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One named feature of a user workload's batches: its dtype, and the shape of ONE sample (empty: a
+    scalar per sample). A batch of ``batch_size`` holds it as dtype [batch_size, *shape]. Refuses
+    (TensorFormatError) a bad name, a dtype that cannot travel, a negative dimension or too many of them."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_feature_name(self.name)
+        if self.dtype not in ALLOWED_DTYPES:
+            raise TensorFormatError(f"feature {self.name!r}: dtype {self.dtype!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+        object.__setattr__(self, "shape", tuple(int(dimension) for dimension in self.shape))
+        if len(self.shape) + 1 > MAX_RANK:
+            raise TensorFormatError(f"feature {self.name!r}: a sample of {len(self.shape)} dimensions (a batch holds at most {MAX_RANK})")
+        if any(dimension < 0 for dimension in self.shape):
+            raise TensorFormatError(f"feature {self.name!r}: negative dimension in sample shape {list(self.shape)}")
+
+    def batch_shape(self, batch_size: int) -> tuple[int, ...]:
+        return (batch_size, *self.shape)
+
+    def batch_bytes(self, batch_size: int) -> int:
+        return math.prod(self.batch_shape(batch_size)) * np.dtype(self.dtype).itemsize
+
+
 @dataclass(frozen=True)
 class DecodedBatch:
     images: np.ndarray | None
@@ -64,17 +109,30 @@ class DecodedBatch:
     # Per slot: the sample whose turn it was, and its data-host epoch (empty from a host that sends none).
     sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
+    # A user workload's batch: its features by name, in the order they came (views on the payload).
+    features: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class BatchSpec:
     """The batches a trainer asked a data host for: its StreamRequest's batch size, and the host's own
     Describe (sample shape, classes). Images are uint8 [batch_size, *sample_shape] (the data host's
-    layout: NCHW), labels int64 [batch_size] in [0, num_classes) (None: not known, not checked)."""
+    layout: NCHW), labels int64 [batch_size] in [0, num_classes) (None: not known, not checked).
+
+    With ``features`` (a user workload's host), the batches hold exactly those features, each
+    dtype [batch_size, *shape], and no images or labels; sample_shape and num_classes are then unused."""
 
     batch_size: int
     sample_shape: tuple[int, ...]
     num_classes: int | None = None
+    features: tuple[FeatureSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
+        names = [feature.name for feature in self.features]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise TensorFormatError(f"feature {duplicates[0]!r} is named more than once")
 
     @property
     def image_shape(self) -> tuple[int, ...]:
@@ -85,22 +143,35 @@ class BatchSpec:
         """The most bytes a Batch of this spec can take on the wire: the image bytes; per slot 8 label
         bytes and at most two 12-byte slot tags (its sample, and one due sample that did not decode: see
         check_batch); and 1 KiB for the field keys, lengths, dtype names and shapes (a 4-d shape's packed
-        varints are at most 40 bytes). The trainer's receive limit: nothing larger is read."""
+        varints are at most 40 bytes). The trainer's receive limit: nothing larger is read.
+
+        For features: each feature's bytes, plus per feature FEATURE_OVERHEAD_BYTES and 10 bytes per
+        dimension of its batch shape (a varint each); the two slot tags per slot; and the same 1 KiB."""
+        if self.features:
+            per_feature = sum(
+                feature.batch_bytes(self.batch_size) + FEATURE_OVERHEAD_BYTES + 10 * (1 + len(feature.shape)) for feature in self.features
+            )
+            return per_feature + self.batch_size * 2 * 12 + 1024
         return math.prod(self.image_shape) + self.batch_size * (8 + 2 * 12) + 1024
 
 
 def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
     """Refuse (MalformedBatchError) a decoded batch that is not one of ``spec``'s: a peer's bytes reach
     training only as the arrays the trainer expects. Pure."""
-    if batch.images is None or batch.labels is None:
-        present = [name for name in ("images", "labels") if getattr(batch, name) is not None]
-        raise MalformedBatchError("a batch with images and labels", f"{' and '.join(present) or 'neither'} only")
-    _expect("images", batch.images, "uint8", spec.image_shape)
-    _expect("labels", batch.labels, "int64", (spec.batch_size,))
-    if spec.num_classes is not None and batch.labels.size:
-        low, high = int(batch.labels.min()), int(batch.labels.max())
-        if low < 0 or high >= spec.num_classes:
-            raise MalformedBatchError(f"labels in [0, {spec.num_classes})", f"labels in [{low}, {high}]")
+    if spec.features:
+        _check_features(batch, spec)
+    else:
+        if batch.images is None or batch.labels is None:
+            present = [name for name in ("images", "labels") if getattr(batch, name) is not None]
+            raise MalformedBatchError("a batch with images and labels", f"{' and '.join(present) or 'neither'} only")
+        if batch.features:
+            raise MalformedBatchError("a batch with images and labels", f"features {list(batch.features)} too")
+        _expect("images", batch.images, "uint8", spec.image_shape)
+        _expect("labels", batch.labels, "int64", (spec.batch_size,))
+        if spec.num_classes is not None and batch.labels.size:
+            low, high = int(batch.labels.min()), int(batch.labels.max())
+            if low < 0 or high >= spec.num_classes:
+                raise MalformedBatchError(f"labels in [0, {spec.num_classes})", f"labels in [{low}, {high}]")
     if batch.skipped_samples > MAX_UINT32:
         raise MalformedBatchError("skipped_samples within a uint32", str(batch.skipped_samples))
     # Slot tags (server.slot_tags): none, from a host that sends none; else one per slot, then one per due
@@ -110,6 +181,23 @@ def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
         raise MalformedBatchError("as many epochs as sample ids", f"{tags} sample ids and {epochs} epochs")
     if tags and not spec.batch_size <= tags <= spec.batch_size + batch.skipped_samples:
         raise MalformedBatchError(f"{spec.batch_size} slot tags, plus at most the {batch.skipped_samples} skipped samples", f"{tags}")
+
+
+def _check_features(batch: DecodedBatch, spec: BatchSpec) -> None:
+    expected = [feature.name for feature in spec.features]
+    wanted = f"a batch of features {expected} only"
+    present = [name for name in ("images", "labels") if getattr(batch, name) is not None]
+    if present:
+        raise MalformedBatchError(wanted, f"{' and '.join(present)} too")
+    for name in batch.features:
+        if not FEATURE_NAME.fullmatch(name):
+            raise MalformedBatchError(f"{wanted} (names of 1 to 64 [A-Za-z0-9_])", f"a feature named {name!r}")
+        if name not in expected:
+            raise MalformedBatchError(wanted, f"an extra feature {name!r}")
+    for feature in spec.features:
+        if feature.name not in batch.features:
+            raise MalformedBatchError(wanted, f"no feature {feature.name!r}")
+        _expect(f"feature {feature.name!r}", batch.features[feature.name], feature.dtype, feature.batch_shape(spec.batch_size))
 
 
 def _expect(name: str, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
@@ -134,9 +222,43 @@ def encode_batch(
     """A serialised Batch, byte for byte what protobuf's serializer writes (tests/training/test_codec.py),
     written here with one copy of the image bytes: protobuf's Python API copies them into the message and
     again into the serialised string, which took 18 ms of a 32 × 224² batch's ~90 ms on a data-host core."""
+    counts = _counts_and_tags(skipped_samples, sample_ids, epochs)
+    return b"".join([*_length_delimited(2, _tensor_parts(images)), *_length_delimited(3, _tensor_parts(labels)), *counts])
+
+
+def encode_features(
+    features: Mapping[str, np.ndarray], skipped_samples: int = 0, sample_ids: Sequence[int] = (), epochs: Sequence[int] = ()
+) -> bytes:
+    """A user workload's serialised Batch: ``features`` (each [batch, *sample shape]) in the mapping's order,
+    no images or labels. Byte for byte what protobuf's serializer writes, with one copy of the tensor bytes,
+    as encode_batch. Refuses (TensorFormatError) no features, a bad name, a dtype that cannot travel, a
+    0-d array, or features whose batch dimensions differ."""
+    if not features:
+        raise TensorFormatError("a batch of features needs at least one feature")
+    counts = _counts_and_tags(skipped_samples, sample_ids, epochs)
+    batch_sizes: dict[str, int] = {}
+    parts: list[bytes | memoryview] = []
+    for name, array in features.items():
+        check_feature_name(name)
+        if not np.ndim(array):
+            raise TensorFormatError(f"feature {name!r} is a 0-d array; each feature is [batch, *sample shape]")
+        batch_sizes[name] = np.shape(array)[0]
+        try:
+            tensor = _tensor_parts(array)
+        except TensorFormatError as error:
+            raise TensorFormatError(f"feature {name!r}: {error}") from None
+        parts += _length_delimited(9, [*_length_delimited(1, [name.encode()]), *_length_delimited(2, tensor)])
+    if len(set(batch_sizes.values())) > 1:
+        raise TensorFormatError(f"features of different batch sizes: {batch_sizes}")
+    # Protobuf writes fields in number order: the counts and tags (4, 7, 8) before the features (9).
+    return b"".join(counts + parts)
+
+
+def _counts_and_tags(skipped_samples: int, sample_ids: Sequence[int], epochs: Sequence[int]) -> list[bytes | memoryview]:
+    """Batch fields 4 (skipped_samples), 7 (sample_ids) and 8 (epochs), as protobuf writes them."""
     if not 0 <= skipped_samples < 2**32:  # a uint32 field
         raise TensorFormatError(f"skipped_samples must fit a uint32, got {skipped_samples}")
-    parts = [*_length_delimited(2, _tensor_parts(images)), *_length_delimited(3, _tensor_parts(labels))]
+    parts: list[bytes | memoryview] = []
     if skipped_samples:
         parts += [_varint_bytes(4 << 3 | VARINT), _varint_bytes(skipped_samples)]
     for number, values, dtype in ((7, sample_ids, np.dtype("<u8")), (8, epochs, np.dtype("<u4"))):
@@ -145,7 +267,7 @@ def encode_batch(
             if array.dtype.kind not in "iu" or array.min() < 0 or array.max() > np.iinfo(dtype).max:
                 raise TensorFormatError(f"field {number} values must fit {dtype.name}")
             parts += _length_delimited(number, [array.astype(dtype).tobytes()])
-    return b"".join(parts)
+    return parts
 
 
 def _tensor_parts(array: np.ndarray) -> list[bytes | memoryview]:
@@ -181,10 +303,17 @@ def end_of_stream(reason: str) -> bytes:
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
-    """Read a serialised Batch; its tensors are views on ``payload``."""
+    """Read a serialised Batch; its tensors (images, labels, features) are views on ``payload``. Refuses
+    (TensorFormatError) a feature named twice, one without a tensor, and any tensor that does not read."""
     fields: dict[str, object] = {}
+    features: dict[str, np.ndarray] = {}
     for number, wire_type, value in _fields(payload, 0, len(payload)):
-        if number in (2, 3) and wire_type == LENGTH_DELIMITED:
+        if number == 9 and wire_type == LENGTH_DELIMITED:
+            name, array = _decode_feature(payload, *value)
+            if name in features:
+                raise TensorFormatError(f"feature {name!r} comes twice in one batch")
+            features[name] = array
+        elif number in (2, 3) and wire_type == LENGTH_DELIMITED:
             start, end = value
             fields["images" if number == 2 else "labels"] = _decode_tensor(payload, start, end)
         elif number == 4 and wire_type == VARINT:
@@ -204,7 +333,25 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         end_reason=str(fields.get("end_reason", "")),
         sample_ids=_joined(fields.get(7), np.uint64),
         epochs=_joined(fields.get(8), np.uint32),
+        features=features,
     )
+
+
+def _decode_feature(payload: bytes, start: int, end: int) -> tuple[str, np.ndarray]:
+    name, tensor = "", None
+    for number, wire_type, value in _fields(payload, start, end):
+        if number == 1 and wire_type == LENGTH_DELIMITED:
+            name = _text(payload, *value)
+        elif number == 2 and wire_type == LENGTH_DELIMITED:
+            if tensor is not None:  # protobuf's parser would merge the two; no writer of ours sends that
+                raise TensorFormatError(f"feature {name!r} has two tensors")
+            tensor = value
+    if tensor is None:
+        raise TensorFormatError(f"feature {name!r} has no tensor")
+    try:
+        return name, _decode_tensor(payload, *tensor)
+    except TensorFormatError as error:
+        raise TensorFormatError(f"feature {name!r}: {error}") from None
 
 
 def _fixed_array(payload: bytes, start: int, end: int, dtype: str) -> np.ndarray:
