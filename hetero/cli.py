@@ -79,13 +79,26 @@ def emit_json(value: Any) -> None:
 
 @app.command()
 def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a sweep's when it has sweep_name).")],
+             channel: Annotated[list[str] | None, typer.Option(
+                 "--channel", metavar="NAME=DIR", help="A local folder for a channel: a user workload's hooks then run on its first samples.")] = None,
+             code: Annotated[Path | None, typer.Option(help="A user workload's code folder, in place of the spec's.")] = None,
+             install: Annotated[bool, typer.Option(help="Check that the workload's requirements resolve (pip --dry-run).")] = True,
              as_json: AsJson = False) -> None:
-    """Check specs with the platform's own rules, offline; each refusal names its field."""
+    """Check specs with the platform's own rules, offline; each refusal names its field.
+
+    A spec of a user workload is checked as every host will check it: its code imported and checked
+    against the workload contract, its hyperparameters split, and with `--channel train=DIR` its hooks
+    run on a few local samples (listing, preprocessing, one training step on the CPU)."""
+    folders = dict(key_value(item) for item in channel or [])
     verdicts = []
     for path in specs:
         try:
-            api.validate_any(path)
-            verdicts.append({"spec": str(path), "ok": True})
+            raw = api.validate_any(path)
+            verdict: dict[str, Any] = {"spec": str(path), "ok": True}
+            workload = workload_check(path, raw, code, folders, install)
+            if workload:
+                verdict["workload"] = workload
+            verdicts.append(verdict)
         except api.SpecRefused as error:
             verdicts.append({"spec": str(path), "ok": False, "field": error.field, "error": str(error)})
         except api.ClientFacingError as error:
@@ -96,10 +109,56 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
         for verdict in verdicts:
             if verdict["ok"]:
                 out.print(f"[green]ok[/]      {escape(verdict['spec'])}", highlight=False)
+                if "workload" in verdict:
+                    out.print(f"        {escape(workload_line(verdict['workload']))}", highlight=False, soft_wrap=True)
             else:
                 out.print(f"[red]refused[/] {escape(verdict['error'])}", highlight=False, soft_wrap=True)
     if not all(verdict["ok"] for verdict in verdicts):
         raise typer.Exit(2)
+
+
+def key_value(text: str) -> tuple[str, Path]:
+    name, sep, folder = text.partition("=")
+    if not sep or not name:
+        fail(f"--channel takes NAME=DIR, got {text!r}", 2)
+    return name, Path(folder)
+
+
+def workload_check(path: Path, raw: Any, code: Path | None, channels: dict[str, Path], install: bool) -> dict[str, Any] | None:
+    """A user workload spec's dry run (training/workload/dry_run.py); None for a built-in workload or a
+    sweep. Its refusals are the spec's, under the field ``workload``."""
+    if not isinstance(raw, dict) or "sweep_name" in raw or not isinstance(raw.get("workload"), dict):
+        return None
+    from lambdas.core.job_spec import validate_job_spec
+
+    spec = validate_job_spec(raw)
+    if code is None and not spec.code.is_local:
+        return None  # uploaded already: its folder is not here (give it with --code to check it)
+    folder = code or api.code_folder(spec.code.source, api.spec_folder(path))
+    dry_run = _dry_run_module()
+    try:
+        return dry_run.dry_run(spec, folder, channels, install=install)
+    except (ValueError, LookupError) as error:  # WorkloadError, CodeError, HyperparameterError: ValueErrors, each named
+        raise api.SpecRefused(str(path), "workload", f"{type(error).__name__}: {error}") from None
+
+
+def _dry_run_module():
+    import importlib
+
+    try:
+        return importlib.import_module("training.workload.dry_run")
+    except ImportError as error:
+        fail(f"checking a workload needs the platform's environment ({error.name} is missing): run `make venv` and use .venv/bin/hetero")
+
+
+def workload_line(report: dict[str, Any]) -> str:
+    parts = [f"workload {report['module']} ({report['files']} files, sha256 {report['sha256'][:12]}): hooks {', '.join(report['hooks'])}"]
+    if "features" in report:
+        features = ", ".join(f"{name} {spec}" for name, spec in report["features"].items())
+        parts.append(f"{report['samples']} samples → {features}; trial step loss {report['trial_loss']:.4g}")
+    if "trial_eval" in report:
+        parts.append("eval " + ", ".join(f"{name}={value:.4g}" for name, value in report["trial_eval"].items()))
+    return "; ".join(parts)
 
 
 # Runs ------------------------------------------------------------------------------------------------
@@ -119,6 +178,9 @@ def run(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job s
     With `--direct`, one training job without the state machine: the same request, sent through the
     SageMaker Python SDK's ModelTrainer when it is installed (`pip install -e '.[sdk]'`)
     and sends exactly that request, else by boto3; no watchdog, relaunch or result.json (see README).
+
+    A workload of your own in a local folder (`"workload": {"code": "my_workload"}`, relative to the
+    spec's file) is packed and uploaded first, once per content (code/<sha256>/ of the results bucket).
 
     Example: `hetero run examples/pytorch-heterogeneous.json --follow`"""
     if not sdk and not launch_direct:
@@ -162,7 +224,8 @@ def sweep(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The swe
           follow: Annotated[bool, typer.Option("--follow", "-f", help="Wait for the end; exit 0 only if it succeeded.")] = False,
           poll_s: Annotated[float, typer.Option(min=1.0)] = 10.0,
           stack: Stack = None, region: Region = None, profile: Profile = None, quiet: Quiet = False) -> None:
-    """Start a benchmark sweep; `hetero report SWEEP_ID` shows its report when it ends."""
+    """Start a benchmark sweep; `hetero report SWEEP_ID` shows its report when it ends. Local workload
+    folders of its configurations are packed and uploaded first, each once."""
     target = platform(ctx, stack, region, profile)
     started = guarded(lambda: api.launch_sweep(spec, target, name))
     out.print(started.name, highlight=False, markup=False)
@@ -393,7 +456,7 @@ def run_direct(spec: Path, target: api.Platform, name: str | None, follow: bool,
     if not follow:
         emit_json(launched) if as_json else out.print(job.job_name, highlight=False, markup=False)
         return
-    follow_direct(job.job_name, target, poll_s, quiet, as_json, raw_spec=api.read_json(spec)[1], launched=launched)
+    follow_direct(job.job_name, target, poll_s, quiet, as_json, raw_spec=dict(job.raw_spec), launched=launched)
 
 
 def follow_direct(job: str, target: api.Platform, poll_s: float, quiet: bool, as_json: bool, raw_spec: Any = None,

@@ -34,6 +34,7 @@ The launcher starts it through torchrun (or directly), with the unpacked code fo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -54,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
+from training.data_service import codec
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
 from training.data_service.dataset import ChannelError, channel_dir
@@ -575,6 +577,17 @@ class WorkloadTrainer(TrainingLoop[Batch]):
         return extra
 
 
+def worker_error_text(error: BaseException) -> str:
+    """An error's message without the wrapper torch puts around one re-raised from a DataLoader worker
+    ("Caught HookError in DataLoader worker process 0. Original Traceback ..."): its last line's message."""
+    text = str(error)
+    if "Original Traceback" not in text:
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    prefix = f"{type(error).__module__}.{type(error).__name__}: "
+    return last[len(prefix):] if last.startswith(prefix) else last
+
+
 def name_shape(name: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
     return f"{name!r} {list(shapes[name])}" if name in shapes else f"{name!r} (absent)"
 
@@ -590,8 +603,14 @@ class _Reiterable:
 
 
 def _ignore_stop_signal(_worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM to their trainer (see pytorch_vision.ignore_stop_signal)."""
+    """DataLoader workers leave SIGTERM to their trainer (see pytorch_vision.ignore_stop_signal), and die
+    with it (PR_SET_PDEATHSIG): a trainer that fails leaves at once, and no worker of it runs on."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def _to_cpu(value: Any) -> Any:
@@ -643,7 +662,13 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
     addresses = settings.data_service_targets(cluster, host_addresses(environ))
     if addresses:
         info = describe(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
+        if not info.features:
+            raise DataServiceError(f"data host {info.host} serves images, not this workload's features: its job runs another workload")
         features = tuple(FeatureSpec(spec.name, spec.dtype, tuple(spec.shape)) for spec in info.features)
+        try:
+            wire = [codec.FeatureSpec(spec.name, spec.dtype, spec.shape) for spec in features]
+        except codec.TensorFormatError as error:
+            raise DataServiceError(f"data host {info.host} describes features no batch can carry: {error}") from None
         if info.sharded:
             infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
             epoch_samples = {address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
@@ -651,7 +676,9 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
             epoch_samples = {"channel": int(info.num_samples)}
         service = DataServiceDataset(addresses, config.batch_size, token=settings.shutdown_token, client_id=f"{cluster.current_host}/rank{rank}",
                                      connect_timeout_s=settings.data_connect_timeout_s, batch_timeout_s=settings.data_batch_timeout_s,
-                                     pin_memory=torch.cuda.is_available() and not xla)
+                                     pin_memory=torch.cuda.is_available() and not xla,
+                                     # Every host must serve these (the first host's word): another is refused by name.
+                                     features=wire)
         return WorkloadTrainer(config, paths, classes=tuple(info.classes), features=features, num_samples=int(info.num_samples),
                                source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
     samples = prepared.list(settings.data_channel, training=True)
@@ -669,8 +696,9 @@ def main() -> int:
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, WorkloadError, DataServiceError, DataExhaustedError,
             CheckpointWriteError) as error:
-        log.error("training failed: %s: %s", type(error).__name__, error)
-        write_failure(f"{type(error).__name__}: {error}")
+        reason = f"{type(error).__name__}: {worker_error_text(error)}"
+        log.error("training failed: %s", reason)
+        write_failure(reason)
         return 1
     except TrainingStopped as stopped:
         return leave_stopped(stopped)
@@ -685,6 +713,12 @@ if __name__ == "__main__":
     except Exception:  # an error none of main's handlers names (a broken collective): its traceback, then out
         traceback.print_exc()
         exit_code = 1
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
+    if exit_code != 0:
+        # A failed trainer leaves at once, its reason written: tearing down a DataLoader whose worker failed
+        # mid-batch waited here (seen: the process outlived its failure until the launcher's stall rule).
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+        os._exit(exit_code)
     end_process(exit_code)

@@ -34,7 +34,7 @@ from training.hyperparameters import (
 from training.trainers.config import WorkloadConfig
 from training.workload.code import PACKAGES_DIR, find_archive, install_requirements, unpack_code
 from training.workload.contexts import ChannelContext
-from training.workload.contract import Workload, load_workload, resolve_hyperparameters
+from training.workload.contract import Workload, WorkloadError, load_workload, resolve_hyperparameters
 from training.workload.samples import FeatureSpec, list_channel, probe_features
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,8 @@ def prepare(code_dir: Path, packages_dir: Path | None, environ: Mapping[str, str
     module = str(raw.get("workload_module", ""))
     workload = load_workload(code_dir, module, packages_dir)
     settings, config, hyperparameters = split_settings(raw, workload, load_shutdown_token(environ))
+    if config.eval_channel and not workload.has("eval_step"):
+        raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
     return PreparedWorkload(workload, settings, config, hyperparameters, settings.workload_sha256, channel_folders(environ))
 
 

@@ -36,7 +36,7 @@ def recipe_for(workload: Workload, listing: ImageDataset, *, packages_dir: Path 
                seed: int) -> BatchRecipe:
     """What the workers need, with the features of the first sample that preprocesses."""
     features = probe_features(workload, listing.samples, seed=seed, hyperparameters=hyperparameters)
-    return BatchRecipe(workload.code_dir, workload.name, packages_dir, listing.samples, hyperparameters, seed, features)
+    return BatchRecipe(workload.code_dir, workload.name, packages_dir, listing.samples, dict(hyperparameters), seed, features)  # sent to spawned workers: a plain dict
 
 
 def wire_features(features: tuple[FeatureSpec, ...]) -> tuple[codec.FeatureSpec, ...]:

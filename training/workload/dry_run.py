@@ -1,0 +1,136 @@
+"""``hetero validate``'s check of a user workload: what every host will check at start, run here first on a
+few local samples, so that a workload that cannot run is refused before anything is billed.
+
+From the spec and its code folder (packed and unpacked exactly as the hosts receive it):
+
+1. the requirements resolve (``pip install --dry-run``, from the shipped wheels when there are any);
+2. the module imports without the platform at module scope, defines the contract's hooks with their
+   signatures, each importable by name;
+3. the job's hyperparameters split into the platform's, the loop's and the module's (typos named);
+4. with local folders for the channels (``--channel train=DIR``): the channel lists, the first samples
+   preprocess into the same keys, dtypes and shapes; the model builds; one training step on a batch of
+   them returns a scalar loss that requires grad and is finite; the evaluation step, when there is a
+   validation channel, returns per-sample values or scalars.
+
+The step runs on this machine's CPU in fp32: it checks the contract, not the speed or the precision.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from training.hyperparameters import to_hyperparameter_string
+from training.workload.code import install_requirements, pack_code, unpack_code
+from training.workload.contexts import ChannelContext, TrainContext
+from training.workload.contract import WorkloadError, load_workload
+from training.workload.host import split_settings
+from training.workload.samples import classes_of, list_channel, make_batch, probe_features, BatchRecipe
+
+DRY_RUN_SAMPLES = 4
+
+
+def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples: int = DRY_RUN_SAMPLES,
+            install: bool = True) -> dict[str, Any]:
+    """Check a user workload spec's code against the contract (see the module docstring); a report of what
+    was checked, or a WorkloadError / CodeError / HyperparameterError naming what is wrong."""
+    code = spec.code
+    packed = pack_code(code_dir)
+    report: dict[str, Any] = {"module": code.module, "sha256": packed.sha256, "files": len(packed.files)}
+    with tempfile.TemporaryDirectory(prefix="workload-dry-run-") as scratch:
+        archive = Path(scratch) / "sourcedir.tar.gz"
+        archive.write_bytes(packed.archive)
+        unpacked = unpack_code(archive, Path(scratch) / "code", packed.sha256)
+        if install and code.requirements:
+            install_requirements(unpacked, code.requirements, dry_run=True)
+            report["requirements"] = "resolve"
+        workload = load_workload(unpacked, code.module)
+        try:
+            report["hooks"] = sorted(workload.hooks)
+            raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
+            raw |= {"role_map": '{"dry-run": "dnn"}', "workload_module": code.module, "workload_sha256": packed.sha256}
+            _, config, hyperparameters = split_settings(raw, workload, "dry-run-token-of-sixteen")
+            report["hyperparameters"] = dict(hyperparameters)
+            if "train" in channels:
+                report |= _dry_run_data(workload, config, hyperparameters, channels, samples)
+        finally:
+            _forget(code.module, unpacked)
+    return report
+
+
+def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any], channels: Mapping[str, Path], samples: int) -> dict[str, Any]:
+    import torch
+
+    from training.trainers.pytorch_runtime import check_finite, step_output
+
+    listed = list_channel(workload, ChannelContext("train", channels["train"], True, hyperparameters, channels))
+    features = probe_features(workload, listed, seed=config.seed, hyperparameters=hyperparameters)
+    count = min(samples, len(listed))
+    recipe = BatchRecipe(workload.code_dir, workload.name, None, listed, hyperparameters, config.seed, features)
+    batch, skipped = make_batch(workload, recipe, list(range(count)), list(range(len(listed))), [0] * count)
+    report: dict[str, Any] = {"samples": len(listed), "classes": list(classes_of(listed)), "skipped": skipped,
+                              "features": {spec.name: str(spec) for spec in features}}
+    ctx = TrainContext(hyperparameters=hyperparameters, device=torch.device("cpu"), steps=config.steps, classes=classes_of(listed),
+                       num_samples=len(listed), step=1)
+    torch.manual_seed(config.seed)
+    model = _call("build_model", workload.build_model, ctx)
+    if not isinstance(model, torch.nn.Module):
+        raise WorkloadError(f"build_model returned a {type(model).__name__}: return a torch.nn.Module")
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
+    if workload.has("device_transform"):
+        tensors = _call("device_transform", workload.device_transform, tensors, ctx)
+    loss, metrics = step_output(_call("train_step", workload.train_step, model, tensors, ctx), 1)
+    report["trial_loss"] = check_finite(loss.item(), 1)
+    report["trial_metrics"] = sorted(metrics)
+    loss.backward()
+    if config.eval_channel:
+        if not workload.has("eval_step"):
+            raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
+        if config.eval_channel in channels:
+            evaluation = list_channel(workload, ChannelContext(config.eval_channel, channels[config.eval_channel], False, hyperparameters, channels))
+            eval_features = probe_features(workload, evaluation, seed=config.seed, hyperparameters=hyperparameters, training=False)
+            eval_recipe = BatchRecipe(workload.code_dir, workload.name, None, evaluation, hyperparameters, config.seed, eval_features, training=False)
+            eval_count = min(samples, len(evaluation))
+            eval_batch, _ = make_batch(workload, eval_recipe, list(range(eval_count)), list(range(len(evaluation))), [0] * eval_count)
+            tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in eval_batch.items()}
+            if workload.has("device_transform"):
+                tensors = _call("device_transform", workload.device_transform, tensors, ctx)
+            with torch.no_grad():
+                output = _call("eval_step", workload.eval_step, model.eval(), tensors, ctx)
+            if not isinstance(output, Mapping) or not output:
+                raise WorkloadError(f"eval_step returned a {type(output).__name__}: return {{name: per-sample values [B] or a scalar}}")
+            values = {}
+            for name, value in output.items():
+                value = torch.as_tensor(value).float()
+                if value.numel() != 1 and tuple(value.shape) != (eval_count,):
+                    raise WorkloadError(f"eval_step's {name!r} has shape {list(value.shape)}: per-sample values [{eval_count}] or a scalar")
+                values[str(name)] = round(float(value.mean()), 6)
+            report["trial_eval"] = values
+    if not all(math.isfinite(value) for value in report.get("trial_eval", {}).values()):
+        raise WorkloadError(f"eval_step gave non-finite values on the first samples: {report['trial_eval']}")
+    return report
+
+
+def _call(hook: str, function: Any, *args: Any) -> Any:
+    try:
+        return function(*args)
+    except WorkloadError:
+        raise
+    except Exception as error:  # noqa: BLE001 — the user's hook, by name
+        raise WorkloadError(f"{hook} raised {type(error).__name__} on the first samples: {error}") from error
+
+
+def _forget(module: str, folder: Path) -> None:
+    """Drop the dry run's import and its folder from the path, so that a second check (another spec)
+    imports its own code."""
+    import sys
+
+    for name in [name for name in sys.modules if name == module or name.startswith(f"{module}.")]:
+        del sys.modules[name]
+    if str(folder.resolve()) in sys.path:
+        sys.path.remove(str(folder.resolve()))
