@@ -1,0 +1,182 @@
+"""The one PyTorch runtime of user workloads (training/trainers/pytorch_runtime.py), in this process: a step
+is one executed graph on XLA, a diverged loss fails naming its step and saves nothing, a step that returns
+the wrong thing is refused by name, a batch whose shapes change is refused on XLA, the homogeneous loader
+draws exactly what a data host's worker draws, and the saved model loads without the platform."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import write_host_tree
+from training.cluster import BASE_DIR_ENV
+from training.trainers.pytorch_runtime import (
+    LocalSamples,
+    NonFiniteLossError,
+    ShapeChangedError,
+    StepOutputError,
+    WorkloadTrainer,
+    build_trainer,
+    step_output,
+)
+from training.workload.host import WORKLOAD_DIR_ENV, prepared_workload
+from training.workload.samples import BatchRecipe, make_batch
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT_EXAMPLE = REPO / "examples" / "workloads" / "text_classifier"
+
+LINEAR = '''
+import numpy as np
+import torch
+
+HYPERPARAMETERS = {"explode_at": 0, "crop_at": 0}
+
+def list_samples(ctx):
+    return list(range(32))
+
+def preprocess(sample, ctx):
+    return {"x": np.full(4, sample / 32, dtype=np.float32) + ctx.rng.normal(size=4).astype(np.float32), "y": np.float32(sample % 2)}
+
+def build_model(ctx):
+    return torch.nn.Linear(4, 1)
+
+def device_transform(batch, ctx):
+    if ctx.hyperparameters["crop_at"] and ctx.step >= ctx.hyperparameters["crop_at"]:
+        batch["x"] = batch["x"][:, :3]
+        batch["x"] = torch.nn.functional.pad(batch["x"], (0, 1))[: batch["x"].shape[0] - 1]
+        batch["y"] = batch["y"][:-1]
+    return batch
+
+def train_step(model, batch, ctx):
+    loss = torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"])
+    if ctx.hyperparameters["explode_at"] and ctx.step >= ctx.hyperparameters["explode_at"]:
+        loss = loss * float("nan")
+    return loss
+'''
+
+
+def host(tmp_path: Path, code: Path, *, xla: bool = False, channels: dict[str, Path] | None = None, **hyperparameters) -> dict[str, str]:
+    """A homogeneous host tree for a user workload; the environment its trainer process would have."""
+    resource = {"current_host": "algo-1", "current_instance_type": "ml.trn1.2xlarge" if xla else "ml.p3.2xlarge",
+                "current_group_name": "homogeneousCluster", "hosts": ["algo-1"],
+                "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": "ml.p3.2xlarge", "hosts": ["algo-1"]}]}
+    settings = {"role_map": json.dumps({"homogeneousCluster": "dnn"}), "variant": "neuron" if xla else "pytorch",
+                "workload_module": "workload", "workload_sha256": "0" * 64, "dataloader_workers": "0", "warmup_steps": "1"}
+    empty = tmp_path / "channel"
+    empty.mkdir(exist_ok=True)
+    base = write_host_tree(tmp_path / "opt-ml", resource, settings | {key: str(value) for key, value in hyperparameters.items()},
+                           channels or {"train": empty})
+    return {BASE_DIR_ENV: str(base), WORKLOAD_DIR_ENV: str(code)}
+
+
+def linear_code(tmp_path: Path) -> Path:
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "workload.py").write_text(textwrap.dedent(LINEAR))
+    sys.modules.pop("workload", None)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def forget_workload_module():
+    yield
+    sys.modules.pop("workload", None)
+
+
+def test_a_diverged_loss_fails_naming_its_step_and_saves_neither_checkpoint_nor_model(tmp_path):
+    environ = host(tmp_path, linear_code(tmp_path), steps=20, explode_at=7, checkpoint_every=5, batch_size=4)
+    trainer = build_trainer(environ)
+    with pytest.raises(NonFiniteLossError, match=r"the loss is nan at step 7"):
+        trainer.run()
+    checkpoint = torch.load(Path(environ[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", weights_only=True)
+    assert checkpoint["loop"]["step"] == 5  # the last healthy one; none of the diverged state
+    assert not (Path(environ[BASE_DIR_ENV]) / "model" / "model.pt").exists()
+
+
+@pytest.mark.parametrize(("output", "words"), [
+    (torch.ones(3, requires_grad=True), r"a loss of shape \[3\] at step 4"),
+    (torch.ones((), requires_grad=False), r"does not require grad at step 4"),
+    (2.5, r"returned a float at step 4"),
+    ((torch.ones((), requires_grad=True), {"acc": torch.ones(2)}), r"metric 'acc' has shape \[2\]"),
+])
+def test_a_step_that_returns_the_wrong_thing_is_refused_by_name(output, words):
+    with pytest.raises(StepOutputError, match=words):
+        step_output(output, 4)
+
+
+def test_on_xla_a_step_is_one_executed_graph_and_compiles_nothing_after_warm_up(tmp_path, tmp_path_factory):
+    import importlib.util
+
+    import torch_xla.debug.metrics as met
+
+    make = importlib.util.spec_from_file_location("make_reviews", TEXT_EXAMPLE / "make_data.py")
+    module = importlib.util.module_from_spec(make)
+    make.loader.exec_module(module)
+    reviews = module.write(tmp_path_factory.mktemp("reviews"), train=128, validation=32)
+    environ = host(tmp_path, TEXT_EXAMPLE, xla=True, channels={"train": reviews / "train"}, steps=20, batch_size=8)
+    trainer = build_trainer(environ)
+    assert trainer.xla and str(trainer.device).startswith("xla")
+    batches = trainer.batches()
+
+    def count(metric: str) -> int:
+        data = met.metric_data(metric)
+        return data[0] if data else 0
+
+    for _ in range(3):
+        trainer.loss_value(trainer.train_step(next(batches)))
+    executed, compiled = [], []
+    for _ in range(4):
+        before = count("ExecuteTime"), count("CompileTime")
+        trainer.loss_value(trainer.train_step(next(batches)))
+        executed.append(count("ExecuteTime") - before[0])
+        compiled.append(count("CompileTime") - before[1])
+    assert executed == [1, 1, 1, 1] and compiled == [0, 0, 0, 0]
+
+
+def test_on_xla_a_batch_whose_shapes_change_is_refused_naming_the_feature(tmp_path):
+    environ = host(tmp_path, linear_code(tmp_path), xla=True, steps=10, crop_at=0, batch_size=4)
+    trainer = build_trainer(environ)
+    batches = trainer.batches()
+    trainer.train_step(next(batches))
+    shorter = {name: tensor[:-1] for name, tensor in next(batches).items()}
+    with pytest.raises(ShapeChangedError, match=r"batch 'x' \[3, 4\] at step 2, 'x' \[4, 4\] before"):
+        trainer.train_step(shorter)
+
+
+def test_the_homogeneous_loader_draws_what_a_data_hosts_worker_draws(tmp_path):
+    environ = host(tmp_path, linear_code(tmp_path), steps=10)
+    prepared = prepared_workload(environ)
+    samples = prepared.list("train", training=True)
+    features = prepared.features(samples, training=True)
+    local = LocalSamples(prepared, samples, features, seed=prepared.config.seed)
+    recipe = BatchRecipe(prepared.workload.code_dir, "workload", None, samples, dict(prepared.hyperparameters), prepared.config.seed, features)
+    served, _ = make_batch(prepared.workload, recipe, [5, 9], [], [3, 3])  # samples 5 and 9 of epoch 3, on a data host
+    for slot, index in enumerate((5, 9)):
+        mine, skipped = local[(3, index)]
+        assert skipped == 0 and np.array_equal(mine["x"], served["x"][slot])
+    assert not np.array_equal(local[(4, 5)][0]["x"], served["x"][0])  # another epoch, another draw
+
+
+def test_the_saved_model_loads_without_the_platform(tmp_path):
+    environ = host(tmp_path, linear_code(tmp_path), steps=6, batch_size=4)
+    trainer: WorkloadTrainer = build_trainer(environ)
+    trainer.run()
+    model = Path(environ[BASE_DIR_ENV]) / "model"
+    # A fresh interpreter that cannot import the platform (nor this repository: its editable install's finder is dropped).
+    script = f"import sys, importlib.util; sys.path = [p for p in sys.path if p not in ({str(REPO)!r}, '')]; sys.path.insert(0, {str(model)!r})\n" \
+             "sys.meta_path = [finder for finder in sys.meta_path if 'editable' not in getattr(finder, '__module__', repr(finder))]\n" \
+             "assert importlib.util.find_spec('training') is None, 'the platform is importable'\n" \
+             f"from load_model import load\nmodel, card = load({str(model)!r})\nimport torch\n" \
+             "print(card['module'], type(model).__name__, float(model(torch.zeros(1, 4)).detach().reshape(())) == float(model.bias))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["workload", "Linear", "True"]
+    card = json.loads((model / "workload.json").read_text())
+    assert card["features"] == [{"name": "x", "dtype": "float32", "shape": [4]}, {"name": "y", "dtype": "float32", "shape": []}]
