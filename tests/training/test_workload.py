@@ -284,3 +284,30 @@ def test_requirements_that_cannot_install_are_refused_with_pips_words(tmp_path):
 def test_requirements_paths_stay_inside_the_folder():
     assert is_relative_path("requirements/train.txt")
     assert not any(is_relative_path(path) for path in ("/etc/x", "../x", "a//b", "a\\b", ""))
+
+
+def test_the_readmes_complete_workload_passes_the_dry_run_hetero_validate_runs(tmp_path):
+    """The README's example file, as printed, on a small dataset: imported, listed, preprocessed, one step."""
+    import importlib.util
+    import re
+
+    from lambdas.core.job_spec import validate_job_spec
+    from training.workload.dry_run import dry_run
+
+    repo = Path(__file__).resolve().parents[2]
+    readme = (repo / "README.md").read_text()
+    block = re.search(r"A complete workload.*?```python\n(.*?)```", readme, re.S).group(1)
+    folder = tmp_path / "readme-workload"
+    folder.mkdir()
+    (folder / "workload.py").write_text(block)
+    make = importlib.util.spec_from_file_location("make_reviews", repo / "examples/workloads/text_classifier/make_data.py")
+    module = importlib.util.module_from_spec(make)
+    make.loader.exec_module(module)
+    data = module.write(tmp_path / "reviews", train=32, validation=8)
+    spec = validate_job_spec({"run_name": "readme", "variant": "pytorch", "workload": {"code": str(folder)},
+                              "instance_groups": [{"name": "dnn", "role": "dnn", "instance_type": "ml.p3.2xlarge", "count": 1}],
+                              "hyperparameters": {"eval_channel": "validation"},
+                              "inputs": {"train": {"s3_uri": "s3://bucket/t/"}, "validation": {"s3_uri": "s3://bucket/v/"}}})
+    report = dry_run(spec, folder, {"train": data / "train", "validation": data / "validation"})
+    assert report["features"] == {"input_ids": "int32 [32]", "label": "int64 []"} and report["classes"] == ["negative", "positive"]
+    assert np.isfinite(report["trial_loss"]) and set(report["trial_eval"]) == {"accuracy"}
