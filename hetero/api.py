@@ -13,10 +13,19 @@ environment and SSO): Step Functions starts, lists and stops runs, S3 holds thei
 reports, SageMaker and CloudWatch Logs tell how a running job is doing. A spec is validated offline first,
 with the platform's own rules (lambdas/core/job_spec.py), so a bad one is refused before anything starts.
 Errors a user can fix are ClientFacingError, one line each.
+
+A spec whose workload is code of the user's own in a local folder (``"workload": {"code": "my_workload/"}``,
+relative to the spec file's folder as docker-compose's build contexts are) is packed here
+(training/workload/code.py: reproducible, named by its SHA-256), uploaded once to the results bucket's
+code/<sha256>/sourcedir.tar.gz (a second run of unchanged code uploads nothing), and the run starts with
+the spec naming that archive and its hash: the state machine cannot read the user's disk. A sweep packs
+each distinct folder of its configurations once.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
 import json
 import re
 import time
@@ -31,9 +40,10 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError, ProfileNotFound
 
-from lambdas.core.job_spec import RUN_ID, JobSpecError, validate_job_spec
+from lambdas.core.job_spec import DEFAULT_MODULE, RUN_ID, JobSpecError, WorkloadCode, code_key, validate_job_spec
 from lambdas.core.sweep import SweepSpecError, plan_sweep
 from training.metrics import parse_metric_line
+from training.workload.code import CodeError, PackedCode, pack_code
 
 DEFAULT_STACK = "HeteroTrainingPlatform"
 # SageMaker's log group for training jobs; each host writes the stream <job>/<host>-<epoch seconds>.
@@ -212,6 +222,116 @@ def _checked(name: str, raw: Any, sweep: bool) -> Any:
     return raw
 
 
+# A user workload's code ----------------------------------------------------------------------------
+
+
+def spec_folder(source: str | Path | Mapping[str, Any]) -> Path:
+    """The folder a spec's relative code folders are relative to: its file's, or for a spec given as a
+    mapping (a notebook's), the working directory."""
+    return Path.cwd() if isinstance(source, Mapping) else Path(source).parent
+
+
+def code_folder(source: str, base: Path) -> Path:
+    """A spec's local code folder as a path: relative to ``base`` (the spec file's folder), an absolute
+    one as it is. Pure."""
+    folder = Path(source).expanduser()
+    return folder if folder.is_absolute() else base / folder
+
+
+def _specs_in(raw: Any, sweep: bool) -> list[tuple[str, Any]]:
+    """(where, spec) of a run's spec, or of each spec a sweep's input holds (its configurations, its base,
+    its extra ones), as the sweep's checks name them. Pure."""
+    if not sweep:
+        return [("", raw)]
+    if not isinstance(raw, Mapping):
+        return []
+    found = [(f"configurations[{index}].", spec) for index, spec in enumerate(raw.get("configurations") or [])]
+    found += [("base.", raw["base"])] if "base" in raw else []
+    return found + [(f"extra[{index}].", spec) for index, spec in enumerate(raw.get("extra") or [])]
+
+
+def _local_code(spec: Any) -> WorkloadCode | None:
+    """The spec's workload code when it is a local folder (the spec already passed validation)."""
+    workload = spec.get("workload") if isinstance(spec, Mapping) else None
+    if not isinstance(workload, Mapping) or not isinstance(workload.get("code"), str):
+        return None
+    code = WorkloadCode(workload["code"], workload.get("module", DEFAULT_MODULE), workload.get("requirements", ""))
+    return code if code.is_local else None
+
+
+def module_files(module: str) -> tuple[str, str]:
+    """The files a dotted module name is imported from inside the folder: a module or a package. Pure."""
+    path = module.replace(".", "/")
+    return f"{path}.py", f"{path}/__init__.py"
+
+
+def _check_packed(label: str, where: str, code: WorkloadCode, packed: PackedCode, folder: Path) -> None:
+    """The module and the requirements file must be among what was packed: else every host would fail
+    at its start, billed, on what the client can see now."""
+    if not set(module_files(code.module)) & set(packed.files):
+        raise SpecRefused(label, f"{where}workload.module", f"{code.module!r} is not in {folder}: no {' or '.join(module_files(code.module))} "
+                                                            "among its files (folders like .venv, build and __pycache__ are not packed)")
+    if code.requirements and code.requirements not in packed.files:
+        raise SpecRefused(label, f"{where}workload.requirements", f"{code.requirements!r} is not a file of {folder}")
+
+
+def pack_local_code(label: str, raw: Any, base: Path, sweep: bool = False) -> dict[Path, PackedCode]:
+    """Each distinct local folder the spec (or the sweep's specs) names, packed once, by its resolved
+    path; nothing is uploaded. Raises SpecRefused naming the field."""
+    packed: dict[Path, PackedCode] = {}
+    for where, spec in _specs_in(raw, sweep):
+        code = _local_code(spec)
+        if code is None:
+            continue
+        folder = code_folder(code.source, base).resolve()
+        if folder not in packed:
+            try:
+                packed[folder] = pack_code(folder)
+            except CodeError as error:
+                raise SpecRefused(label, f"{where}workload.code", str(error)) from None
+        _check_packed(label, where, code, packed[folder], folder)
+    return packed
+
+
+def code_uri(bucket: str, packed: PackedCode) -> str:
+    return f"s3://{bucket}/{code_key(packed.sha256)}"
+
+
+def with_uploaded_code(raw: Any, base: Path, bucket: str, packed: Mapping[Path, PackedCode], sweep: bool = False) -> Any:
+    """A copy of the spec (or sweep) whose every local code names its archive in ``bucket`` and its hash,
+    as the platform launches it. Pure."""
+    rewritten = copy.deepcopy(raw)
+    for _, spec in _specs_in(rewritten, sweep):
+        code = _local_code(spec)
+        if code is None:
+            continue
+        archive = packed[code_folder(code.source, base).resolve()]
+        spec["workload"] = {"code": code_uri(bucket, archive), "sha256": archive.sha256, "module": code.module,
+                            **({"requirements": code.requirements} if code.requirements else {})}
+    return rewritten
+
+
+def upload_code(platform: Platform, bucket: str, packed: PackedCode) -> bool:
+    """Put the archive at code/<sha256>/sourcedir.tar.gz unless it is there already (the same size and,
+    where S3 reports it, the same SHA-256); True when it was uploaded. S3 checks the bytes it receives
+    against their SHA-256 (ChecksumSHA256), and every host checks the archive against its run's hash."""
+    s3 = platform.client("s3")
+    digest = base64.b64encode(bytes.fromhex(packed.sha256)).decode()
+    found = call(s3.head_object, Bucket=bucket, Key=packed.key, ChecksumMode="ENABLED", absent_ok=True)
+    if found is not None and found.get("ContentLength") == len(packed.archive) and found.get("ChecksumSHA256", digest) == digest:
+        return False
+    # The bucket encrypts every object (S3-managed keys, its default): no header to add, as for the other uploads.
+    call(s3.put_object, Bucket=bucket, Key=packed.key, Body=packed.archive, ChecksumSHA256=digest, ContentType="application/gzip")
+    return True
+
+
+def upload_local_code(platform: Platform, bucket: str, raw: Any, base: Path, packed: Mapping[Path, PackedCode], sweep: bool = False) -> Any:
+    """Upload each packed folder (once), and the spec as the platform launches it."""
+    for archive in {archive.sha256: archive for archive in packed.values()}.values():
+        upload_code(platform, bucket, archive)
+    return with_uploaded_code(raw, base, bucket, packed, sweep)
+
+
 # Runs -----------------------------------------------------------------------------------------------
 
 
@@ -246,18 +366,28 @@ def check_name(name: str, limit: int = 80) -> str:
 
 
 def launch(spec: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None) -> Run:
-    """Validate the spec, then start a training-run execution named ``name`` (default: the spec's
-    run_name and the time)."""
+    """Validate the spec (and pack its local code), then upload the code and start a training-run
+    execution named ``name`` (default: the spec's run_name and the time)."""
     platform = platform or Platform()
-    raw = validate(spec)
-    return _start(platform, platform.training_run_machine, raw, check_name(name or default_run_name(raw)))
+    label, raw = read_json(spec)
+    _checked(label, raw, sweep=False)
+    run_name = check_name(name or default_run_name(raw))
+    packed = pack_local_code(label, raw, spec_folder(spec))  # before any AWS call
+    if packed:
+        raw = upload_local_code(platform, platform.results_bucket, raw, spec_folder(spec), packed)
+    return _start(platform, platform.training_run_machine, raw, run_name)
 
 
 def launch_sweep(sweep: str | Path | Mapping[str, Any], platform: Platform | None = None, name: str | None = None) -> Run:
     platform = platform or Platform()
-    raw = validate_sweep(sweep)
+    label, raw = read_json(sweep)
+    _checked(label, raw, sweep=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return _start(platform, platform.sweep_machine, raw, check_name(name or f"{raw['sweep_name']}-{stamp}", SWEEP_ID_LENGTH))
+    sweep_id = check_name(name or f"{raw['sweep_name']}-{stamp}", SWEEP_ID_LENGTH)
+    packed = pack_local_code(label, raw, spec_folder(sweep), sweep=True)
+    if packed:
+        raw = upload_local_code(platform, platform.results_bucket, raw, spec_folder(sweep), packed, sweep=True)
+    return _start(platform, platform.sweep_machine, raw, sweep_id)
 
 
 def _start(platform: Platform, machine: str, raw: Mapping[str, Any], name: str) -> Run:

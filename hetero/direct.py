@@ -16,7 +16,9 @@ the job says why (``fallback``). Without the SDK, boto3 sends it.
 
 Before anything is written or billed, the checks of a state-machine launch: the spec with the
 deployment's policy (input bucket allow-list, cost ceiling), the run id (no checkpoints of it: a second
-job of one id would resume the first's last step and train nothing); a resume_from is refused. A direct
+job of one id would resume the first's last step and train nothing); a resume_from is refused. A user
+workload's local code folder is packed first and uploaded (once: code/<sha256>/) after those checks,
+before the token, as `hetero run` does (hetero/api.py); the request routes it to every group. A direct
 run keeps its checkpoints, token and artifacts under checkpoints/direct.runs/<run id>/,
 control/direct.runs/<run id>/ and artifacts/direct.runs/, where no state-machine run's id (letters,
 digits, "-" and "_") can reach; its job's session (untagged: no SessionChainingConfig) reaches only those
@@ -49,7 +51,11 @@ from hetero.api import (
     call,
     check_name,
     default_run_name,
+    pack_local_code,
     read_json,
+    spec_folder,
+    upload_code,
+    with_uploaded_code,
 )
 from lambdas.core.job_spec import JobSpec, JobSpecError, SpecPolicy, split_s3_uri, validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES
@@ -64,6 +70,7 @@ from lambdas.core.training_request import (
     token_uri,
 )
 from training.hyperparameters import TOKEN_FILE
+from training.workload.code import PackedCode
 
 # The direct job's tag naming its run (a state-machine run's job carries its execution's instead).
 RUN_TAG = "run_id"
@@ -84,6 +91,8 @@ class DirectJob:
     sent_by: str
     fallback: str | None = None
     request: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    # The spec as launched (a local code folder replaced by its uploaded archive).
+    raw_spec: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,9 @@ class Launch:
     spec: JobSpec
     prefix: str
     settings: Any
+    raw: Mapping[str, Any] = field(default_factory=dict)  # the spec as launched
+    archives: tuple[PackedCode, ...] = ()  # its packed code, to upload before the job is created
+    code_bucket: str = ""
 
     @property
     def key(self) -> str:
@@ -130,8 +142,13 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
     try:
         validate_job_spec(raw)  # offline first: a bad spec is told before any AWS call
         run = check_name(name or default_direct_run_id(raw))
+        packed = pack_local_code(label, raw, spec_folder(source))  # and its code packed: nothing uploaded yet
         environment = platform.launch_settings
-        spec = validate_job_spec(raw, SpecPolicy.from_environment(environment))  # the deployment's allow-list and ceiling
+        policy = SpecPolicy.from_environment(environment)
+        if packed and not policy.code_bucket:
+            raise ClientFacingError(f"stack {platform.stack!r}: its LaunchSettings output names no results bucket (redeploy with `cdk deploy`)")
+        raw = with_uploaded_code(raw, spec_folder(source), policy.code_bucket or "", packed) if packed else raw
+        spec = validate_job_spec(raw, policy)  # the deployment's allow-list, ceiling and code location
     except JobSpecError as error:
         raise SpecRefused(label, error.field, error.problem) from None
     if spec.resume_from:
@@ -146,7 +163,8 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
         raise ClientFacingError(f"stack {platform.stack!r}: its LaunchSettings output lacks {error} (redeploy with `cdk deploy`)") from None
     # Its artifacts apart too (artifacts/direct.runs/<job>/): the only prefixes its job's session reaches.
     settings = replace(settings, tags=dict(settings.tags) | {RUN_TAG: run}, output_s3_uri=f"{settings.output_s3_uri.rstrip('/')}/{DIRECT}/")
-    launch = Launch(run_id=run, spec=spec, prefix=prefix, settings=settings)
+    archives = tuple({archive.sha256: archive for archive in packed.values()}.values())
+    launch = Launch(run_id=run, spec=spec, prefix=prefix, settings=settings, raw=raw, archives=archives, code_bucket=policy.code_bucket or "")
     launch.request(boto3_job_name(launch))  # a request can be built, before anything is written
     return launch
 
@@ -167,6 +185,8 @@ def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | N
     launch = prepare(source, platform, name)
     through_sdk = use_sdk and sdk.available()  # known before anything is written
     _check_run_id(launch, platform)
+    for archive in launch.archives:  # content-addressed: a second run of the same code uploads nothing
+        upload_code(platform, launch.code_bucket, archive)
     bucket, prefix = split_s3_uri(token_uri(launch.settings, launch.key))
     token = f"{prefix}{TOKEN_FILE}"
     _write_token(platform, bucket, token, launch.run_id)
@@ -184,6 +204,7 @@ def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | N
             raise ClientFacingError(f"the launch of run {launch.run_id!r} failed, and {may_exist}: {error}") from error
         error.add_note(f"run {launch.run_id!r}: {may_exist}")  # Ctrl-C stays Ctrl-C (a notebook's loop must stop)
         raise
+    job = replace(job, raw_spec=launch.raw)
     if use_sdk and not through_sdk:
         return replace(job, fallback=f"sagemaker-train is not installed ({SDK_INSTALL}): sent by boto3")
     return job

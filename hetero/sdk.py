@@ -26,7 +26,11 @@ the example specs: tests/sdk/):
 * the per-group settings of a distribution (``distributed=Torchrun(...)`` is the job's, every host): the
   platform does not use it: its launcher reads the role map and distribution from the hyperparameters
   and starts the trainers on the DNN group alone. Channel routing (all channels assigned to groups, or
-  none) is expressed as it is: each channel with its instance group names, or none.
+  none) is expressed as it is: each channel with its instance group names, or none;
+* a user workload's code: the builder's ``code`` channel (the packed folder hetero/api.py uploaded, on
+  every group) is passed as one of the channels, not as ModelTrainer's ``source_code``, which would pack
+  and upload the folder itself and add its own driver channel and entry point: the request would not be
+  the builder's.
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ checkpoints/<the run it resumes>/ to read. A job launched without the state mach
 carries no such tags; an untagged session reaches only the direct.runs/ prefixes (which direct runs
 share), and a session with some keys but not all reaches nothing of the results bucket's runs. The compiled
 Neuron graphs (neuron-cache/) are shared by design: every Trainium job reuses them, so a job could plant a
-graph another loads. The isolation holds while nobody creates jobs of this role from a session whose tags they
-chose (DirectLaunchPolicy denies it: infra/constructs/direct_launch.py).
+graph another loads. User workloads' packed code (code/<sha256>/sourcedir.tar.gz, the client's upload) is
+readable by every job, tagged or not, and writable by none: an archive is named by its content's SHA-256 and
+each host refuses one whose hash is not its run's, so reading another run's code reveals nothing a job could
+not be handed, and no job can plant code another runs. The isolation holds while nobody creates jobs of this
+role from a session whose tags they chose (DirectLaunchPolicy denies it: infra/constructs/direct_launch.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import S3_READ_ACTIONS, S3_WRITE_ACTIONS, acknowledge, arn_token, wildcard_actions, wildcard_resources
+from lambdas.core.job_spec import CODE_PREFIX
 from lambdas.core.training_request import CONTROL_KEY_TAG, DIRECT_RUNS, JOB_KEY_TAG, RESUME_KEY_TAG, RUN_KEY_TAG, SESSION_TAG_KEYS
 
 SAGEMAKER_NAMESPACE = "/aws/sagemaker/TrainingJobs"
@@ -52,6 +56,8 @@ class ExecutionRole(Construct):
             self.role.add_to_policy(statement)
         for statement in neuron_cache_statements(results):  # compiled Neuron graphs, reused across jobs
             self.role.add_to_policy(statement)
+        for statement in code_statements(results):  # user workloads' packed code: read only
+            self.role.add_to_policy(statement)
         for image in images:
             image.repository.grant_pull(self.role)
         self.role.add_to_policy(
@@ -72,7 +78,7 @@ class ExecutionRole(Construct):
             "S3 action families from grant_read/grant_read_write, held to the input buckets (datasets, and cdk.json's "
             "input_buckets) and the results bucket's neuron-cache/; each job's own objects under its session tags' prefixes "
             "(checkpoints/, artifacts/, control/: the * is what lies under the job's own key), or under direct.runs/ for "
-            "an untagged session; SageMaker's training log group; PutMetricData and "
+            "an untagged session; user workloads' content-addressed code under code/, read only; SageMaker's training log group; PutMetricData and "
             "ecr:GetAuthorizationToken take no resource ARN (the former is held to SageMaker's namespace).",
             *wildcard_actions(*S3_READ_ACTIONS, *S3_WRITE_ACTIONS),
             *wildcard_resources(
@@ -81,6 +87,7 @@ class ExecutionRole(Construct):
                 # cdk-nag writes a policy variable ${x} as <x>
                 *(f"{arn_token(results)}/{prefix}".replace("${", "<").replace("}", ">") for prefix in own_prefixes()),
                 f"{arn_token(results)}/neuron-cache/*",
+                f"{arn_token(results)}/{CODE_PREFIX}*",
                 f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{SAGEMAKER_NAMESPACE}:*",
             ),
         )
@@ -131,4 +138,16 @@ def neuron_cache_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
     return [
         iam.PolicyStatement(actions=list(OWN_READ_WRITE), resources=[results.arn_for_objects("neuron-cache/*")]),
         iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn], conditions={"StringLike": {"s3:prefix": ["neuron-cache/*"]}}),
+    ]
+
+
+def code_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
+    """User workloads' packed code (code/<sha256>/sourcedir.tar.gz): any job reads any archive, none writes
+    one (the client uploads it). Read-only and content-addressed, it needs no per-run scope: a host refuses
+    an archive whose SHA-256 is not its run's. ListBucket only under code/ (SageMaker lists a channel's
+    prefix before it downloads)."""
+    return [
+        iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects(f"{CODE_PREFIX}*")]),
+        iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
+                            conditions={"StringLike": {"s3:prefix": [f"{CODE_PREFIX}*"]}}),
     ]

@@ -5,7 +5,9 @@ The same JSON starts a training run on SageMaker (the Step Functions input) and 
 
     {"run_name": "mnist-hetero",               # letters, digits, hyphens; ≤ 40 characters
      "variant": "pytorch",                     # which image and trainer
-     "workload": "vision",                     # what the trainer trains
+     "workload": "vision",                     # what the trainer trains: a built-in, or a user's module:
+        # {"code": "<folder>" | "s3://<results bucket>/code/<sha256>/sourcedir.tar.gz",
+        #  "module": "workload", "requirements": "requirements.txt", "sha256": "<64 hex, with an s3:// code>"}
      "instance_groups": [                      # 1–5 groups, exactly one with role "dnn"
         {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": 1},
         {"name": "dnn_group",  "role": "dnn",  "instance_type": "ml.p3.2xlarge", "count": 1}],
@@ -24,6 +26,16 @@ groups only for variants with a data service and only on CPU instances, the "tra
 data host, channels the trainer names (model_channel, eval_channel) among the inputs, hyperparameters the
 trainer knows with values in range, and the deployment's policy (SpecPolicy): input buckets on its
 allow-list, and a worst-case cost (every instance for the whole max_runtime_s) under its ceiling.
+
+A user workload (``"workload": {"code": ...}``: JobSpec.workload is USER_WORKLOAD, JobSpec.code says
+where its code is) runs on the variants that train them (Variant.user_workloads), with data groups on
+Trainium too (the gRPC data service serves the user's preprocessing). Its hyperparameters are the
+platform loop's (WorkloadConfig, checked here) and the module's own, which only the module knows: they
+pass here and are checked where the module is (``hetero validate``, every host). Its code is a local
+folder until the client packs and uploads it (``hetero run``); with a deployment's policy
+(``SpecPolicy.code_bucket``) only the uploaded archive is accepted, and only under code/<its SHA-256>/
+of the platform's own results bucket: a job reads code nowhere else, and the state machine cannot read
+the user's disk.
 Nothing here performs I/O.
 """
 
@@ -43,16 +55,20 @@ from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.service_limits import limit, training_instance_types
 from training.cluster import HOMOGENEOUS_GROUP
 from training.hyperparameters import (
+    CODE_CHANNEL,
     DATA_CHANNEL,
+    MODULE_NAME,
     PLATFORM_CHANNEL,
     RESUME_CHANNEL,
     SECRET_SETTINGS,
+    SHA256,
     HyperparameterError,
     build,
+    is_relative_path,
     platform_keys,
     to_hyperparameter_string,
 )
-from training.variants import VARIANTS
+from training.variants import USER_WORKLOAD, VARIANTS, WORKLOAD_CONFIG
 
 SPEC_VERSION = 1
 ROLES = ("data", "dnn")
@@ -74,9 +90,19 @@ BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/), restricted to
 # what a SageMaker tag value, an S3 key and a job name's hash input all carry unchanged.
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
-# Channels the platform adds to every job (the shutdown token's; a resuming run's checkpoints besides);
-# the user's share SageMaker's limit with them.
+# Channels the platform adds to every job (the shutdown token's; a resuming run's checkpoints and a user
+# workload's code besides); the user's share SageMaker's limit with them.
 PLATFORM_CHANNELS = 1
+# The names the platform's channels take: a spec's inputs may not.
+RESERVED_CHANNELS = (PLATFORM_CHANNEL, RESUME_CHANNEL, CODE_CHANNEL)
+# A user workload's fields (``"workload": {...}``) and the module imported when it names none.
+CODE_FIELDS = ("code", "module", "requirements", "sha256")
+DEFAULT_MODULE = "workload"
+# Where the client uploads a packed folder, below the results bucket, and the archive's name: those of
+# training/workload/code.py (PackedCode.key, ARCHIVE_NAME), which the Lambdas' asset does not ship (a
+# test holds them equal).
+CODE_PREFIX = "code/"
+ARCHIVE_NAME = "sourcedir.tar.gz"
 KNOWN_FIELDS = frozenset(
     {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
      "resume_from", "max_cost_usd"}
@@ -97,18 +123,25 @@ class SpecPolicy:
     sweep_cost_ceiling_usd: float | None = None
     # $/hour for the ceiling, on top of the fallback table (which has none for Trainium).
     prices_usd_per_hour: Mapping[str, float] = field(default_factory=dict)
+    # The results bucket, where a user workload's packed code must lie (code/<sha256>/sourcedir.tar.gz):
+    # set, a spec is one a deployment launches, which cannot read a local folder. None: no deployment.
+    code_bucket: str | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> SpecPolicy:
+        """The policy of the Lambdas' environment, or of the stack's LaunchSettings output (a direct
+        launch), which names the results bucket by its artifacts location only."""
         def number(key: str) -> float | None:
             return float(environ[key]) if environ.get(key) else None
 
         buckets = json.loads(environ["INPUT_BUCKETS"]) if environ.get("INPUT_BUCKETS") else None
+        results = environ.get("RESULTS_BUCKET") or (bucket_of(environ["OUTPUT_S3_URI"]) if environ.get("OUTPUT_S3_URI") else None)
         return cls(
             input_buckets=frozenset(buckets) if buckets is not None else None,
             run_cost_ceiling_usd=number("RUN_COST_CEILING_USD"),
             sweep_cost_ceiling_usd=number("SWEEP_COST_CEILING_USD"),
             prices_usd_per_hour=json.loads(environ.get("CEILING_PRICES", "{}")),
+            code_bucket=results,
         )
 
     def price(self, instance_type: str) -> float | None:
@@ -152,10 +185,26 @@ class ChannelSpec:
 
 
 @dataclass(frozen=True)
+class WorkloadCode:
+    """Where a user workload's code is and what to import from it. ``source``: the packed archive in S3
+    (s3://<bucket>/code/<sha256>/sourcedir.tar.gz) or, before ``hetero run`` packs and uploads it, a local
+    folder as the spec names it (relative to the spec file's folder)."""
+
+    source: str
+    module: str = DEFAULT_MODULE
+    requirements: str = ""  # a path inside the folder; "": nothing to install
+    sha256: str = ""  # of the packed archive; "" for a local folder (the client computes it when it packs)
+
+    @property
+    def is_local(self) -> bool:
+        return not self.source.startswith("s3://")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     run_name: str
     variant: str
-    workload: str
+    workload: str  # a built-in workload's name, or USER_WORKLOAD (then ``code`` says which)
     instance_groups: tuple[GroupSpec, ...]
     distribution: str
     hyperparameters: Mapping[str, str | int | float | bool]
@@ -166,6 +215,12 @@ class JobSpec:
     resume_from: str = ""
     # The spec's own cost ceiling (it can only lower the deployment's); None: the deployment's.
     max_cost_usd: float | None = None
+    # A user workload's code; None for a built-in workload.
+    code: WorkloadCode | None = None
+
+    @property
+    def is_user_workload(self) -> bool:
+        return self.code is not None
 
     @property
     def dnn_group(self) -> GroupSpec:
@@ -210,20 +265,59 @@ def parse_job_spec(raw: Any) -> JobSpec:
         raise JobSpecError("run_name", f"{run_name!r} must be 1–{MAX_RUN_NAME} letters, digits or hyphens, starting with a letter or digit")
     groups = _groups(raw.get("instance_groups"))
     resume_from = _resume_from(raw.get("resume_from", ""))
+    workload, code = _workload(raw.get("workload"))
     return JobSpec(
         run_name=run_name,
         variant=_string(raw, "variant"),
-        workload=_string(raw, "workload"),
+        workload=workload,
         instance_groups=groups,
         # Absent: the variant's default, filled in by validate_job_spec.
         distribution=_string(raw, "distribution") if "distribution" in raw else "",
         hyperparameters=_hyperparameters(raw.get("hyperparameters", {})),
-        inputs=_inputs(raw.get("inputs", {}), groups, PLATFORM_CHANNELS + bool(resume_from)),
+        inputs=_inputs(raw.get("inputs", {}), groups, PLATFORM_CHANNELS + bool(resume_from) + (code is not None)),
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
         spec_version=SPEC_VERSION,
         resume_from=resume_from,
         max_cost_usd=positive_usd(raw.get("max_cost_usd")),
+        code=code,
     )
+
+
+def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
+    """(the workload's name, its code): a built-in's name as it is, or a user's module, USER_WORKLOAD."""
+    if isinstance(raw, str) and raw == USER_WORKLOAD:
+        raise JobSpecError("workload", f"{USER_WORKLOAD!r} stands for a module of your own: give "
+                                       '{"code": "<folder>", "module": "workload"} instead')
+    if not isinstance(raw, Mapping):
+        return _string({"workload": raw}, "workload"), None
+    unknown = sorted(set(raw) - set(CODE_FIELDS))
+    if unknown:
+        raise JobSpecError(f"workload.{unknown[0]}", f"unknown field; a workload of your own has {list(CODE_FIELDS)}")
+    source = raw.get("code")
+    if not isinstance(source, str) or not source or any(ord(character) < 32 for character in source):
+        raise JobSpecError("workload.code", f"{source!r} must be the folder of your workload's code (relative to the spec's file) "
+                                            f"or its packed archive s3://<bucket>/{CODE_PREFIX}<sha256>/{ARCHIVE_NAME}")
+    module = raw.get("module", DEFAULT_MODULE)
+    if not isinstance(module, str) or not MODULE_NAME.fullmatch(module):
+        raise JobSpecError("workload.module", f"{module!r} must be a dotted Python module name inside the folder (workload, my_pkg.train)")
+    requirements = raw.get("requirements", "")
+    if not isinstance(requirements, str) or (requirements and not is_relative_path(requirements)):
+        raise JobSpecError("workload.requirements", f"{requirements!r} must be a relative path inside the code folder (requirements.txt)")
+    sha256 = raw.get("sha256", "")
+    code = WorkloadCode(source, module, requirements, sha256 if isinstance(sha256, str) else "")
+    if code.is_local:
+        if "://" in source:
+            raise JobSpecError("workload.code", f"{source!r}: code comes from a local folder or s3://, not another scheme")
+        if "sha256" in raw:
+            raise JobSpecError("workload.sha256", "is computed from the folder when `hetero run` packs it: leave it out with a local folder")
+        return USER_WORKLOAD, code
+    _check_s3_uri("workload.code", source)
+    if not source.endswith(f"/{ARCHIVE_NAME}"):
+        raise JobSpecError("workload.code", f"{source!r} must name the packed archive (.../{ARCHIVE_NAME}), as `hetero run` uploads it")
+    if not isinstance(sha256, str) or not SHA256.fullmatch(sha256):
+        raise JobSpecError("workload.sha256", f"{sha256!r} must be the 64 lowercase hex digits of the archive's SHA-256 "
+                                              "(every host refuses another archive): required with an s3:// code")
+    return USER_WORKLOAD, code
 
 
 def _string(raw: Mapping[str, Any], key: str, default: str | None = None) -> str:
@@ -305,7 +399,7 @@ def _inputs(raw: Any, groups: tuple[GroupSpec, ...], platform_channels: int) -> 
         where = f"inputs.{name}"
         if limit("ChannelName").problem(name):
             raise JobSpecError(where, "channel names are 1–64 letters, digits, '.', '-' or '_'")
-        if name in (PLATFORM_CHANNEL, RESUME_CHANNEL):
+        if name in RESERVED_CHANNELS:
             raise JobSpecError(where, f"{name!r} is a channel the platform adds itself: pick another name")
         if not isinstance(item, Mapping):
             raise JobSpecError(where, "must be an object {s3_uri, groups}")
@@ -396,7 +490,11 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
     variant = VARIANTS.get(spec.variant)
     if variant is None:
         raise JobSpecError("variant", f"{spec.variant!r} is not a variant of this platform; use one of {sorted(VARIANTS)}")
-    if spec.workload not in variant.workloads:
+    if spec.is_user_workload and not variant.user_workloads:
+        takers = sorted(name for name, other in VARIANTS.items() if other.user_workloads)
+        raise JobSpecError("workload", f"variant {variant.name!r} trains only its built-in workloads {list(variant.workloads)} (its "
+                                       f"TensorFlow contract for user workloads is a later issue): use variant {' or '.join(map(repr, takers))}")
+    if not spec.is_user_workload and spec.workload not in variant.workloads:
         raise JobSpecError("workload", f"variant {variant.name!r} trains {list(variant.workloads)}, not {spec.workload!r}")
     if not spec.distribution:
         spec = dataclasses.replace(spec, distribution=variant.distributions[0])
@@ -410,8 +508,11 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
         )
     for index, group in enumerate(spec.instance_groups):
         _check_instance_type(index, group, variant.accelerator, variant.name)
-    if spec.data_groups and not variant.has_data_service:
+    # A user workload's preprocessing is served by the gRPC data service on any variant that trains it
+    # (heterogeneous Trainium: CPU data hosts preprocess for trn1 hosts).
+    if spec.data_groups and not (variant.has_data_service or (spec.is_user_workload and variant.user_workloads)):
         raise JobSpecError("instance_groups", f"variant {variant.name!r} has no data service: remove the data groups")
+    _check_code(spec, policy)
     _check_channels(spec, policy)
     _check_hyperparameters(spec)
     _check_cost(spec, policy)
@@ -469,14 +570,48 @@ def _check_instance_type(index: int, group: GroupSpec, accelerator: str, variant
         raise JobSpecError(where, f"variant {variant!r} trains on Trainium: use an ml.trn1.* instance type")
 
 
+def code_key(sha256: str) -> str:
+    """The key of a packed folder below the results bucket, named by its SHA-256 (PackedCode.key). Pure."""
+    return f"{CODE_PREFIX}{sha256}/{ARCHIVE_NAME}"
+
+
+def _check_code(spec: JobSpec, policy: SpecPolicy) -> None:
+    """With a deployment, a user workload's code is its packed archive in the platform's results bucket
+    under code/<its sha256>/: the state machine cannot read the user's disk, and a job's role reads code
+    nowhere else (the input-bucket allow-list is for data, not code)."""
+    if spec.code is None or policy.code_bucket is None:
+        return
+    if spec.code.is_local:
+        raise JobSpecError("workload.code", "a local folder: start the run with `hetero run`, which uploads it")
+    expected = f"s3://{policy.code_bucket}/{code_key(spec.code.sha256)}"
+    if spec.code.source != expected:
+        raise JobSpecError("workload.code", f"{spec.code.source!r}: a job reads code only from its platform's results bucket, under "
+                                            f"code/<the archive's sha256>/: {expected} (`hetero run` uploads a folder there)")
+
+
+def eval_channel_of(spec: JobSpec) -> str:
+    """The channel a user workload validates on (its eval_channel hyperparameter), "" when none or for a
+    built-in workload. Pure."""
+    if spec.code is None:
+        return ""
+    return str(spec.hyperparameters.get("eval_channel", ""))
+
+
 def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
     if DATA_CHANNEL not in {channel.name for channel in spec.inputs}:
         raise JobSpecError("inputs", f"the job trains from a {DATA_CHANNEL!r} channel: add {{\"{DATA_CHANNEL}\": {{\"s3_uri\": \"s3://...\"}}}}")
     data_groups = {group.name for group in spec.data_groups}
+    # A user workload validates on the DNN group: its eval channel goes there, data groups need not read it.
+    evaluated = eval_channel_of(spec)
     for channel in spec.inputs:
         if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:
             raise JobSpecError(f"inputs.{channel.name}.s3_uri", f"bucket {bucket_of(channel.s3_uri)!r} is not one the platform's "
                                                                 f"jobs may read: use {sorted(policy.input_buckets)} (cdk.json's input_buckets)")
+        if channel.name == evaluated:
+            if spec.dnn_group.name not in spec.group_names_for(channel):
+                raise JobSpecError(f"inputs.{channel.name}.groups", f"the workload validates on this channel (eval_channel) on the dnn "
+                                                                    f"group {spec.dnn_group.name!r}: add it")
+            continue
         missing = sorted(data_groups - set(spec.group_names_for(channel)))
         if missing:
             raise JobSpecError(f"inputs.{channel.name}.groups", f"data groups {missing} preprocess this channel: add them")
@@ -505,9 +640,13 @@ def _check_sharded(spec: JobSpec, channel: ChannelSpec) -> None:
 
 def trainer_config(spec: JobSpec, strict: bool = False) -> Any:
     """The trainer's settings as the trainer itself reads this spec's hyperparameters (its config
-    dataclass; defaults for what the spec leaves out). Raises HyperparameterError."""
-    return build(VARIANTS[spec.variant].config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()},
-                 strict=strict)
+    dataclass; defaults for what the spec leaves out). For a user workload, the platform loop's settings
+    (WORKLOAD_CONFIG) from its keys alone: the others are the module's own. Raises HyperparameterError."""
+    raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
+    if spec.is_user_workload:
+        loop = {item.name for item in dataclasses.fields(WORKLOAD_CONFIG)}
+        return build(WORKLOAD_CONFIG, {name: value for name, value in raw.items() if name in loop})
+    return build(VARIANTS[spec.variant].config, raw, strict=strict)
 
 
 def _check_hyperparameters(spec: JobSpec) -> None:

@@ -9,6 +9,9 @@ What the request carries, and why:
   plus the platform channel on every host: the job's shutdown token as a file, which the launcher wrote
   to S3 (control/<job name>/) and only the job's role reads. The token is in no field of the request, so
   it never shows in DescribeTrainingJob, the execution's history or a log;
+* for a user workload, its packed code as the ``code`` channel on every host (as SageMaker's script mode
+  ships a source_dir: data hosts import the module too), the one archive object exactly, with the module,
+  its SHA-256 (every host refuses another archive) and its requirements file among the platform settings;
 * the container contract as HyperParameters: the user's trainer settings plus the platform settings
   (role map, ports, timeouts), built by training/hyperparameters.py, the module the container parses
   them with;
@@ -31,7 +34,7 @@ from typing import Any
 from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec, role_map
 from lambdas.core.service_limits import limit
-from training.hyperparameters import PLATFORM_CHANNEL, RESUME_CHANNEL, PlatformSettings, to_hyperparameter_string
+from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, RESUME_CHANNEL, PlatformSettings, to_hyperparameter_string
 from training.metrics import METRIC_DEFINITIONS
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
@@ -105,8 +108,21 @@ def job_name(prefix: str, run_name: str, suffix: str) -> str:
 
 
 def platform_settings(spec: JobSpec, **settings: Any) -> PlatformSettings:
-    """The platform half of the container contract for a spec; ``settings`` are ports and timeouts."""
-    return PlatformSettings(role_map=role_map(spec), variant=spec.variant, distribution=spec.distribution, **settings)
+    """The platform half of the container contract for a spec; ``settings`` are ports and timeouts. A user
+    workload's module, archive hash and requirements file tell every host's launcher what to unpack,
+    install and import (and so to run the workload trainer)."""
+    return PlatformSettings(role_map=role_map(spec), variant=spec.variant, distribution=spec.distribution, **_workload_settings(spec),
+                            **settings)
+
+
+def _workload_settings(spec: JobSpec) -> dict[str, str]:
+    """PlatformSettings' workload fields for a user workload (none for a built-in). Raises RequestError
+    for code still in a local folder: only its uploaded archive can reach a job."""
+    if spec.code is None:
+        return {}
+    if spec.code.is_local:
+        raise RequestError(f"the workload's code {spec.code.source!r} is a local folder: `hetero run` packs and uploads it first")
+    return {"workload_module": spec.code.module, "workload_sha256": spec.code.sha256, "workload_requirements": spec.code.requirements}
 
 
 def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict[str, str]:
@@ -161,6 +177,8 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         "InputDataConfig": [
             *(_channel(spec, channel) for channel in spec.inputs),
             _platform_channel(spec, PLATFORM_CHANNEL, token_uri(settings, control_key or name), spec.instance_groups),
+            # Channel routing is all-or-none: the code, like the token, goes to every group (each imports the module).
+            *([_platform_channel(spec, CODE_CHANNEL, spec.code.source, spec.instance_groups)] if spec.code else []),
             *([_platform_channel(spec, RESUME_CHANNEL, checkpoint_uri(settings, spec.resume_from), [spec.dnn_group])] if spec.resume_from else []),
         ],
         "OutputDataConfig": {"S3OutputPath": settings.output_s3_uri, "CompressionType": "GZIP"},

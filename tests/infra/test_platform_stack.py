@@ -497,8 +497,8 @@ def test_a_jobs_session_reaches_only_its_own_runs_prefixes(template_json) -> Non
             if "BucketsResults" not in rendered or "Fn::Join" not in rendered:
                 continue
             key = resource["Fn::Join"][1][1].lstrip("/")
-            if key.startswith("neuron-cache/"):
-                continue  # shared by design: compiled graphs every Trainium job reuses
+            if key.startswith(("neuron-cache/", "code/")):
+                continue  # shared by design: compiled graphs every Trainium job reuses; content-addressed code (below)
             assert key in own | direct, key
             # direct.runs/ only for a session with none of the keys; the tagged prefixes only with all of them
             keys = ("run_key", "control_key", "job_key", "resume_key")
@@ -519,6 +519,26 @@ def test_a_jobs_session_reaches_only_its_own_runs_prefixes(template_json) -> Non
         if on_the_bucket and lists:
             prefixes = statement["Condition"]["StringLike"]["s3:prefix"]
             assert all(prefix.endswith("/*") for prefix in prefixes), statement
+
+
+def test_every_job_may_read_any_user_workloads_code_and_none_may_write_it(template_json) -> None:
+    """code/<sha256>/sourcedir.tar.gz is content-addressed and each host refuses an archive that is not its
+    run's: read by every session, tagged or untagged (no condition on the tags), written by none."""
+    on_code = []
+    for statement in role_statements(template_json, "SageMakerExecutionRole"):
+        keys = [resource["Fn::Join"][1][1].lstrip("/") for resource in as_list(statement["Resource"])
+                if "BucketsResults" in json.dumps(resource) and "Fn::Join" in json.dumps(resource)]
+        prefixes = statement.get("Condition", {}).get("StringLike", {}).get("s3:prefix", [])
+        if "code/*" in keys or "code/*" in prefixes:
+            on_code.append(statement)
+            assert not any(key.startswith("Null") for key in statement.get("Condition", {})), statement  # tagged and untagged alike
+    reads = [s for s in on_code if as_list(s["Action"]) == ["s3:GetObject"]]
+    lists = [s for s in on_code if as_list(s["Action"]) == ["s3:ListBucket"]]
+    assert len(reads) == 1 and len(lists) == 1 and len(on_code) == 2, on_code
+    assert lists[0]["Condition"] == {"StringLike": {"s3:prefix": ["code/*"]}}
+    everything = [s for s in role_statements(template_json, "SageMakerExecutionRole")
+                  if any(a.startswith(("s3:Put", "s3:Delete")) for a in as_list(s["Action"]))]
+    assert not [s for s in everything if "/code/" in json.dumps(s["Resource"])]
 
 
 def test_a_direct_launcher_whose_session_carries_a_jobs_tag_keys_may_create_no_job(template_json) -> None:

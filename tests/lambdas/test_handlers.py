@@ -64,6 +64,41 @@ def test_validate_and_launch_apply_the_deployments_policy(aws, context) -> None:
     assert aws.training_jobs() == []
 
 
+SHA = "ab" * 32
+
+
+def user_workload(code: str, base: dict | None = None) -> dict:
+    workload = {"code": code} | ({"sha256": SHA} if code.startswith("s3://") else {})
+    return (base or spec()) | {"workload": workload, "hyperparameters": {"steps": 100, "hidden": 64}}
+
+
+def test_validate_launch_and_plan_refuse_a_local_code_folder_naming_hetero_run(aws, context) -> None:
+    """The state machine cannot read the user's disk: a folder reaches no job (`hetero run` uploads it)."""
+    local = user_workload("my_workload")
+    for step in (lambda: validate(local, context),
+                 lambda: launch({"spec": local, "execution_arn": EXECUTION, "execution_start": STARTED}, context)):
+        with pytest.raises(JobSpecError, match="a local folder: start the run with `hetero run`, which uploads it") as refused:
+            step()
+        assert refused.value.field == "workload.code"
+    with pytest.raises(SweepSpecError, match="which uploads it") as refused:
+        plan_sweep({"input": {"sweep_name": "mine", "configurations": [local]}, "execution_name": "mine-1"}, context)
+    assert refused.value.field == "configurations[0].workload.code"
+    assert aws.training_jobs() == []
+
+
+def test_launch_takes_code_only_from_code_sha256_of_its_results_bucket(aws, context) -> None:
+    for elsewhere in (f"s3://datasets-bucket/code/{SHA}/sourcedir.tar.gz", f"s3://{RESULTS_BUCKET}/code/{'cd' * 32}/sourcedir.tar.gz"):
+        with pytest.raises(JobSpecError, match="only from its platform's results bucket"):
+            launch({"spec": user_workload(elsewhere), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
+    launched = launch({"spec": user_workload(f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"), "execution_arn": EXECUTION,
+                       "execution_start": STARTED}, context)
+    described = aws.sagemaker.describe_training_job(TrainingJobName=launched["job_name"])
+    (code,) = [channel for channel in described["InputDataConfig"] if channel["ChannelName"] == "code"]
+    assert code["DataSource"]["S3DataSource"]["S3Uri"] == f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"
+    assert described["HyperParameters"]["workload_sha256"] == SHA and described["HyperParameters"]["workload_module"] == "workload"
+
+
 def test_launch_creates_the_job_once_per_execution(aws, context) -> None:
     first = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
     assert first["job_name"] == job_name_for_execution("hetero", "vision-hetero", EXECUTION, STARTED)

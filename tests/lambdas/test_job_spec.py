@@ -12,7 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lambdas.core.catalog import CATALOG
-from lambdas.core.job_spec import JobSpec, JobSpecError, SpecPolicy, role_map, validate_job_spec, worst_case_cost_usd
+from lambdas.core.job_spec import (
+    ARCHIVE_NAME,
+    JobSpec,
+    JobSpecError,
+    SpecPolicy,
+    WorkloadCode,
+    code_key,
+    role_map,
+    trainer_config,
+    validate_job_spec,
+    worst_case_cost_usd,
+)
 from lambdas.core.service_limits import java_length, java_pattern, limit, training_instance_types
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -51,6 +62,24 @@ def changed(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 REMOVE = object()
 GROUP = {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": 1}
+SHA = "ab" * 32
+UPLOADED = {"code": f"s3://results-bucket/code/{SHA}/sourcedir.tar.gz", "sha256": SHA, "module": "workload"}
+
+
+def user(base: dict[str, Any], workload: dict[str, Any] | None = None, hyperparameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The base spec training a user workload (by default its uploaded archive), with the loop's settings
+    and the module's own hyperparameters (``hidden``)."""
+    spec = copy.deepcopy(base)
+    spec["workload"] = UPLOADED if workload is None else workload
+    spec["hyperparameters"] = {"batch_size": 32, "steps": 100, "hidden": 64} if hyperparameters is None else hyperparameters
+    return spec
+
+
+def with_eval(base: dict[str, Any], groups: list[str]) -> dict[str, Any]:
+    """A heterogeneous user workload validating on a "val" channel routed to ``groups``."""
+    spec = user(base, hyperparameters={"eval_channel": "val", "eval_every": 50, "steps": 100})
+    spec["inputs"]["val"] = {"s3_uri": "s3://datasets-bucket/val/", "groups": groups}
+    return spec
 
 # (id, spec, field named in the error)
 INVALID: list[tuple[str, Any, str]] = [
@@ -172,6 +201,40 @@ INVALID: list[tuple[str, Any, str]] = [
     ("cost ceiling as a boolean", changed(hetero(), "max_cost_usd", True), "max_cost_usd"),
     ("NaN cost ceiling", changed(hetero(), "max_cost_usd", float("nan")), "max_cost_usd"),
     ("run costlier than its own ceiling", changed(hetero(), "max_cost_usd", 1), "max_runtime_s"),
+    # A user workload
+    ("a workload field of none", user(hetero(), UPLOADED | {"entry": "main"}), "workload.entry"),
+    ("workload 'user' as a name", changed(hetero(), "workload", "user"), "workload"),
+    ("no code", user(hetero(), {"module": "workload"}), "workload.code"),
+    ("empty code", user(hetero(), {"code": ""}), "workload.code"),
+    ("code from https", user(hetero(), {"code": "https://example.com/x.tar.gz"}), "workload.code"),
+    ("code with a newline", user(hetero(), {"code": "my_workload\n"}), "workload.code"),
+    ("s3 code that is no archive", user(hetero(), UPLOADED | {"code": f"s3://results-bucket/code/{SHA}/"}), "workload.code"),
+    ("s3 code in a bad bucket", user(hetero(), UPLOADED | {"code": f"s3://Bad_Bucket/code/{SHA}/sourcedir.tar.gz"}), "workload.code"),
+    ("s3 code without its sha256", user(hetero(), {"code": UPLOADED["code"]}), "workload.sha256"),
+    ("short sha256", user(hetero(), UPLOADED | {"sha256": "ab" * 31}), "workload.sha256"),
+    ("uppercase sha256", user(hetero(), UPLOADED | {"sha256": "AB" * 32}), "workload.sha256"),
+    ("sha256 of a local folder", user(hetero(), {"code": "my_workload", "sha256": SHA}), "workload.sha256"),
+    ("module with a hyphen", user(hetero(), UPLOADED | {"module": "my-workload"}), "workload.module"),
+    ("module as a path", user(hetero(), UPLOADED | {"module": "pkg/train.py"}), "workload.module"),
+    ("module not a string", user(hetero(), UPLOADED | {"module": 3}), "workload.module"),
+    ("requirements outside the folder", user(hetero(), UPLOADED | {"requirements": "../requirements.txt"}), "workload.requirements"),
+    ("absolute requirements", user(hetero(), UPLOADED | {"requirements": "/etc/requirements.txt"}), "workload.requirements"),
+    ("requirements not a string", user(hetero(), UPLOADED | {"requirements": ["torch"]}), "workload.requirements"),
+    ("user workload on tensorflow", user(tensorflow()), "workload"),
+    ("input named code", changed(hetero(), "inputs.code", {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]}), "inputs.code"),
+    ("the code channel counted in the limit", user(changed(homogeneous(), "inputs", {f"c{i}": {"s3_uri": "s3://datasets-bucket/x/"}
+                                                                                      for i in range(18)} | {"train": {"s3_uri": "s3://datasets-bucket/t/"}})), "inputs"),
+    ("user workload: zero steps", user(hetero(), hyperparameters={"steps": 0}), "hyperparameters"),
+    ("user workload: unknown precision", user(hetero(), hyperparameters={"precision": "fp8"}), "hyperparameters"),
+    ("user workload: negative clip norm", user(hetero(), hyperparameters={"grad_clip_norm": -1.0}), "hyperparameters"),
+    ("user workload: eval_every without a channel", user(hetero(), hyperparameters={"eval_every": 10}), "hyperparameters"),
+    ("user workload: eval channel not an input", user(hetero(), hyperparameters={"eval_channel": "val"}), "hyperparameters.eval_channel"),
+    ("user workload: eval channel on the data group only", with_eval(hetero(), ["data_group"]), "inputs.val.groups"),
+    ("user workload: a platform setting", user(hetero(), hyperparameters={"workload_module": "other"}), "hyperparameters.workload_module"),
+    ("user workload: a sagemaker_ name", user(hetero(), hyperparameters={"sagemaker_program": "x.py"}), "hyperparameters.sagemaker_program"),
+    ("user workload: a channel the data group lacks", changed(with_eval(hetero(), ["dnn_group"]), "inputs.extra",
+                                                              {"s3_uri": "s3://datasets-bucket/e/", "groups": ["dnn_group"]}), "inputs.extra.groups"),
+    ("built-in text workload with a data group", changed(neuron(), "instance_groups", [GROUP, *neuron()["instance_groups"]]), "instance_groups"),
 ]
 
 
@@ -186,7 +249,7 @@ def test_mirrored_names_horovod_as_the_multi_host_choice() -> None:
 
 
 def test_the_corpus_is_large() -> None:
-    assert len(INVALID) >= 90
+    assert len(INVALID) >= 120
 
 
 @pytest.mark.parametrize(("spec", "field"), [(spec, field) for _, spec, field in INVALID], ids=[name for name, _, _ in INVALID])
@@ -201,6 +264,45 @@ def test_invalid_specs_are_refused_naming_the_field(spec: Any, field: str) -> No
 def test_the_examples_are_valid(name: str) -> None:
     spec = validate_job_spec(json.loads((EXAMPLES / name).read_text()))
     assert isinstance(spec, JobSpec) and spec.variant == name.split("-")[0]
+
+
+def test_a_user_workload_carries_its_code_and_its_own_hyperparameters() -> None:
+    spec = validate_job_spec(user(hetero(), UPLOADED | {"requirements": "requirements.txt"}, {"steps": 100, "hidden": 64, "my_lr": 0.1}))
+    assert spec.workload == "user" and spec.code == WorkloadCode(UPLOADED["code"], "workload", "requirements.txt", SHA)
+    assert not spec.code.is_local and spec.hyperparameters["hidden"] == 64  # the module's own: passed on, checked where it is
+    config = trainer_config(spec)  # the loop's settings alone
+    assert type(config).__name__ == "WorkloadConfig" and config.steps == 100 and not hasattr(config, "hidden")
+    local = validate_job_spec(user(homogeneous(), {"code": "examples/workloads/tiny"}))
+    assert local.code == WorkloadCode("examples/workloads/tiny") and local.code.is_local and local.code.module == "workload"
+    assert validate_job_spec(hetero()).code is None  # a built-in
+
+
+def test_eighteen_channels_leave_room_for_the_code_channel_only_without_a_nineteenth() -> None:
+    inputs = {f"c{i}": {"s3_uri": "s3://datasets-bucket/x/"} for i in range(17)} | {"train": {"s3_uri": "s3://datasets-bucket/t/"}}
+    assert len(validate_job_spec(user(changed(homogeneous(), "inputs", inputs))).inputs) == 18  # + platform + code = 20
+    nineteen = inputs | {"c17": {"s3_uri": "s3://datasets-bucket/x/"}}
+    assert len(validate_job_spec(changed(homogeneous(), "inputs", nineteen)).inputs) == 19  # a built-in: no code channel
+
+
+def test_a_user_workloads_eval_channel_goes_to_the_dnn_group_and_the_data_group_need_not_read_it() -> None:
+    spec = validate_job_spec(with_eval(hetero(), ["dnn_group"]))
+    assert {channel.name: channel.groups for channel in spec.inputs} == {"train": ("data_group",), "val": ("dnn_group",)}
+    assert validate_job_spec(with_eval(hetero(), ["data_group", "dnn_group"])).inputs[1].groups == ("data_group", "dnn_group")
+    # A built-in's channels still reach every data group.
+    builtin = changed(hetero(), "inputs.val", {"s3_uri": "s3://datasets-bucket/val/", "groups": ["dnn_group"]})
+    with pytest.raises(JobSpecError, match="preprocess this channel") as refused:
+        validate_job_spec(builtin)
+    assert refused.value.field == "inputs.val.groups"
+
+
+def test_a_neuron_user_workload_may_have_cpu_data_groups() -> None:
+    """Heterogeneous Trainium: CPU data hosts preprocess for trn1 hosts (the built-in text trainer cannot)."""
+    raw = user(changed(neuron(), "instance_groups", [GROUP, *neuron()["instance_groups"]]))
+    raw["inputs"] = {"train": {"s3_uri": "s3://datasets-bucket/text/", "groups": ["data_group"]}}
+    spec = validate_job_spec(raw)
+    assert spec.is_heterogeneous and spec.data_groups[0].instance_type == "ml.c5.9xlarge" and spec.variant == "neuron"
+    with pytest.raises(JobSpecError, match="CPU type"):
+        validate_job_spec(changed(raw, "instance_groups.0.instance_type", "ml.p3.2xlarge"))
 
 
 def test_role_map_of_a_single_group_is_the_homogeneous_cluster() -> None:
@@ -285,6 +387,48 @@ def test_an_unpriced_type_under_a_ceiling_is_refused_not_waved_through() -> None
         validate_job_spec(spec, POLICY)
     assert refused.value.field == "instance_groups[0].instance_type"
     validate_job_spec(neuron(), POLICY)  # trn1: priced by the deployment's table
+
+
+DEPLOYED = SpecPolicy(input_buckets=frozenset({"datasets-bucket"}), code_bucket="results-bucket")
+
+
+def test_a_deployment_refuses_a_local_code_folder_naming_hetero_run() -> None:
+    """The state machine cannot read the user's disk: only the client packs and uploads a folder."""
+    raw = user(hetero(), {"code": "my_workload"})
+    assert validate_job_spec(raw).code.is_local  # offline, the emulated cluster: a folder is fine
+    with pytest.raises(JobSpecError) as refused:
+        validate_job_spec(raw, DEPLOYED)
+    assert refused.value.field == "workload.code"
+    assert refused.value.problem == "a local folder: start the run with `hetero run`, which uploads it"
+
+
+@pytest.mark.parametrize("elsewhere", [
+    f"s3://datasets-bucket/code/{SHA}/sourcedir.tar.gz",  # an allowed input bucket is still not where code lives
+    f"s3://results-bucket/code/{'cd' * 32}/sourcedir.tar.gz",  # another archive's place
+    f"s3://results-bucket/artifacts/{SHA}/sourcedir.tar.gz",  # another prefix of the results bucket
+    f"s3://results-bucket/code/{SHA}/x/sourcedir.tar.gz",
+])
+def test_a_deployment_takes_code_only_from_code_sha256_of_its_results_bucket(elsewhere: str) -> None:
+    validate_job_spec(user(hetero(), UPLOADED | {"code": elsewhere}))  # no deployment: any s3:// archive
+    with pytest.raises(JobSpecError, match="only from its platform's results bucket") as refused:
+        validate_job_spec(user(hetero(), UPLOADED | {"code": elsewhere}), DEPLOYED)
+    assert refused.value.field == "workload.code"
+    # The results bucket is on no input allow-list, yet its code/<sha256>/ is where the code must be.
+    assert validate_job_spec(user(hetero()), DEPLOYED).code.source == f"s3://results-bucket/{code_key(SHA)}"
+
+
+def test_the_code_location_is_the_packers(tmp_path: Path) -> None:
+    """The Lambdas' asset does not ship training/workload/code.py: the names it uses are held equal here."""
+    from training.workload import code
+
+    (tmp_path / "workload.py").write_text("def build_model(ctx):\n    return None\n")
+    packed = code.pack_code(tmp_path)
+    assert ARCHIVE_NAME == code.ARCHIVE_NAME and code_key(packed.sha256) == packed.key
+
+
+def test_the_policy_reads_the_results_bucket_from_the_lambda_environment_or_the_launch_settings() -> None:
+    assert SpecPolicy.from_environment({"RESULTS_BUCKET": "results-bucket"}).code_bucket == "results-bucket"
+    assert SpecPolicy.from_environment({"OUTPUT_S3_URI": "s3://results-bucket/artifacts/"}).code_bucket == "results-bucket"
 
 
 def test_the_policy_reads_the_lambda_environment() -> None:

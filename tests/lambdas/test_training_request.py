@@ -11,7 +11,7 @@ from moto import mock_aws
 
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.training_request import LaunchSettings, RequestError, checkpoint_uri, create_training_job_request, job_name
-from training.hyperparameters import PlatformSettings, build
+from training.hyperparameters import CODE_CHANNEL, PlatformSettings, build
 from training.metrics import parse_metric_line
 from training.trainers.config import VisionConfig
 
@@ -171,3 +171,65 @@ def test_each_input_mode_and_distribution_reaches_the_request_and_passes_botocor
     assert platform["InputMode"] == "File" and platform["DataSource"]["S3DataSource"]["S3DataDistributionType"] == "FullyReplicated"
     with mock_aws():
         boto3.client("sagemaker", region_name="us-east-1").create_training_job(**request)  # botocore validates it
+
+
+SHA = "ab" * 32
+CODE = f"s3://results-bucket/code/{SHA}/sourcedir.tar.gz"
+
+
+def user_request(example: str, workload: dict | None = None, **changes: object) -> dict:
+    raw = json.loads((EXAMPLES / example).read_text()) | {"hyperparameters": {"steps": 100, "hidden": 64}} | changes
+    raw["workload"] = workload or {"code": CODE, "sha256": SHA, "module": "my_pkg.train", "requirements": "requirements.txt"}
+    spec = validate_job_spec(raw)
+    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), run_id="run-0001")
+
+
+def channels(request: dict) -> dict[str, dict]:
+    return {channel["ChannelName"]: channel for channel in request["InputDataConfig"]}
+
+
+def test_a_user_workloads_code_channel_reaches_every_group_of_a_heterogeneous_job() -> None:
+    """SageMaker routes channels all or none: the code, like the token, goes to every group (data hosts
+    import the module too), as the one archive object, copied before the launcher starts."""
+    request = user_request("pytorch-heterogeneous.json")
+    code = channels(request)[CODE_CHANNEL]
+    assert code == {"ChannelName": "code", "InputMode": "File", "DataSource": {"S3DataSource": {
+        "S3DataType": "S3Prefix", "S3Uri": CODE, "S3DataDistributionType": "FullyReplicated", "InstanceGroupNames": ["data_group", "dnn_group"]}}}
+    assert channels(request)["train"]["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group"]
+    # A resuming run routes every channel (its checkpoints go to the DNN group alone): the code still to all.
+    resumed = channels(user_request("pytorch-heterogeneous.json", resume_from="run-0000"))
+    assert resumed[CODE_CHANNEL]["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]
+    assert resumed["resume"]["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["dnn_group"]
+
+
+def test_a_homogeneous_user_workload_gets_its_code_channel_unrouted() -> None:
+    request = user_request("pytorch-homogeneous.json")
+    source = channels(request)[CODE_CHANNEL]["DataSource"]["S3DataSource"]
+    assert source["S3Uri"] == CODE and "InstanceGroupNames" not in source
+    assert CODE_CHANNEL not in channels(request_for("pytorch-homogeneous.json"))  # a built-in has none
+
+
+def test_a_user_workloads_module_hash_and_requirements_travel_as_platform_settings() -> None:
+    hyperparameters = user_request("pytorch-heterogeneous.json")["HyperParameters"]
+    platform = build(PlatformSettings, {k: v for k, v in hyperparameters.items() if k in PlatformSettings.__dataclass_fields__})
+    assert (platform.workload_module, platform.workload_sha256, platform.workload_requirements) == ("my_pkg.train", SHA, "requirements.txt")
+    assert hyperparameters["hidden"] == "64" and hyperparameters["steps"] == "100"  # the module's own beside the loop's
+    builtin = request_for("pytorch-heterogeneous.json")["HyperParameters"]
+    assert builtin.get("workload_module", "") == "" and builtin.get("workload_sha256", "") == ""
+
+
+def test_a_user_workloads_request_passes_botocore_validation() -> None:
+    for example in ("pytorch-heterogeneous.json", "pytorch-homogeneous.json"):
+        request = user_request(example)
+        with mock_aws():
+            client = boto3.client("sagemaker", region_name="us-east-1")
+            client.create_training_job(**request)
+            described = client.describe_training_job(TrainingJobName=request["TrainingJobName"])
+        assert any(channel["ChannelName"] == "code" for channel in described["InputDataConfig"])
+
+
+def test_a_request_for_code_still_in_a_local_folder_is_refused() -> None:
+    """Only the uploaded archive can reach a job (the launch Lambda's policy refuses a folder before this)."""
+    raw = json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text()) | {"workload": {"code": "my_workload"}, "hyperparameters": {}}
+    with pytest.raises(RequestError, match="is a local folder"):
+        create_training_job_request(validate_job_spec(raw), SETTINGS, name="hetero-x-ab12cd34ef", run_id="run-0001")

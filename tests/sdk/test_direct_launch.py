@@ -156,6 +156,51 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
     assert len({launch_direct(raw, platform()).run_id for _ in range(3)}) == 3
 
 
+def user_workload_spec(tmp_path: Path, example: str) -> Path:
+    """The example as a user workload whose code is a folder beside the spec's file."""
+    (tmp_path / "my_workload").mkdir()
+    (tmp_path / "my_workload" / "workload.py").write_text("def build_model(ctx):\n    return None\n")
+    raw = json.loads((EXAMPLES / example).read_text()) | {"workload": {"code": "my_workload"}, "hyperparameters": {"steps": 10, "hidden": 8}}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize("example", ["pytorch-heterogeneous.json", "pytorch-homogeneous.json"])
+def test_modeltrainer_sends_a_user_workloads_code_channel_as_the_builder_does(aws, tmp_path: Path, example: str) -> None:
+    """The code channel (every group) is in what the SDK sends, field by field the builder's, and in what
+    boto3 sends; the folder is uploaded once for both."""
+    from training.workload.code import pack_code
+
+    path = user_workload_spec(tmp_path, example)
+    packed = pack_code(tmp_path / "my_workload")
+    through_sdk = launch_direct(path, platform(), name="user-sdk")
+    assert through_sdk.sent_by == sdk.sdk_version() and through_sdk.fallback is None
+    by_boto3 = launch_direct(path, platform(), name="user-boto3", use_sdk=False)
+    uri = f"s3://{RESULTS}/code/{packed.sha256}/sourcedir.tar.gz"
+    assert through_sdk.raw_spec["workload"] == {"code": uri, "sha256": packed.sha256, "module": "workload"}
+    for job, sent in zip((through_sdk, by_boto3), aws.created, strict=True):
+        assert sdk.differences(builders_request(dict(job.raw_spec), job.job_name, job.run_id), sent) == []
+        (code,) = [channel for channel in sent["InputDataConfig"] if channel["ChannelName"] == "code"]
+        assert code["DataSource"]["S3DataSource"]["S3Uri"] == uri and code["InputMode"] == "File"
+        groups = code["DataSource"]["S3DataSource"].get("InstanceGroupNames")
+        assert groups == (["data_group", "dnn_group"] if "heterogeneous" in example else None)
+        assert sent["HyperParameters"]["workload_sha256"] == packed.sha256
+    assert aws.keys("code/") == [packed.key]
+    assert aws.s3.get_object(Bucket=RESULTS, Key=packed.key)["Body"].read() == packed.archive
+
+
+def test_a_bad_code_folder_is_refused_before_anything_is_written(aws, tmp_path: Path) -> None:
+    path = user_workload_spec(tmp_path, "pytorch-heterogeneous.json")
+    (tmp_path / "my_workload" / "workload.py").unlink()
+    (tmp_path / "my_workload" / "other.py").write_text("")
+    with pytest.raises(SpecRefused, match=r"workload\.module: 'workload' is not in"):
+        launch_direct(path, platform(), name="no-module")
+    with pytest.raises(SpecRefused, match=r"workload\.code: .* does not exist"):
+        launch_direct(json.loads(path.read_text()) | {"workload": {"code": str(tmp_path / "absent")}}, platform())
+    assert aws.created == [] and aws.keys("code/") == [] and aws.keys("control/") == []
+
+
 def take_names(aws, raw: dict, run_id: str, tagged_as: str) -> None:
     """Create jobs of every name the SDK may pick for ``run_id`` in the next minute, tagged as run ``tagged_as``."""
     launch = prepare(raw, platform(), run_id)

@@ -236,6 +236,125 @@ def test_bad_specs_are_refused_by_validate_and_by_run_before_anything_starts(run
     assert harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"] == []
 
 
+# A user workload's code ------------------------------------------------------------------------------
+
+USER_SPEC = SPEC | {"workload": {"code": "my_workload", "requirements": "requirements.txt"}, "hyperparameters": {"steps": 10, "hidden": 8}}
+
+
+def workload_folder(root: Path, body: str = "def train_step(model, batch, ctx):\n    return model(batch)\n") -> Path:
+    """A user's code folder, with what packing leaves behind (a cache, a virtual environment)."""
+    folder = root / "my_workload"
+    (folder / "__pycache__").mkdir(parents=True, exist_ok=True)
+    (folder / ".venv" / "lib").mkdir(parents=True, exist_ok=True)
+    (folder / "workload.py").write_text(body)
+    (folder / "requirements.txt").write_text("# nothing to install\n")
+    (folder / "__pycache__" / "workload.cpython-311.pyc").write_bytes(b"\0")
+    (folder / ".venv" / "lib" / "big.so").write_bytes(b"\0" * 1000)
+    return folder
+
+
+def execution_input(harness, name: str) -> dict:
+    arn = harness.state_machine_arn.replace(":stateMachine:", ":execution:") + f":{name}"
+    return json.loads(harness.sfn.describe_execution(executionArn=arn)["input"])
+
+
+def code_objects(harness) -> list[tuple[str, int]]:
+    """(key, versions) of every object under code/ (the results bucket is versioned, as the stack's is)."""
+    versions = harness.s3.list_object_versions(Bucket=RESULTS_BUCKET, Prefix="code/").get("Versions", [])
+    return sorted({(v["Key"], sum(other["Key"] == v["Key"] for other in versions)) for v in versions})
+
+
+def test_run_packs_a_local_workload_folder_uploads_it_once_by_its_hash_and_starts_the_run_naming_it(run, tmp_path: Path) -> None:
+    """The folder is relative to the spec's file, wherever the command runs; the upload is content addressed:
+    a second run of the same code uploads nothing, a changed file is another archive."""
+    from training.workload.code import pack_code
+
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=0.5))
+    deploy(harness)
+    harness.s3.put_bucket_versioning(Bucket=RESULTS_BUCKET, VersioningConfiguration={"Status": "Enabled"})
+    folder = workload_folder(tmp_path / "project")
+    spec = spec_file(tmp_path / "project", USER_SPEC)  # the command runs elsewhere (the repository)
+    packed = pack_code(folder)
+    assert packed.files == ("requirements.txt", "workload.py")  # no cache, no environment
+    for name in ("user-1", "user-2"):
+        started = runner().invoke(app, ["run", str(spec), "--name", name, "--quiet"])
+        assert started.exit_code == 0, started.output
+    key = f"code/{packed.sha256}/sourcedir.tar.gz"
+    assert code_objects(harness) == [(key, 1)]  # uploaded once for both runs
+    assert harness.s3.get_object(Bucket=RESULTS_BUCKET, Key=key)["Body"].read() == packed.archive
+    sent = execution_input(harness, "user-1")
+    assert sent["workload"] == {"code": f"s3://{RESULTS_BUCKET}/{key}", "sha256": packed.sha256, "module": "workload",
+                                "requirements": "requirements.txt"}
+    assert execution_input(harness, "user-2")["workload"] == sent["workload"]
+    assert harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":user-1")["status"] == "SUCCEEDED"
+    job = harness.sagemaker.describe_training_job(TrainingJobName=harness.job_of(
+        harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":user-1", "vision-hetero"))
+    (code,) = [channel for channel in job["InputDataConfig"] if channel["ChannelName"] == "code"]
+    assert code["DataSource"]["S3DataSource"]["S3Uri"] == f"s3://{RESULTS_BUCKET}/{key}"
+    assert code["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]
+    assert job["HyperParameters"]["workload_sha256"] == packed.sha256 and job["HyperParameters"]["hidden"] == "8"
+    # One changed file: another archive, under its own hash; the first stays for the runs that name it.
+    (folder / "workload.py").write_text("def train_step(model, batch, ctx):\n    return model(batch).mean()\n")
+    changed = pack_code(folder)
+    assert changed.sha256 != packed.sha256
+    assert runner().invoke(app, ["run", str(spec), "--name", "user-3", "--quiet"]).exit_code == 0
+    assert code_objects(harness) == sorted([(key, 1), (changed.key, 1)])
+    assert execution_input(harness, "user-3")["workload"]["sha256"] == changed.sha256
+    for name in ("user-2", "user-3"):
+        harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + f":{name}")
+
+
+def test_a_sweep_packs_each_distinct_folder_of_its_configurations_once(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=0.5))
+    deploy(harness)
+    workload_folder(tmp_path)
+    configurations = [USER_SPEC | {"run_name": "user-a"},
+                      USER_SPEC | {"run_name": "user-b", "workload": {"code": "./my_workload/", "requirements": "requirements.txt"}},
+                      SPEC | {"run_name": "builtin"}]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"sweep_name": "mine", "configurations": configurations}))
+    started = runner().invoke(app, ["sweep", str(sweep), "--name", "mine-1"])
+    assert started.exit_code == 0, started.output
+    ((key, versions),) = code_objects(harness)
+    assert versions == 1
+    arn = harness.sweep_arn.replace(":stateMachine:", ":execution:") + ":mine-1"
+    sent = json.loads(harness.sfn.describe_execution(executionArn=arn)["input"])["configurations"]
+    assert sent[0]["workload"] == sent[1]["workload"] and sent[0]["workload"]["code"] == f"s3://{RESULTS_BUCKET}/{key}"
+    assert sent[2]["workload"] == "vision"
+    assert harness.wait(arn, timeout_s=90)["status"] == "SUCCEEDED"
+
+
+def test_bad_workload_code_is_refused_before_any_aws_call(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY))
+    deploy(harness)
+    missing = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC))])  # no my_workload/ beside the spec
+    assert missing.exit_code == 2 and "workload.code" in missing.stderr and "does not exist" in missing.stderr
+    workload_folder(tmp_path)
+    misspelt = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC | {"workload": {"code": "my_workload", "module": "wrkload"}}))])
+    assert misspelt.exit_code == 2 and "workload.module" in misspelt.stderr and "wrkload.py" in misspelt.stderr
+    no_file = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC | {"workload": {"code": "my_workload", "requirements": "reqs.txt"}}))])
+    assert no_file.exit_code == 2 and "workload.requirements" in no_file.stderr
+    tensorflow = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC | {"variant": "tensorflow", "distribution": "horovod"}))])
+    assert tensorflow.exit_code == 2 and "later issue" in tensorflow.stderr
+    assert harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"] == []
+    assert code_objects(harness) == []
+
+
+def test_run_direct_uploads_the_code_and_routes_it_to_every_group(run, tmp_path: Path) -> None:
+    harness = run(Scenario(summary=SUMMARY))
+    deploy(harness)
+    workload_folder(tmp_path)
+    started = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC)), "--direct", "--name", "direct-user"])
+    assert started.exit_code == 0, started.output
+    (job,) = harness.training_jobs()
+    ((key, _),) = code_objects(harness)
+    described = harness.sagemaker.describe_training_job(TrainingJobName=job)
+    (code,) = [channel for channel in described["InputDataConfig"] if channel["ChannelName"] == "code"]
+    assert code["DataSource"]["S3DataSource"] == {"S3DataType": "S3Prefix", "S3Uri": f"s3://{RESULTS_BUCKET}/{key}",
+                                                  "S3DataDistributionType": "FullyReplicated", "InstanceGroupNames": ["data_group", "dnn_group"]}
+    assert key == f"code/{described['HyperParameters']['workload_sha256']}/sourcedir.tar.gz"
+
+
 def test_a_missing_stack_is_one_clear_line(run, tmp_path: Path) -> None:
     run(Scenario(summary=SUMMARY))  # no stack deployed
     result = runner().invoke(app, ["runs"])
