@@ -387,6 +387,14 @@ def local(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job
     raise typer.Exit(local_main(["run", str(spec), *ctx.args]) or 0)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")]) -> None:
+    """Measure a spec's workload on this machine, for the sweep's sizing advisor: its preprocessing per batch
+    on one CPU (as a data host runs it) and its train-only step (`--channel train=DIR`, `--code DIR`)."""
+    profile_main = emulator("training.local.profile")
+    raise typer.Exit(profile_main([str(spec), *ctx.args]) or 0)
+
+
 @app.command()
 def demo() -> None:
     """The demo: the example specs on the emulated cluster, compared, offline."""

@@ -97,14 +97,50 @@ def _time_tf_pipeline(channel: str, config: KerasVisionConfig, cpus: tuple[int, 
     result.put(ms_per_batch(lambda: next(iterator), batches))
 
 
+def _time_workload_pipeline(code_dir: str, module: str, hyperparameters: dict[str, str], channel: str, batch_size: int, seed: int,
+                            cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
+    """A user workload's data-host pipeline (its list_samples and preprocess in WorkloadBatchProducer's
+    worker processes), as a data host runs it."""
+    from training.workload.contract import load_workload, resolve_hyperparameters
+    from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for
+
+    os.sched_setaffinity(0, cpus)
+    workload = load_workload(Path(code_dir), module)
+    resolved = resolve_hyperparameters(workload, hyperparameters)
+    listing = host_listing(workload, "train", Path(channel), resolved, {"train": Path(channel)})
+    recipe = recipe_for(workload, listing, packages_dir=None, hyperparameters=resolved, seed=seed)
+    producer = WorkloadBatchProducer(listing, recipe, batch_size=batch_size, workers=len(cpus), seed=seed, queue_depth=2)
+    producer.start()
+    try:
+        result.put(ms_per_batch(lambda: producer.batches.get(timeout=120), batches))
+    finally:
+        producer.stop()
+
+
+def workload_preprocess_ms_per_batch(spec: JobSpec, code_dir: Path, channel: Path, cpus: tuple[int, ...], batches: int = 20) -> float:
+    """One data host's preprocessing time per batch of a user workload (the job's batch size and seed)."""
+    from training.trainers.config import WorkloadConfig
+    from training.hyperparameters import build, to_hyperparameter_string
+
+    raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
+    loop = build(WorkloadConfig, {name: value for name, value in raw.items() if name in WorkloadConfig.__dataclass_fields__})
+    return _profile_in_process(_time_workload_pipeline, (str(code_dir), spec.code.module, raw, str(channel), loop.batch_size, loop.seed,
+                                                         cpus, batches))
+
+
 def preprocess_ms_per_batch(
     channel: Path, config: VisionConfig | KerasVisionConfig, cpus: tuple[int, ...], batches: int = 20, data_service: str = "grpc"
 ) -> float:
     """One data host's preprocessing time per batch, with the pipeline its variant's data hosts run."""
+    target = _time_tf_pipeline if data_service == "tf.data.service" else _time_pipeline
+    return _profile_in_process(target, (str(channel), config, cpus, batches))
+
+
+def _profile_in_process(target: Callable[..., None], args: tuple[object, ...]) -> float:
+    """Run a pipeline's timing in a spawned process of its own (pinned to its CPUs there); its figure."""
     context = multiprocessing.get_context("spawn")
     result = context.Queue()
-    target = _time_tf_pipeline if data_service == "tf.data.service" else _time_pipeline
-    process = context.Process(target=target, args=(str(channel), config, cpus, batches, result))
+    process = context.Process(target=target, args=(*args, result))
     process.start()
     try:
         # Read before joining: a child does not exit until what it put on the queue has been taken.
@@ -133,3 +169,52 @@ def train_ms_per_step(spec: JobSpec, options: EmulationOptions, on_line: LineCal
     if not result.ok or not summary or not summary["step_time_ms"]:
         raise ProfilingError(f"the train-only profile failed:\n{result.report()}")
     return summary["step_time_ms"]["p50"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Profile a spec's workload on this machine: the figures the sweep's sizing advisor takes."""
+    import argparse
+    import json
+    import sys
+    import tempfile
+
+    from lambdas.core.job_spec import JobSpecError, validate_job_spec
+    from training.local.__main__ import key_value, resolve_code
+
+    parser = argparse.ArgumentParser(prog="python -m training.local.profile", description=main.__doc__)
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--code", type=Path, help="the workload's code folder (default: the spec's)")
+    parser.add_argument("--batches", type=int, default=20, help="batches timed per figure")
+    args = parser.parse_args(argv)
+    try:
+        spec = validate_job_spec(resolve_code(json.loads(args.spec.read_text()), args.spec))
+        channels = {name: Path(folder) for name, folder in args.channel}
+        if "train" not in channels:
+            raise ProfilingError("give the training channel's local folder: --channel train=DIR")
+        options = EmulationOptions(workdir=Path(tempfile.mkdtemp(prefix="profile-")), channels=channels, code_dir=args.code)
+        one_core = (sorted(os.sched_getaffinity(0))[-1],)
+        if spec.code is not None:
+            code_dir = args.code or Path(spec.code.source)
+            preprocess = workload_preprocess_ms_per_batch(spec, code_dir, channels["train"], one_core, args.batches)
+        else:
+            from training.hyperparameters import build, to_hyperparameter_string
+            from training.variants import VARIANTS
+
+            variant = VARIANTS[spec.variant]
+            config = build(variant.config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()})
+            preprocess = preprocess_ms_per_batch(channels["train"], config, one_core, args.batches, variant.data_service)
+        train = train_ms_per_step(spec, options, on_line=lambda _host, _line: None)  # stdout is the figures'
+    except (OSError, ValueError, JobSpecError, ProfilingError) as error:
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    samples = int(spec.hyperparameters.get("batch_size", 32))
+    print(json.dumps({"preprocess_ms_per_batch_per_vcpu": round(preprocess, 2), "train_ms_per_step": round(train, 2),
+                      "samples_per_s_per_vcpu": round(samples * 1000 / preprocess, 1),
+                      "advisor": {"images_per_s_per_vcpu": round(samples * 1000 / preprocess, 1), "train_ms_per_step": round(train, 2)}},
+                     indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

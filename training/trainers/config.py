@@ -171,6 +171,7 @@ class WorkloadConfig(LoopConfig):
 
     limits: ClassVar[Mapping[str, tuple[float, float]]] = {
         "eval_every": (0, 10_000_000), "dataloader_workers": (-1, 256), "grad_clip_norm": (0.0, 1e6), "eval_batch_size": (0, 65_536),
+        "cached_input_batches": (0, 100_000),
     }
     precision: str = "auto"  # see PRECISIONS: autocast (and loss scaling for fp16) around the user's step
     eval_channel: str = ""  # the validation channel (read on the DNN group), evaluated every eval_every steps and at the end
@@ -178,6 +179,9 @@ class WorkloadConfig(LoopConfig):
     eval_batch_size: int = 0  # 0: batch_size
     dataloader_workers: int = -1  # preprocessing processes per trainer process in a homogeneous job; -1: this host's CPUs
     grad_clip_norm: float = 0.0  # > 0: clip the gradients' global norm to this before each optimizer step
+    # N > 0: cycle the first N real batches in memory: the model's step time with no input cost (the
+    # train-only figure of the profile, training/local/profile.py, and of bench/offload.py)
+    cached_input_batches: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

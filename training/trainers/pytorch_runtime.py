@@ -76,7 +76,7 @@ from training.trainers.loop import (
 )
 from training.trainers.precision import resolve_precision
 from training.trainers.sampling import ShardTooSmallError, epoch_order, eval_batches, rank_share
-from training.trainers.service_summary import rank_service_stats, service_summary
+from training.trainers.service_summary import rank_service_stats, service_summary, shard_classes
 from training.workload.contexts import TrainContext
 from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError
 from training.workload.host import PreparedWorkload, prepared_workload
@@ -314,6 +314,8 @@ class WorkloadTrainer(TrainingLoop[Batch]):
 
     def batches(self) -> Iterator[Batch]:
         source = self._service_batches() if self.source == "data_service" else self._local_batches()
+        if self.runtime.cached_input_batches:
+            source = _cycled([next(source) for _ in range(self.runtime.cached_input_batches)])  # made before the first step ends
         if self.xla:
             import torch_xla.distributed.parallel_loader as pl
 
@@ -566,6 +568,7 @@ class WorkloadTrainer(TrainingLoop[Batch]):
             "classes": len(self.classes),
             "features": {spec.name: str(spec) for spec in self.features},
             "validation": self.validation,
+            "cached_input_batches": self.runtime.cached_input_batches,
         }
         local: dict[str, Any] = {"skipped_samples": self.skipped_samples}
         if self.service is not None:
@@ -573,7 +576,8 @@ class WorkloadTrainer(TrainingLoop[Batch]):
         ranks = self.gather(local)
         extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
         if self.service is not None:
-            extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded)
+            extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded,
+                                     epochs=not self.runtime.cached_input_batches)
         return extra
 
 
@@ -590,6 +594,11 @@ def worker_error_text(error: BaseException) -> str:
 
 def name_shape(name: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
     return f"{name!r} {list(shapes[name])}" if name in shapes else f"{name!r} (absent)"
+
+
+def _cycled(batches: list[Batch]) -> Iterator[Batch]:
+    while True:
+        yield from batches
 
 
 class _Reiterable:
@@ -669,8 +678,12 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
             wire = [codec.FeatureSpec(spec.name, spec.dtype, spec.shape) for spec in features]
         except codec.TensorFormatError as error:
             raise DataServiceError(f"data host {info.host} describes features no batch can carry: {error}") from None
+        classes: Sequence[str] = tuple(info.classes)
         if info.sharded:
+            # Each host lists its own share: their class names must agree, or a label would mean different
+            # classes from different hosts.
             infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
+            classes = shard_classes(infos)
             epoch_samples = {address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
         else:
             epoch_samples = {"channel": int(info.num_samples)}
@@ -679,7 +692,7 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
                                      pin_memory=torch.cuda.is_available() and not xla,
                                      # Every host must serve these (the first host's word): another is refused by name.
                                      features=wire)
-        return WorkloadTrainer(config, paths, classes=tuple(info.classes), features=features, num_samples=int(info.num_samples),
+        return WorkloadTrainer(config, paths, classes=classes, features=features, num_samples=int(info.num_samples),
                                source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
     samples = prepared.list(settings.data_channel, training=True)
     features = prepared.features(samples, training=True)

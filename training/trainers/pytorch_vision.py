@@ -70,7 +70,7 @@ from training.trainers.loop import (
 from training.trainers.precision import resolve_precision
 from training.trainers.sampling import EndlessSampler, ShardTooSmallError
 from training.trainers.schedule import Schedule
-from training.trainers.service_summary import rank_service_stats, service_summary
+from training.trainers.service_summary import rank_service_stats, service_summary, shard_classes  # noqa: F401 — tests import it here
 
 log = logging.getLogger("training.pytorch_vision")
 
@@ -428,23 +428,6 @@ def build_trainer(environ: dict[str, str]) -> VisionTrainer:
                              epoch_samples=epoch_samples, sharded=info.sharded, **common)
     folder = scan_images(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     return VisionTrainer(config, paths, classes=list(folder.classes), source="local", local_folder=folder, **common)
-
-
-def shard_classes(infos: list[Any]) -> list[str]:
-    """The classes of a sharded channel, from every data host's Describe. Tar shards label by class index:
-    the model needs as many classes as the highest index of any host's shards. An ImageFolder share
-    labels by its own class folders: all hosts must hold the same ones, or a label would mean different
-    classes from different hosts (S3 deals a sharded channel's objects without regard to folders, so a
-    class with fewer files than hosts, or keys dealt in ranges, leaves a host without some class)."""
-    if all(info.labels_are_indices for info in infos):
-        return list(max((info.classes for info in infos), key=len))
-    classes = {info.host: tuple(info.classes) for info in infos}
-    if len(set(classes.values())) > 1:
-        every = sorted({name for names in classes.values() for name in names})
-        missing = {host: sorted(set(every) - set(names)) for host, names in classes.items() if set(names) != set(every)}
-        raise ChannelError(f"the data hosts' shards of a sharded channel hold different class folders (missing: {missing}), "
-                           "so their labels would disagree: use a replicated channel, or tar shards (their labels are class indices)")
-    return list(infos[0].classes)
 
 
 def main() -> int:

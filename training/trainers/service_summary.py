@@ -1,4 +1,5 @@
-"""The summary's account of the data hosts, for every trainer that streams from them: what each rank
+"""What a trainer that streams from data hosts makes of them: the classes of a sharded channel, agreed by
+every host's Describe (``shard_classes``), and the summary's account of them: what each rank
 saw (``rank_service_stats``, gathered across ranks by the loop) merged into the job's figures
 (``service_summary``): hosts lost and why, batches per host, and which data-host epochs reached
 training exactly once (training/data_service/epochs.py)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from training.data_service.dataset import ChannelError
 from training.data_service.epochs import epoch_report, merge
 
 
@@ -36,3 +38,20 @@ def service_summary(addresses: Sequence[str], ranks: Sequence[Mapping[str, Any]]
         "batches_per_data_host": {address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in addresses},
         "epochs": epoch_report(merge(rank["epochs"] for rank in ranks), epoch_samples, per_host=sharded) if epochs else None,
     }
+
+
+def shard_classes(infos: list[Any]) -> list[str]:
+    """The classes of a sharded channel, from every data host's Describe. Tar shards label by class index:
+    the model needs as many classes as the highest index of any host's shards. An ImageFolder share
+    labels by its own class folders: all hosts must hold the same ones, or a label would mean different
+    classes from different hosts (S3 deals a sharded channel's objects without regard to folders, so a
+    class with fewer files than hosts, or keys dealt in ranges, leaves a host without some class)."""
+    if all(info.labels_are_indices for info in infos):
+        return list(max((info.classes for info in infos), key=len))
+    classes = {info.host: tuple(info.classes) for info in infos}
+    if len(set(classes.values())) > 1:
+        every = sorted({name for names in classes.values() for name in names})
+        missing = {host: sorted(set(every) - set(names)) for host, names in classes.items() if set(names) != set(every)}
+        raise ChannelError(f"the data hosts' shards of a sharded channel hold different class folders (missing: {missing}), "
+                           "so their labels would disagree: use a replicated channel, or tar shards (their labels are class indices)")
+    return list(infos[0].classes)

@@ -240,3 +240,31 @@ def test_a_data_host_killed_mid_run_leaves_training_to_the_other(tmp_path: Path,
     port = cluster.hyperparameters["data_service_port"]
     assert summary["status"] == "stopped" and summary["lost_data_hosts"] == [f"{cluster.host('algo-1').address}:{port}"]
     assert result.outcome("algo-2").exit_code == 0 and result.orphans == []
+
+
+# The sizing advisor on a user workload ---------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_the_profile_measures_the_workloads_own_preprocessing_and_step_for_the_advisor(tmp_path: Path, images: Path, capsys) -> None:
+    """`hetero profile`: the example's own preprocess (in a data host's worker processes, on one CPU) and its
+    train-only step (cached batches on the emulated cluster), in the figures the sweep's advisor takes."""
+    from lambdas.core.sizing import SizingProfile, data_hosts_needed, ms_per_batch_per_vcpu
+    from training.local.profile import main as profile
+
+    raw = workload_spec(IMAGE_EXAMPLE, data_hosts=1, steps=12, validation=False, batch_size=8, image_size=32, blur_passes=4)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(raw))
+    assert profile([str(spec_file), "--channel", f"train={images}", "--batches", "6"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["preprocess_ms_per_batch_per_vcpu"] > 0 and figures["train_ms_per_step"] > 0
+    advisor = figures["advisor"]
+    sizing = SizingProfile(ms_per_batch_per_vcpu(advisor["images_per_s_per_vcpu"], 8), advisor["train_ms_per_step"])
+    assert data_hosts_needed(sizing, vcpus_per_data_host=4) >= 0
+    # Heavier augmentation of the same workload costs more per batch: the figure is the workload's own.
+    raw["hyperparameters"]["blur_passes"] = 12
+    spec_file.write_text(json.dumps(raw))
+    from training.local.profile import workload_preprocess_ms_per_batch
+
+    heavier = workload_preprocess_ms_per_batch(validate_job_spec(raw), IMAGE_EXAMPLE, images, (0,), batches=6)
+    assert heavier > figures["preprocess_ms_per_batch_per_vcpu"] * 1.3
