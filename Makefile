@@ -72,6 +72,7 @@ test: venv node sdk-venv scan-venv
 demo: venv
 	$(PY) -m training.local.demo
 	$(PY) -m training.local.demo --variant tensorflow
+	$(PY) -m training.local.demo --workload examples/workloads/augmented_cnn
 	$(PY) app.py > /dev/null && echo "synthesized the platform stack into cdk.out/ (cdk-nag clean)"
 
 synth: venv node

@@ -318,10 +318,16 @@ def upload_code(platform: Platform, bucket: str, packed: PackedCode) -> bool:
     s3 = platform.client("s3")
     digest = base64.b64encode(bytes.fromhex(packed.sha256)).decode()
     found = call(s3.head_object, Bucket=bucket, Key=packed.key, ChecksumMode="ENABLED", absent_ok=True)
-    if found is not None and found.get("ContentLength") == len(packed.archive) and found.get("ChecksumSHA256", digest) == digest:
-        return False
+    if found is not None:
+        if found.get("ContentLength") == len(packed.archive) and found.get("ChecksumSHA256", digest) == digest:
+            return False
+        # Written once (the bucket's policy denies any other write to code/): bytes other than the name says
+        # are refused by every host, so a run of this code would fail after it started billing.
+        raise ClientFacingError(f"s3://{bucket}/{packed.key} holds other bytes than its SHA-256 name: ask the platform's operator "
+                                "to remove it, then run again")
     # The bucket encrypts every object (S3-managed keys, its default): no header to add, as for the other uploads.
-    call(s3.put_object, Bucket=bucket, Key=packed.key, Body=packed.archive, ChecksumSHA256=digest, ContentType="application/gzip")
+    call(s3.put_object, Bucket=bucket, Key=packed.key, Body=packed.archive, ChecksumSHA256=digest, ContentType="application/gzip",
+         IfNoneMatch="*")
     return True
 
 

@@ -54,6 +54,8 @@ TOKEN_FILE = "shutdown_token"
 # The channel a user workload's code arrives in, on every host: its packed folder (training/workload/code.py),
 # as SageMaker's own script mode ships a source_dir (a channel routed to every instance group).
 CODE_CHANNEL = "code"
+# The packed code's name in that channel, and below code/<sha256>/ in the results bucket.
+CODE_ARCHIVE = "sourcedir.tar.gz"
 # Platform settings that never travel in hyperparameters.
 SECRET_SETTINGS = frozenset({"shutdown_token"})
 

@@ -57,8 +57,10 @@ class Buckets(Construct):
             ],
         )
         # "Never overwritten" held by S3 itself, not only by our code: a write to results/ or benchmarks/
-        # must be conditional on no object being there (If-None-Match: *), whoever makes it.
-        for prefix in ("results/", "benchmarks/"):
+        # must be conditional on no object being there (If-None-Match: *), whoever makes it; and so must a
+        # write to code/: a workload's archive is named by its SHA-256, and a run's hosts refuse one whose
+        # bytes are not it, so an overwrite could only break the runs that use it.
+        for prefix in ("results/", "benchmarks/", "code/"):
             self.results.add_to_resource_policy(
                 iam.PolicyStatement(
                     sid=f"WriteOnce{prefix.strip('/').capitalize()}",

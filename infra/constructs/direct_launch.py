@@ -85,6 +85,11 @@ class DirectLaunchPolicy(Construct):
                                     conditions={"Null": {"s3:if-none-match": "false"}}),
                 iam.PolicyStatement(sid="TakeBackDirectRunTokens", actions=["s3:DeleteObject"],
                                     resources=[results.arn_for_objects("control/direct.runs/*")]),
+                # A user workload's packed code (code/<sha256>/sourcedir.tar.gz): looked for (HeadObject needs
+                # GetObject), and written once when it is not there yet.
+                iam.PolicyStatement(sid="ReadWorkloadCode", actions=["s3:GetObject"], resources=[results.arn_for_objects("code/*")]),
+                iam.PolicyStatement(sid="WriteWorkloadCodeOnce", actions=["s3:PutObject"], resources=[results.arn_for_objects("code/*")],
+                                    conditions={"Null": {"s3:if-none-match": "false"}}),
                 # Whether a run id has checkpoints (and resume_from's run), and whether a job left output.tar.gz.
                 iam.PolicyStatement(sid="ListCheckpointsAndOutputs", actions=["s3:ListBucket"], resources=[results.bucket_arn],
                                     conditions={"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*"]}}),
@@ -101,10 +106,11 @@ class DirectLaunchPolicy(Construct):
         acknowledge(
             self.policy,
             "Direct jobs are held to the platform's job-name prefix (and by conditions to its instance types, runtime, "
-            "encryption and tags); tokens to control/direct.runs/, outputs to artifacts/; the stack by its name; "
-            "SageMaker's training log group, whose streams are named by job.",
+            "encryption and tags); tokens to control/direct.runs/, outputs to artifacts/; workload code to code/, written once "
+            "(named by its SHA-256); the stack by its name; SageMaker's training log group, whose streams are named by job.",
             *wildcard_resources(
                 training_jobs_arn(stack, prefix), f"{arn_token(results)}/control/direct.runs/*", f"{arn_token(results)}/artifacts/*",
+                f"{arn_token(results)}/code/*",
                 f"arn:<AWS::Partition>:cloudformation:{stack.region}:<AWS::AccountId>:stack/{stack.stack_name}/*",
                 f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{TRAINING_LOG_GROUP}:*",
             ),

@@ -207,13 +207,16 @@ class TrainingRunFunctions(Construct):
         # A run id whose result exists is refused before launch: HeadObject on results/ (ListBucket on that
         # prefix, so that a missing result answers 404, not 403).
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects("results/*")]))
+        # Whether a user workload's archive is there (HeadObject), before a job that would fail to download it is billed.
+        self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects("code/*")]))
         # ... and whether the run a spec resumes left checkpoints (ListBucket on checkpoints/).
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
-                                                           conditions={"StringLike": {"s3:prefix": ["results/*", "checkpoints/*"]}}))
+                                                           conditions={"StringLike": {"s3:prefix": ["results/*", "checkpoints/*", "code/*"]}}))
         # Each job's shutdown token, written once under control/<job name>/ (the job reads it as a channel).
         self.launch.add_to_role_policy(iam.PolicyStatement(actions=["s3:PutObject"], resources=[results.arn_for_objects("control/*")]))
-        acknowledge(self.launch.role, "Reads whether a run's result exists, under results/ only; writes each job's token under control/ only.",
-                    *wildcard_resources(f"{arn_token(results)}/results/*", f"{arn_token(results)}/control/*"))
+        acknowledge(self.launch.role, "Reads whether a run's result or its workload's code exists, under results/ and code/ only; writes "
+                                      "each job's token under control/ only.",
+                    *wildcard_resources(f"{arn_token(results)}/results/*", f"{arn_token(results)}/control/*", f"{arn_token(results)}/code/*"))
         jobs = training_jobs_arn(stack, prefix)
         for fn in (self.launch, self.collect, self.stop, self.reconcile):
             acknowledge(fn.role, "Training jobs are held to the platform's job-name prefix.", *wildcard_resources(jobs))

@@ -55,6 +55,7 @@ from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.service_limits import limit, training_instance_types
 from training.cluster import HOMOGENEOUS_GROUP
 from training.hyperparameters import (
+    CODE_ARCHIVE,
     CODE_CHANNEL,
     DATA_CHANNEL,
     MODULE_NAME,
@@ -98,11 +99,10 @@ RESERVED_CHANNELS = (PLATFORM_CHANNEL, RESUME_CHANNEL, CODE_CHANNEL)
 # A user workload's fields (``"workload": {...}``) and the module imported when it names none.
 CODE_FIELDS = ("code", "module", "requirements", "sha256")
 DEFAULT_MODULE = "workload"
-# Where the client uploads a packed folder, below the results bucket, and the archive's name: those of
-# training/workload/code.py (PackedCode.key, ARCHIVE_NAME), which the Lambdas' asset does not ship (a
-# test holds them equal).
+# Where the client uploads a packed folder, below the results bucket (training/workload/code.py's PackedCode.key),
+# and the archive's name.
 CODE_PREFIX = "code/"
-ARCHIVE_NAME = "sourcedir.tar.gz"
+ARCHIVE_NAME = CODE_ARCHIVE
 KNOWN_FIELDS = frozenset(
     {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
      "resume_from", "max_cost_usd"}

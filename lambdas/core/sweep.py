@@ -96,7 +96,11 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
                           for name, channel in dict(spec.get("inputs", {})).items()}
     else:
         spec["instance_groups"] = [{"name": "data_group", "role": "data", "instance_type": data_instance_type, "count": count}, *dnn]
-        spec["inputs"] = {name: dict(channel) | {"groups": ["data_group"]} for name, channel in dict(spec.get("inputs", {})).items()}
+        # The data group preprocesses the channels; a user workload's validation channel stays with the DNN
+        # group, which validates on it (job_spec requires it there).
+        evaluation = spec.get("hyperparameters", {}).get("eval_channel") if isinstance(spec.get("workload"), dict) else None
+        spec["inputs"] = {name: dict(channel) | {"groups": [dnn[0].get("name")] if name == evaluation else ["data_group"]}
+                          for name, channel in dict(spec.get("inputs", {})).items()}
     return spec
 
 

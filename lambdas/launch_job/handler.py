@@ -88,6 +88,11 @@ class NothingToResume(RuntimeError):
     """The spec resumes a run that left no checkpoints: it would silently train from scratch."""
 
 
+class CodeMissing(RuntimeError):
+    """A user workload's archive is not where the spec says: the job would start, bill, and fail to download
+    it. Refused before anything is created (``hetero run`` uploads it)."""
+
+
 class JobNameTaken(RuntimeError):
     """A job of this launch's name exists but belongs to another execution (its execution_arn tag says so):
     adopting it would poll, stop and collect another run's job. Nothing is created."""
@@ -140,6 +145,9 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     if spec.resume_from and not _has_checkpoints(checkpoint_uri(settings, spec.resume_from)):
         raise NothingToResume(f"run {spec.resume_from!r} left no checkpoints ({checkpoint_uri(settings, spec.resume_from)}): "
                               "name a run that wrote some, or leave resume_from out to start afresh")
+    if spec.code is not None and object_size_or_none(*split_s3_uri(spec.code.source)) is None:
+        raise CodeMissing(f"the workload's code {spec.code.source} does not exist: start the run with `hetero run`, which packs and "
+                          "uploads it")
     result_key = f"results/{run}/result.json"
     if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
         raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")

@@ -54,12 +54,13 @@ def test_collect_may_read_the_result_it_wrote(template_json) -> None:
 def test_results_and_reports_are_write_once_in_s3_itself(template_json) -> None:
     policies = resources(template_json, "AWS::S3::BucketPolicy").values()
     statements = [s for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"] if s.get("Sid", "").startswith("WriteOnce")]
-    assert len(statements) == 2
+    assert len(statements) == 3
     for statement in statements:
         assert statement["Effect"] == "Deny" and statement["Action"] == "s3:PutObject" and statement["Principal"] == {"AWS": "*"}
         assert statement["Condition"] == {"Null": {"s3:if-none-match": "true"}}
     rendered = json.dumps(statements)
-    assert "/results/*" in rendered and "/benchmarks/*" in rendered
+    # A workload's archive is named by its SHA-256: written once, whoever writes it.
+    assert "/results/*" in rendered and "/benchmarks/*" in rendered and "/code/*" in rendered
     (results,) = [b for b in resources(template_json, "AWS::S3::Bucket").values()
                   if b["Properties"].get("LoggingConfiguration", {}).get("LogFilePrefix") == "results/"]
     rules = results["Properties"]["LifecycleConfiguration"]["Rules"]

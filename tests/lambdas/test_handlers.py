@@ -87,10 +87,18 @@ def test_validate_launch_and_plan_refuse_a_local_code_folder_naming_hetero_run(a
 
 
 def test_launch_takes_code_only_from_code_sha256_of_its_results_bucket(aws, context) -> None:
+    from lambdas.launch_job.handler import CodeMissing
+
     for elsewhere in (f"s3://datasets-bucket/code/{SHA}/sourcedir.tar.gz", f"s3://{RESULTS_BUCKET}/code/{'cd' * 32}/sourcedir.tar.gz"):
         with pytest.raises(JobSpecError, match="only from its platform's results bucket"):
             launch({"spec": user_workload(elsewhere), "execution_arn": EXECUTION, "execution_start": STARTED}, context)
     assert aws.training_jobs() == []
+    # An archive that is not there (an execution started by hand, past the client): refused, nothing billed.
+    with pytest.raises(CodeMissing, match=f"code/{SHA}/sourcedir.tar.gz does not exist: start the run with `hetero run`"):
+        launch({"spec": user_workload(f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"), "execution_arn": EXECUTION,
+                "execution_start": STARTED}, context)
+    assert aws.training_jobs() == []
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"code/{SHA}/sourcedir.tar.gz", Body=b"packed code", IfNoneMatch="*")
     launched = launch({"spec": user_workload(f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"), "execution_arn": EXECUTION,
                        "execution_start": STARTED}, context)
     described = aws.sagemaker.describe_training_job(TrainingJobName=launched["job_name"])

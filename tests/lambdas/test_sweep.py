@@ -181,3 +181,18 @@ def test_a_long_base_run_name_is_cut_before_its_size_so_configurations_keep_dist
     plan = plan_sweep({"sweep_name": "s", "base": TF | {"run_name": "r" * 40}, "data_hosts": [0, 1, 12]})
     names = [spec["run_name"] for spec in plan.configurations]
     assert names == ["r" * 37 + "-d0", "r" * 37 + "-d1", "r" * 36 + "-d12"] and all(len(name) == 40 for name in names)
+
+
+def test_a_user_workloads_sweep_keeps_its_validation_channel_on_the_dnn_group() -> None:
+    """Each configuration of a user workload with a validation channel is one its run accepts: the data
+    group preprocesses the training channel, the DNN group validates on its own channel."""
+    base = json.loads((EXAMPLES / "workloads" / "augmented_cnn" / "heterogeneous.json").read_text())
+    base["workload"] = {"code": f"s3://platform-results/code/{'a' * 64}/sourcedir.tar.gz", "sha256": "a" * 64}
+    plan = plan_sweep({"sweep_name": "my-cnn", "base": base, "data_hosts": [0, 1, 2]},
+                      SpecPolicy(code_bucket="platform-results"))
+    alone, one, two = plan.configurations
+    assert "groups" not in alone["inputs"]["validation"] and "groups" not in alone["inputs"]["train"]
+    for configuration in (one, two):
+        assert configuration["inputs"]["train"]["groups"] == ["data_group"]
+        assert configuration["inputs"]["validation"]["groups"] == ["dnn_group"]
+        assert configuration["workload"] == base["workload"]

@@ -7,6 +7,7 @@
    its own CPU, between training steps) and heterogeneous (+ data hosts streaming batches: over our gRPC
    service for pytorch, through tf.data.service for tensorflow);
 4. prints step time, samples/s, speed-up against the ideal, and cost per 1k steps;
+   (with ``--workload``, a user workload's own specs instead, validated on held-out images);
 5. writes the same report a cloud benchmark sweep writes (report.json, report.md, chart.png, through
    lambdas/core/sweep.py and chart.py) into the work folder, prices labelled as emulated.
 
@@ -16,6 +17,7 @@ types, a price-performance estimate of the same shape as the cloud's, not a clou
 that share cores here (2 data hosts on one spare core) count for the cores they really have in the ideal.
 
     python -m training.local.demo [--variant pytorch|tensorflow] [--workdir build/demo] [--steps 80]
+    python -m training.local.demo --workload examples/workloads/augmented_cnn     # a user workload's specs
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_
 from lambdas.core.sweep import compare, render_markdown
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions
 from training.local.images import write_dataset
-from training.local.profile import Profile, data_host_cpus, preprocess_ms_per_batch, train_ms_per_step
+from training.local.__main__ import resolve_code
+from training.local.profile import Profile, data_host_cpus, preprocess_ms_per_batch, train_ms_per_step, workload_preprocess_ms_per_batch
 from training.metrics import parse_metric_line
 from training.variants import VARIANTS
 
@@ -120,9 +123,11 @@ def quiet(host: EmulatedHost, line: str) -> None:
     """Host logs still go to <workdir>/logs; nothing on the terminal."""
 
 
-def load_spec(name: str, overrides: dict | None = None) -> JobSpec:
-    """An example spec with local overrides, validated as the platform would."""
-    raw = json.loads((EXAMPLES / name).read_text())
+def load_spec(name: str | Path, overrides: dict | None = None) -> JobSpec:
+    """An example spec (a name under examples/, or a path) with local overrides, validated as the platform
+    would; a user workload's code folder is relative to the spec file, as for `hetero local`."""
+    path = EXAMPLES / name if isinstance(name, str) else name
+    raw = resolve_code(json.loads(path.read_text()), path)
     raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **(overrides or {})}
     return validate_job_spec(raw)
 
@@ -138,21 +143,33 @@ def run_job(label: str, spec: JobSpec, options: EmulationOptions, progress: bool
     return RunFigures(label, spec, summary["step_time_ms"]["p50"], summary["samples_per_s"])
 
 
-def run_comparison(workdir: Path, steps: int, variant: str = "pytorch") -> Comparison:
+def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload: Path | None = None) -> Comparison:
+    """The comparison of a variant's example specs, or of a user workload's (``workload``: its folder, with
+    homogeneous.json and heterogeneous.json beside its code, as examples/workloads/* have them)."""
     images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
-    overrides = LOCAL_OVERRIDES | {"steps": steps}
-    homogeneous, heterogeneous = load_spec(f"{variant}-homogeneous.json", overrides), load_spec(f"{variant}-heterogeneous.json", overrides)
-    config = VARIANTS[variant].config(**overrides)
+    channels = {"train": images}
+    if workload is None:
+        overrides = LOCAL_OVERRIDES | {"steps": steps}
+        homogeneous, heterogeneous = load_spec(f"{variant}-homogeneous.json", overrides), load_spec(f"{variant}-heterogeneous.json", overrides)
+    else:
+        # The workload's own settings, run for ``steps``, validated halfway and at the end on held-out images.
+        overrides = {"steps": steps, "warmup_steps": 10, "log_every": 5, "eval_every": max(1, steps // 2)}
+        homogeneous, heterogeneous = load_spec(workload / "homogeneous.json", overrides), load_spec(workload / "heterogeneous.json", overrides)
+        channels["validation"] = write_dataset(workdir / "held-out", classes=4, per_class=8, size=320, seed=1)
 
     def options(name: str) -> EmulationOptions:
         shutil.rmtree(workdir / name, ignore_errors=True)
-        return EmulationOptions(workdir=workdir / name, channels={"train": images})
+        return EmulationOptions(workdir=workdir / name, channels=channels)
 
     data_cpus = data_host_cpus(heterogeneous, options("plan"))
     one_host = data_cpus[0]
     effective = min(len(data_cpus), len(set().union(*data_cpus)) / len(one_host))
     print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
-    preprocess = preprocess_ms_per_batch(images, config, one_host, data_service=VARIANTS[variant].data_service)
+    if workload is None:
+        config = VARIANTS[variant].config(**overrides)
+        preprocess = preprocess_ms_per_batch(images, config, one_host, data_service=VARIANTS[variant].data_service)
+    else:
+        preprocess = workload_preprocess_ms_per_batch(homogeneous, Path(homogeneous.code.source), images, one_host)
     train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
     profile = Profile(preprocess, train)
     print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
@@ -189,6 +206,15 @@ def render(comparison: Comparison) -> str:
         f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
     ]
     return "\n".join(rows)
+
+
+def comparison_validation(workdir: Path) -> dict | None:
+    """The heterogeneous run's validation metrics (its chief DNN host's summary), if it validated."""
+    for summary in sorted((workdir / "heterogeneous").glob("algo-*/opt/ml/output/data/summary.json")):
+        validation = json.loads(summary.read_text()).get("validation")
+        if validation:
+            return validation["metrics"]
+    return None
 
 
 def images_per_s(spec: JobSpec, ms_per_batch: float) -> float:
@@ -234,12 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--variant", choices=[name for name, variant in VARIANTS.items() if variant.has_data_service], default="pytorch")
+    parser.add_argument("--workload", type=Path, help="a user workload's folder (homogeneous.json and heterogeneous.json beside its code)")
     args = parser.parse_args(argv)
-    workdir = args.workdir / args.variant if args.variant != "pytorch" else args.workdir
-    comparison = run_comparison(workdir, args.steps, args.variant)
+    if args.workload is not None:
+        workdir = args.workdir / f"workload-{args.workload.resolve().name}"
+        title = f"Emulated sweep of the workload {args.workload.name}"
+    else:
+        workdir = args.workdir / args.variant if args.variant != "pytorch" else args.workdir
+        title = f"Emulated {args.variant} sweep"
+    comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload)
     print()
     print(render(comparison))
-    *_, chart, markdown = write_report(comparison, workdir / "report", f"Emulated {args.variant} sweep")
+    if args.workload is not None:
+        accuracy = (comparison_validation(workdir) or {}).get("accuracy")
+        if accuracy is not None:
+            print(f"validation accuracy of the heterogeneous run's model: {accuracy:.3f} (4 classes: chance 0.25)")
+    *_, chart, markdown = write_report(comparison, workdir / "report", title)
     print(f"\n{markdown}\nreport: {workdir / 'report'}/report.md, chart: {chart}")
     print(f"host trees and logs: {workdir}")
     return 0

@@ -33,7 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHIVE_NAME = "sourcedir.tar.gz"
+from training.hyperparameters import CODE_ARCHIVE
+
+ARCHIVE_NAME = CODE_ARCHIVE
 # Folders and files never packed: version control, environments, caches, build outputs, editor state.
 IGNORED_DIRS = frozenset({".git", ".hg", ".svn", ".venv", "venv", "env", ".env", "__pycache__", ".pytest_cache", ".mypy_cache",
                           ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".idea", ".vscode", "build", "dist", ".tox",

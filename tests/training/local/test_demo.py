@@ -87,3 +87,14 @@ def test_the_tensorflow_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p4d.24xlarge" in out and "heterogeneous: 2× ml.c5.18xlarge + 1× ml.p4d.24xlarge" in out
     assert re.search(r"preprocessing \d+\.\d ms/batch", out) and "EMULATED" in out
+
+
+@pytest.mark.cluster
+def test_the_demo_of_a_user_workload_runs_its_own_specs_and_validates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`make demo`'s third part: the example workload's own specs (examples/workloads/augmented_cnn), compared."""
+    workload = Path(__file__).resolve().parents[3] / "examples" / "workloads" / "augmented_cnn"
+    assert main(["--workload", str(workload), "--workdir", str(tmp_path), "--steps", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "homogeneous: 1× ml.p3.2xlarge" in out and "heterogeneous: 1× ml.c5.9xlarge + 1× ml.p3.2xlarge" in out
+    assert re.search(r"validation accuracy of the heterogeneous run's model: \d\.\d{3}", out)
+    assert (tmp_path / "workload-augmented_cnn" / "report" / "report.md").exists()
