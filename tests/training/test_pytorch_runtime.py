@@ -180,3 +180,25 @@ def test_the_saved_model_loads_without_the_platform(tmp_path):
     assert result.stdout.split() == ["workload", "Linear", "True"]
     card = json.loads((model / "workload.json").read_text())
     assert card["features"] == [{"name": "x", "dtype": "float32", "shape": [4]}, {"name": "y", "dtype": "float32", "shape": []}]
+
+
+def test_workload_state_a_resume_could_not_load_is_refused_at_the_first_checkpoint(tmp_path):
+    code = linear_code(tmp_path)
+    source = (code / "workload.py").read_text().replace("    loss = torch.nn.functional.mse_loss(",
+                                                          "    ctx.state['best'] = np.float64(1.5)\n    loss = torch.nn.functional.mse_loss(")
+    (code / "workload.py").write_text(source)
+    environ = host(tmp_path, code, steps=10, checkpoint_every=3, batch_size=4)
+    with pytest.raises(StepOutputError, match=r"ctx.state\['best'\] is a float64, which a resumed run could not load"):
+        build_trainer(environ).run()
+    assert not (Path(environ[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt").exists()
+
+
+def test_a_scheduler_that_steps_on_a_metric_is_refused_by_name(tmp_path):
+    code = linear_code(tmp_path)
+    (code / "workload.py").write_text((code / "workload.py").read_text() + textwrap.dedent('''
+        def build_optimizer(model, ctx):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    '''))
+    with pytest.raises(StepOutputError, match="ReduceLROnPlateau, which steps on a metric"):
+        build_trainer(host(tmp_path, code, steps=4))

@@ -88,7 +88,8 @@ def test_a_good_module_loads_with_its_hooks_and_hyperparameters(good):
 
 
 @pytest.mark.parametrize(("source", "error", "words"), [
-    (GOOD.replace("def train_step", "def train_stepp"), MissingHookError, r"defines no train_step\(\) \(did you mean to name 'train_stepp'"),
+    (GOOD.replace("def train_step", "def train_stepp"), MissingHookError, r"defines no train_step\(\) \(it defines train_stepp\(\): rename it train_step\)"),
+    (GOOD + "\ndef build_optimiser(model, ctx):\n    return None\n", MissingHookError, r"defines build_optimiser\(\), not build_optimizer\(\)"),
     (GOOD.replace("def preprocess(sample, ctx)", "def preprocess(sample)"), HookSignatureError, r"preprocess in .* takes \(sample\), but the platform calls preprocess\(sample, ctx\)"),
     (GOOD + "\ntrain_step = lambda model, batch, ctx: 0\n", NotImportableByNameError, "<lambda>.*define it with def at the top level"),
     (GOOD + "\ndef _make():\n    def build_model(ctx):\n        return None\n    return build_model\nbuild_model = _make()\n", NotImportableByNameError, "<locals>"),
@@ -117,9 +118,23 @@ def test_a_hook_defined_in_main_is_refused(tmp_path):
     sys.modules.pop("workload", None)
 
 
-def test_a_missing_module_is_named_with_the_folder(tmp_path):
+def test_a_missing_module_is_named_with_the_folder_and_the_nearest_one(tmp_path):
     with pytest.raises(WorkloadImportError, match=r"no module 'nothing_here' in the code folder"):
         load_workload(tmp_path, "nothing_here")
+    folder = module_dir(tmp_path, GOOD, name="regressor")
+    with pytest.raises(WorkloadImportError, match=r"no module 'regresor' .*did you mean 'regressor'\?"):
+        load_workload(folder, "regresor")
+    with pytest.raises(WorkloadImportError, match=r"is a file name: name the module \(regressor\)"):
+        load_workload(folder, "regressor.py")
+
+
+def test_a_hook_imported_from_another_module_of_the_code_is_taken(tmp_path):
+    folder = module_dir(tmp_path, GOOD.replace("def preprocess(sample, ctx):", "from helpers import preprocess\ndef _unused(sample, ctx):"))
+    (folder / "helpers.py").write_text("import numpy as np\ndef preprocess(sample, ctx):\n    return {'x': np.zeros(2)}\n")
+    sys.modules.pop("helpers", None)
+    assert load_workload(folder, "workload").preprocess.__module__ == "helpers"
+    sys.modules.pop("workload", None)
+    sys.modules.pop("helpers", None)
 
 
 def test_samples_are_listed_checked_and_preprocessed_with_the_seeded_generator(good, tmp_path):
@@ -142,7 +157,7 @@ def test_a_batch_replaces_skipped_samples_by_spares_and_records_where_each_went(
     batch, skipped = make_batch(good, recipe, [2, 3, 4], [3, 9], [0, 0, 0], trace)
     assert skipped == 2 and trace.failed == [1, 3] and trace.slots == [0, 2, 4]  # the spare 3 is skipped too
     assert batch["x"].shape == (3, 4) and batch["label"].tolist() == [0, 0, 1]
-    with pytest.raises(AllSkippedError, match="skipped all 2"):
+    with pytest.raises(AllSkippedError, match="skipped 2 of the 2 samples a data host had for one batch of 1"):
         make_batch(good, recipe, [3], [3], [0], BatchTrace())
 
 
@@ -154,7 +169,8 @@ def test_a_batch_replaces_skipped_samples_by_spares_and_records_where_each_went(
     ('return {"x": np.zeros(sample + 1, dtype=np.float32)}', FeatureMismatchError, r"'x' is float32 \[2\], expected float32 \[1\] \(the first sample's\)"),
     ('return {"x": np.zeros(1, dtype=np.float32 if sample == 0 else np.float64)}', FeatureMismatchError, r"'x' is float64 \[1\], expected float32 \[1\]"),
     ('return {"x": np.zeros(1)} if sample == 0 else {"y": np.zeros(1)}', FeatureMismatchError, r"returned keys \['y'\], expected \['x'\].*missing \['x'\]; extra \['y'\]"),
-    ('raise KeyError("caption")', HookError, r"preprocess raised KeyError on sample 0 \(0\): 'caption'"),
+    ('raise KeyError("caption")', HookError, r"preprocess raised KeyError at workload.py:\d+ on sample 0 \(0\): 'caption'"),
+    ('return {"boxes": np.zeros((0, 4))}', PreprocessOutputError, r"'boxes' has shape \[0, 4\], with no elements"),
 ])
 def test_preprocess_output_that_cannot_be_batched_is_refused_naming_key_and_sample(tmp_path, body, error, words):
     source = GOOD.replace('''    if sample == 3 and ctx.training:
@@ -215,7 +231,7 @@ def test_hyperparameters_split_between_platform_loop_and_workload_and_typos_are_
 
 def test_a_workload_hyperparameter_the_loop_also_has_is_refused(tmp_path):
     workload = load_workload(module_dir(tmp_path, GOOD.replace('"width": 4', '"steps": 4')), "workload")
-    with pytest.raises(HyperparameterError, match=r"declares \['steps'\].*which the platform's loop sets"):
+    with pytest.raises(HyperparameterError, match=r"declares \['steps'\].*which the platform's loop or launcher sets"):
         split_settings({"role_map": '{"homogeneousCluster": "dnn"}'}, workload, "t" * 24)
     sys.modules.pop("workload", None)
 
@@ -274,11 +290,34 @@ def test_requirements_that_cannot_install_are_refused_with_pips_words(tmp_path):
     (folder / "wheels").mkdir()  # offline: only the shipped wheels, of which there are none
     (folder / "requirements.txt").write_text("# a comment\nsurely-no-such-package-exists==9.9\n")
     with pytest.raises(workload_code.CodeError, match=r"cannot be installed from the wheels shipped in wheels/"):
-        workload_code.install_requirements(folder, "requirements.txt", dry_run=True)
+        workload_code.install_requirements(folder, "requirements.txt", tmp_path / "environment")
     (folder / "empty.txt").write_text("# nothing\n")
     assert workload_code.install_requirements(folder, "empty.txt") is None
     with pytest.raises(workload_code.CodeError, match="not in the code folder"):
         workload_code.install_requirements(folder, "missing.txt")
+
+
+def test_requirements_install_beside_the_images_packages_without_shadowing_them(tmp_path):
+    """A shipped wheel that depends on numpy installs offline: the image's numpy satisfies it (pip's
+    --target would have refused, needing numpy's wheel too), and its environment goes after the image's
+    packages on the path."""
+    import zipfile
+
+    folder = module_dir(tmp_path, GOOD.replace("import numpy as np", "import numpy as np\nimport leafpkg"))
+    (folder / "wheels").mkdir()
+    with zipfile.ZipFile(folder / "wheels" / "leafpkg-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("leafpkg/__init__.py", "VALUE = 7\n")
+        wheel.writestr("leafpkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: leafpkg\nVersion: 1.0\nRequires-Dist: numpy\n")
+        wheel.writestr("leafpkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr("leafpkg-1.0.dist-info/RECORD", "")
+    (folder / "requirements.txt").write_text("leafpkg\n")
+    packages = workload_code.install_requirements(folder, "requirements.txt")
+    assert (packages / "leafpkg" / "__init__.py").exists() and not list(packages.glob("numpy*"))
+    loaded = load_workload(folder, "workload", packages)
+    assert loaded.module.leafpkg.VALUE == 7 and sys.path.index(str(packages)) > sys.path.index(str(Path(np.__file__).parents[1]))
+    sys.path.remove(str(packages))
+    sys.modules.pop("workload", None)
+    sys.modules.pop("leafpkg", None)
 
 
 def test_requirements_paths_stay_inside_the_folder():

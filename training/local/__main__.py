@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         # The platform's own validation: what it would refuse to launch is refused here too.
         spec = validate_job_spec(raw)
         options = EmulationOptions(
-            workdir=args.workdir or Path(tempfile.mkdtemp(prefix=f"{spec.run_name}-")),
+            # Absolute: every host runs from its own folder, and a relative tree would be looked for there.
+            workdir=(args.workdir or Path(tempfile.mkdtemp(prefix=f"{spec.run_name}-"))).resolve(),
             channels={name: Path(folder) for name, folder in args.channel},
             deadline_s=args.deadline_s,
             orphan_grace_s=args.orphan_grace_s,

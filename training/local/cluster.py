@@ -91,6 +91,7 @@ class HostOutcome:
     killed_at_deadline: bool = False
     killed_on_request: bool = False
     leftovers: int = 0  # processes still running when its launcher exited (killed, as a container's would be)
+    failure: str = ""  # what the host left in /opt/ml/output/failure (the job's FailureReason on SageMaker)
 
     @property
     def ok(self) -> bool:
@@ -126,6 +127,8 @@ class ClusterResult:
                 notes.append("killed on request")
             if outcome.leftovers:
                 notes.append(f"{outcome.leftovers} processes outlived its launcher; killed")
+            if outcome.exit_code not in (0, None) and outcome.failure:
+                notes.append(outcome.failure if len(outcome.failure) <= 300 else outcome.failure[:299] + "…")
             host = outcome.host
             lines.append(f"{host.name:<8} {host.group:<20} {host.role:<5} {str(outcome.exit_code):>5}  {'; '.join(notes)}")
         verdict = "succeeded" if self.ok else "FAILED"
@@ -343,9 +346,17 @@ class EmulatedCluster:
 
     def prepare(self) -> None:
         """Write every host's /opt/ml tree (once: ``start`` keeps what an earlier call chose)."""
-        missing = sorted({channel.name for channel in self.spec.inputs} - set(self.options.channels))
+        inputs = {channel.name for channel in self.spec.inputs}
+        missing = sorted(inputs - set(self.options.channels))
         if missing:
             raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
+        unknown = sorted(set(self.options.channels) - inputs)
+        if unknown:
+            raise EmulationError(f"--channel {unknown[0]}: the spec has no such input (it has {sorted(inputs)})")
+        absent = {name: folder for name, folder in self.options.channels.items() if not Path(folder).exists()}
+        if absent:
+            name, folder = sorted(absent.items())[0]
+            raise EmulationError(f"--channel {name}={folder}: no such folder")
         if not self.hyperparameters:
             data_hosts = len(self.hosts_with_role("data"))
             tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
@@ -484,6 +495,8 @@ class EmulatedCluster:
                     leftovers = self.host_pids(name)
                     outcome.leftovers = len(leftovers)
                     _signal_all(leftovers, signal.SIGKILL)
+                    failure = self.host(name).base_dir / "output" / "failure"
+                    outcome.failure = failure.read_text(errors="replace").strip() if failure.is_file() else ""
             running = [name for name, outcome in self._outcomes.items() if outcome.exit_code is None]
             if not running:
                 break

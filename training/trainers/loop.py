@@ -190,6 +190,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
         # Samples this rank consumed in earlier runs of the job (from the checkpoint): where ``batches``
         # starts, so that a resumed run does not replay what was already trained on.
         self.resume_samples = 0
+        self.stopping = False  # set once a stop vote ended training, before the summary: a variant may skip work
         self._marked_step = 0  # the last step this process's mark reported
         self._phase_marks = 0  # phase marks written: each one's text differs from the last
 
@@ -345,6 +346,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                 self._checkpoint(step)
             last = time.perf_counter()  # evaluation and checkpoints are not the next step's time
+        self.stopping = stopped
         self._checkpoint(step)
         loss = self.loss_value(loss)
         self.barrier()

@@ -62,7 +62,6 @@ from training.data_service.dataset import ChannelError, channel_dir
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError
 from training.trainers import host_collectives
-from training.trainers.host_collectives import end_process
 from training.trainers.config import WorkloadConfig
 from training.trainers.loop import (
     CheckpointWriteError,
@@ -78,7 +77,7 @@ from training.trainers.precision import resolve_precision
 from training.trainers.sampling import ShardTooSmallError, epoch_order, eval_batches, rank_share
 from training.trainers.service_summary import rank_service_stats, service_summary, shard_classes
 from training.workload.contexts import TrainContext
-from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError
+from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError, batch_keys_hint, user_frame
 from training.workload.host import PreparedWorkload, prepared_workload
 from training.workload.samples import (
     SPARE_EPOCH,
@@ -308,6 +307,9 @@ class WorkloadTrainer(TrainingLoop[Batch]):
             raise StepOutputError(f"build_optimizer returned a {type(optimizer).__name__}: return a torch.optim optimizer, or (optimizer, scheduler)")
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise StepOutputError(f"build_optimizer's scheduler is a {type(scheduler).__name__} with no step()")
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise StepOutputError("build_optimizer returned ReduceLROnPlateau, which steps on a metric: the platform steps the "
+                                  "scheduler once per training step, with no argument; use a step-based one (LambdaLR, CosineAnnealingLR)")
         return optimizer, scheduler
 
     # Input ------------------------------------------------------------------------------------------
@@ -379,21 +381,29 @@ class WorkloadTrainer(TrainingLoop[Batch]):
             try:
                 output = self.workload.train_step(self.model, batch, self.ctx)
             except Exception as error:  # noqa: BLE001 — the user's step: named, with the step
-                raise WorkloadError(f"train_step raised {type(error).__name__} at step {step}: {error}") from error
+                raise WorkloadError(f"train_step raised {type(error).__name__}{user_frame(error)} at step {step}: {error}"
+                                    + batch_keys_hint(error, (batch,))) from error
         loss, metrics = step_output(output, step)
         self.scaler.scale(loss).backward()
-        if self.runtime.grad_clip_norm > 0:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.runtime.grad_clip_norm)
         if self.xla:
             import torch_xla
             import torch_xla.core.xla_model as xm
 
-            xm.optimizer_step(self.optimizer)  # all-reduces the gradients across ranks, then steps
+            if self.runtime.grad_clip_norm > 0:
+                # Clipped by the norm of the averaged gradients, as DDP's are: reduce, clip, step
+                # (xm.optimizer_step is reduce_gradients then step).
+                xm.reduce_gradients(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.runtime.grad_clip_norm)
+                self.optimizer.step()
+            else:
+                xm.optimizer_step(self.optimizer)  # all-reduces the gradients across ranks, then steps
             if self.scheduler is not None:
                 self.scheduler.step()
             torch_xla.sync()  # the step's one graph, sent to run
         else:
+            if self.runtime.grad_clip_norm > 0:  # DDP's gradients are averaged by now: the global norm
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.runtime.grad_clip_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             if self.scheduler is not None:
@@ -445,16 +455,21 @@ class WorkloadTrainer(TrainingLoop[Batch]):
             loader = pl.MpDeviceLoader(loader, self.device)
         sums: dict[str, torch.Tensor] = {}
         count = torch.zeros((), device=self.device)
-        self.model.eval()
+        # The unwrapped module: DDP's forward broadcasts buffers (BatchNorm's) after a training step, a
+        # collective that a rank with no validation batch (fewer samples than ranks) would never join.
+        model = self.module
+        model.eval()
+        self.ctx.training = False
         with torch.no_grad():
             for batch, weights in loader:
                 weights = weights.to(self.device)
                 batch = self._on_device(batch)
                 with self._autocast():
                     try:
-                        output = self.workload.eval_step(self.model, batch, self.ctx)
+                        output = self.workload.eval_step(model, batch, self.ctx)
                     except Exception as error:  # noqa: BLE001
-                        raise WorkloadError(f"eval_step raised {type(error).__name__} after step {self.ctx.step}: {error}") from error
+                        raise WorkloadError(f"eval_step raised {type(error).__name__}{user_frame(error)} after step {self.ctx.step}: "
+                                            f"{error}" + batch_keys_hint(error, (batch,))) from error
                 if not isinstance(output, Mapping) or not output:
                     raise StepOutputError(f"eval_step returned a {type(output).__name__}: return {{name: per-sample values [B] or a scalar}}")
                 for name, value in output.items():
@@ -468,7 +483,8 @@ class WorkloadTrainer(TrainingLoop[Batch]):
                     sums[str(name)] = sums.get(str(name), torch.zeros((), device=self.device)) + total
                 count = count + weights.sum()
                 self.mark_progress("evaluate")
-        self.model.train()
+        model.train()
+        self.ctx.training = True
         local = {name: float(value.cpu()) for name, value in sums.items()} | {"__count": float(count.cpu())}
         ranks = self.gather(local)
         samples = sum(rank["__count"] for rank in ranks)
@@ -514,6 +530,7 @@ class WorkloadTrainer(TrainingLoop[Batch]):
             xm.set_rng_state(int(state["xla"]))
 
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        check_restorable(self.ctx.state)
         saved = {"model": _to_cpu(self.module.state_dict()), "optimizer": _to_cpu(self.optimizer.state_dict()),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None, "scaler": self.scaler.state_dict(),
                  "workload_state": _to_cpu(self.ctx.state), "loop": state}
@@ -556,7 +573,8 @@ class WorkloadTrainer(TrainingLoop[Batch]):
         }
 
     def summary_extra(self) -> dict[str, Any]:
-        if self.eval_samples is not None:
+        # Not on a stop: SageMaker's SIGKILL comes 120 s after its SIGTERM, and the model and summary come first.
+        if self.eval_samples is not None and not self.stopping:
             self.validate()
         extra: dict[str, Any] = {
             "variant": "neuron" if self.xla else "pytorch",
@@ -579,6 +597,23 @@ class WorkloadTrainer(TrainingLoop[Batch]):
             extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded,
                                      epochs=not self.runtime.cached_input_batches)
         return extra
+
+
+def check_restorable(state: Mapping[str, Any]) -> None:
+    """Refuse (StepOutputError, naming the key) workload state a resume could not load: checkpoints load
+    with weights_only (no arbitrary objects are unpickled), which takes tensors, numbers, strings, and
+    lists and dicts of them, not NumPy values."""
+    import io
+
+    for key, value in state.items():
+        buffer = io.BytesIO()
+        torch.save(_to_cpu(value), buffer)
+        buffer.seek(0)
+        try:
+            torch.load(buffer, weights_only=True)
+        except Exception as error:  # noqa: BLE001 — whatever weights_only refuses, named
+            raise StepOutputError(f"ctx.state[{key!r}] is a {type(value).__name__}, which a resumed run could not load (checkpoints load "
+                                  f"with weights_only): keep tensors, Python numbers, strings, and lists or dicts of them ({error})") from None
 
 
 def worker_error_text(error: BaseException) -> str:
@@ -651,6 +686,9 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
     torch.set_num_threads(cpus)
     if torch.cuda.is_available() and not xla:
         torch.cuda.set_device(local_rank)  # before NCCL and any pinned memory
+    if xla and world_size > 1 and environ.get("PJRT_DEVICE") == "CPU":
+        raise HyperparameterError(f"torch-xla's CPU device runs one trainer process per host ({world_size} were started): on the "
+                                  "emulated cluster pass --processes-per-host 1")
     host_group = None
     if world_size > 1:
         if xla:
@@ -723,15 +761,15 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         exit_code = main()
-    except Exception:  # an error none of main's handlers names (a broken collective): its traceback, then out
+    except Exception as error:  # none of main's handlers names it (a broken collective, CUDA out of memory): its reason
         traceback.print_exc()
+        write_failure(f"{type(error).__name__}: {error}")
         exit_code = 1
-    if exit_code != 0:
-        # A failed trainer leaves at once, its reason written: tearing down a DataLoader whose worker failed
-        # mid-batch waited here (seen: the process outlived its failure until the launcher's stall rule).
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            logging.shutdown()
-        os._exit(exit_code)
-    end_process(exit_code)
+    # The trainer leaves at once, its outputs written (past the final barrier) or its reason: tearing down
+    # DataLoader workers waited here, after a failed batch and after every homogeneous XLA run (up to the
+    # launcher's exit timeout, billed), and a gloo group's teardown can deadlock (end_process).
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+    os._exit(exit_code)

@@ -13,9 +13,11 @@ As SageMaker's own script mode ships a ``source_dir``, the client packs the fold
 * the launcher unpacks into a fresh folder of its own, not ``/opt/ml/code`` (the training toolkit skips
   unpacking into a folder that is not empty, and the platform's image has its code there), refusing any
   member that would land outside it, a link, or a device file;
-* requirements install into that folder's ``.packages`` (put first on the trainers' ``PYTHONPATH``), from
-  the package index, or only from the wheels shipped in the folder's ``wheels/`` when it has one (a job in
-  a VPC without internet reaches no index).
+* requirements install into a virtual environment in that folder's ``.packages`` that sees the image's
+  packages (what the image has satisfies a requirement; nothing of it is installed again or shadowed: the
+  environment's site-packages go on the path after the image's), from the package index, or only from
+  the wheels shipped in the folder's ``wheels/`` when it has one (a job in a VPC without internet reaches
+  no index).
 
     python -m training.workload.code pack FOLDER      # prints the SHA-256 and the size
 """
@@ -36,11 +38,15 @@ from pathlib import Path
 from training.hyperparameters import CODE_ARCHIVE
 
 ARCHIVE_NAME = CODE_ARCHIVE
-# Folders and files never packed: version control, environments, caches, build outputs, editor state.
-IGNORED_DIRS = frozenset({".git", ".hg", ".svn", ".venv", "venv", "env", ".env", "__pycache__", ".pytest_cache", ".mypy_cache",
-                          ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".idea", ".vscode", "build", "dist", ".tox",
-                          ".eggs", ".packages", "cdk.out"})
-IGNORED_SUFFIXES = (".pyc", ".pyo", ".egg-info", ".swp", "~")
+# Folders and files never packed, at any depth: version control, environments, caches, editor state, and
+# credentials (a key or a cloud profile must not travel to every host, nor be copied beside the model).
+IGNORED_DIRS = frozenset({".git", ".hg", ".svn", ".venv", "venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
+                          ".ipynb_checkpoints", "node_modules", ".idea", ".vscode", ".tox", ".eggs", ".packages", "cdk.out",
+                          ".aws", ".ssh", ".gnupg", ".docker", ".kube"})
+IGNORED_FILES = frozenset({".env", ".envrc", ".netrc", ".pgpass", ".npmrc", ".pypirc", "credentials"})
+IGNORED_SUFFIXES = (".pyc", ".pyo", ".egg-info", ".swp", "~", ".pem", ".key", ".p12", ".pfx")
+# Build outputs, only at the folder's top (a package may well have a module folder named build or env).
+IGNORED_TOP = frozenset({"build", "dist", "env"})
 # Shipped wheels live here; with any, requirements install from them alone.
 WHEELS_DIR = "wheels"
 PACKAGES_DIR = ".packages"
@@ -70,7 +76,9 @@ class PackedCode:
 
 def is_ignored(relative: Path) -> bool:
     """Whether a path of the folder stays behind. Pure."""
-    return any(part in IGNORED_DIRS or part.endswith(IGNORED_SUFFIXES) for part in relative.parts)
+    parts = relative.parts
+    return (bool(parts) and parts[0] in IGNORED_TOP) or relative.name in IGNORED_FILES or any(
+        part in IGNORED_DIRS or part.endswith(IGNORED_SUFFIXES) for part in parts)
 
 
 def code_files(folder: Path) -> Iterator[Path]:
@@ -87,6 +95,9 @@ def code_files(folder: Path) -> Iterator[Path]:
                 raise CodeError(f"{path} is a symbolic link: pack the file it points to instead (a link may lead outside the folder)")
             if path.is_file():
                 yield relative
+        for name in dirs:
+            if (base / name).is_symlink():  # os.walk does not follow it: refused, not silently left behind
+                raise CodeError(f"{base / name} is a symbolic link to a folder: pack the folder itself")
 
 
 def pack_code(folder: Path) -> PackedCode:
@@ -144,20 +155,27 @@ def unpack_code(archive: Path, destination: Path, sha256: str) -> Path:
     return destination
 
 
-def install_command(folder: Path, requirements: str, python: str = sys.executable) -> list[str]:
-    """pip's command that installs the folder's requirements into its .packages: from the index, or from
-    the shipped wheels alone when the folder has a wheels/ folder. Pure."""
-    command = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
-               "--target", str(folder / PACKAGES_DIR), "-r", str(folder / requirements)]
+def install_command(folder: Path, requirements: str, environment: Path) -> list[str]:
+    """pip's command that installs the folder's requirements into ``environment`` (a virtual environment
+    that sees the image's packages): from the index, or from the shipped wheels alone when the folder has
+    a wheels/ folder. What the image has already satisfies a requirement: pip's --target would ignore it
+    and install torch again, gigabytes on every host, shadowing the image's CUDA or Neuron build. Pure."""
+    command = [str(environment / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input",
+               "-r", str(folder / requirements)]
     wheels = folder / WHEELS_DIR
     if wheels.is_dir():
         command += ["--no-index", "--find-links", str(wheels)]
     return command
 
 
-def install_requirements(folder: Path, requirements: str, *, dry_run: bool = False) -> Path | None:
-    """Install the requirements (``dry_run``: resolve them only, installing nothing); the folder to put
-    on the path, or None when there is nothing to install. CodeError with pip's own words on failure."""
+def site_packages(environment: Path) -> Path:
+    return environment / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def install_requirements(folder: Path, requirements: str, environment: Path | None = None) -> Path | None:
+    """Install the requirements into a virtual environment (``environment``, default the folder's
+    .packages) that sees this interpreter's packages; its site-packages, to put on the path after them,
+    or None when there is nothing to install. CodeError with pip's own words on failure."""
     if not requirements:
         return None
     path = folder / requirements
@@ -165,15 +183,18 @@ def install_requirements(folder: Path, requirements: str, *, dry_run: bool = Fal
         raise CodeError(f"the requirements file {requirements!r} is not in the code folder {folder}")
     if not [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]:
         return None
-    command = install_command(folder, requirements)
-    if dry_run:
-        command = [part for part in command if part not in ("--target", str(folder / PACKAGES_DIR))] + ["--dry-run", "--ignore-installed"]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    environment = environment or folder / PACKAGES_DIR
+    # --without-pip: the environment runs the image's own pip, which it sees with the image's packages.
+    created = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(environment)],
+                             capture_output=True, text=True, check=False)
+    if created.returncode != 0:
+        raise CodeError(f"could not make an environment for the requirements: {created.stderr.strip()}")
+    result = subprocess.run(install_command(folder, requirements, environment), capture_output=True, text=True, check=False)
     if result.returncode != 0:
         where = "the wheels shipped in wheels/" if (folder / WHEELS_DIR).is_dir() else "the package index"
         detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise CodeError(f"the requirements in {requirements} cannot be installed from {where}: {' '.join(detail)}")
-    return None if dry_run else folder / PACKAGES_DIR
+    return site_packages(environment)
 
 
 def main(argv: list[str] | None = None) -> int:

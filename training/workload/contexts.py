@@ -153,6 +153,7 @@ class TrainContext:
     num_samples: int = 0  # of the training channel (one data host's share, when each serves a shard)
     precision: str = "fp32"
     is_xla: bool = False
+    training: bool = True  # False while validating (device_transform runs on validation batches too)
     # The workload's own state, checkpointed with the model and restored on resume (torch.save-able:
     # tensors, numbers, strings, lists and dicts of them).
     state: dict[str, Any] = field(default_factory=dict)

@@ -104,25 +104,31 @@ class Workload:
             raise AttributeError(hook) from None
 
 
-def add_to_path(*folders: Path | None) -> None:
-    """Put the code folder (and its installed requirements) first on the import path, once each."""
-    for folder in reversed([folder for folder in folders if folder is not None]):
-        text = str(folder)
-        if text not in sys.path:
-            sys.path.insert(0, text)
+def add_to_path(code_dir: Path, packages_dir: Path | None = None) -> None:
+    """The code folder first on the import path; its installed requirements last, after the image's own
+    packages (which they never shadow: a requirement that pulled in another torch must not replace the
+    image's CUDA or Neuron build)."""
+    if str(code_dir) not in sys.path:
+        sys.path.insert(0, str(code_dir))
+    if packages_dir is not None and str(packages_dir) not in sys.path:
+        sys.path.append(str(packages_dir))
 
 
 def load_workload(code_dir: Path, module: str, packages_dir: Path | None = None) -> Workload:
     """Import ``module`` from ``code_dir`` and check it against the contract (check_module)."""
     code_dir = Path(code_dir).resolve()
+    if module.endswith(".py") or "/" in module:
+        raise WorkloadImportError(f"workload module {module!r} is a file name: name the module ({module.removesuffix('.py').replace('/', '.')})")
     add_to_path(code_dir, packages_dir)
     _refuse_platform_imports(code_dir, module)
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as error:
         if error.name and module.startswith(error.name):
+            present = sorted(path.stem for path in code_dir.glob("*.py")) + sorted(path.parent.name for path in code_dir.glob("*/__init__.py"))
+            close = difflib.get_close_matches(module, present, n=1)
             raise WorkloadImportError(f"no module {module!r} in the code folder {code_dir} (looked for {module.replace('.', '/')}.py "
-                                      f"or its package)") from None
+                                      f"or its package{f'; did you mean {close[0]!r}?' if close else ''})") from None
         raise WorkloadImportError(f"importing workload module {module!r} ({code_dir}) failed: it imports {error.name!r}, which is "
                                   "not installed: add it to the workload's requirements file") from None
     except Exception as error:  # noqa: BLE001 — whatever the user's module raises is theirs to fix, by name
@@ -142,6 +148,7 @@ def check_module(loaded: types.ModuleType, name: str, code_dir: Path) -> Workloa
                 raise MissingHookError(_missing(hook, loaded, where))
             continue
         hooks[hook] = _checked_hook(hook, function, parameters, name, where)
+    _misspelt_optional(loaded, where)
     declared = getattr(loaded, "HYPERPARAMETERS", {})
     if not isinstance(declared, Mapping) or not all(isinstance(key, str) and key.isidentifier() for key in declared):
         raise WorkloadError(f"HYPERPARAMETERS in {where} must be a dict of name → default value")
@@ -151,12 +158,27 @@ def check_module(loaded: types.ModuleType, name: str, code_dir: Path) -> Workloa
     return Workload(loaded, name, code_dir, types.MappingProxyType(hooks), types.MappingProxyType(dict(declared)))
 
 
+def _defined(loaded: types.ModuleType) -> list[str]:
+    return [name for name, value in vars(loaded).items() if callable(value) and not name.startswith("_") and name not in HOOKS]
+
+
 def _missing(hook: str, loaded: types.ModuleType, where: str) -> str:
-    defined = [name for name, value in vars(loaded).items() if callable(value) and not name.startswith("_")]
-    close = difflib.get_close_matches(hook, defined, n=1)
-    hint = f" (did you mean to name {close[0]!r} {hook!r}?)" if close else ""
+    close = difflib.get_close_matches(hook, _defined(loaded), n=1)
+    hint = f" (it defines {close[0]}(): rename it {hook})" if close else ""
     return (f"the workload module {where} defines no {hook}(){hint}; a workload defines "
             f"{', '.join(REQUIRED_HOOKS)} (and optionally {', '.join(OPTIONAL_HOOKS)})")
+
+
+def _misspelt_optional(loaded: types.ModuleType, where: str) -> None:
+    """An optional hook misspelt would be silently unused (build_optimiser: the default optimizer, no
+    scheduler): a function named within a letter or two of one that is not defined is refused."""
+    for hook in OPTIONAL_HOOKS:
+        if hasattr(loaded, hook):
+            continue
+        close = difflib.get_close_matches(hook, _defined(loaded), n=1, cutoff=0.85)
+        if close:
+            raise MissingHookError(f"{where} defines {close[0]}(), not {hook}(): the platform calls {hook} by that name; rename it "
+                                   "(or give a helper a name further from it)")
 
 
 def _checked_hook(hook: str, function: Any, parameters: tuple[str, ...], module: str, where: str) -> Callable[..., Any]:
@@ -164,7 +186,9 @@ def _checked_hook(hook: str, function: Any, parameters: tuple[str, ...], module:
         raise MissingHookError(f"{hook} in {where} is a {type(function).__name__}, not a function")
     qualname = getattr(function, "__qualname__", "")
     owner = getattr(function, "__module__", None)
-    if "<lambda>" in qualname or "<locals>" in qualname or owner in (None, "__main__") or owner != module:
+    # Data hosts import the module and take the hook by its name: one defined in another module of the code
+    # and imported here does too; one of __main__ (a notebook, a script) is nowhere to import from.
+    if "<lambda>" in qualname or "<locals>" in qualname or owner in (None, "__main__"):
         defined = f"defined in {owner!r} as {qualname!r}" if owner else "with no module of its own"
         raise NotImportableByNameError(
             f"{hook} in {where} is {defined}: data hosts import hooks by name ({module}.{hook}) in their worker processes, "
@@ -214,3 +238,23 @@ def resolve_hyperparameters(workload: Workload, raw: Mapping[str, Any]) -> types
             except HyperparameterError as error:
                 raise HyperparameterError(f"{error} (the workload declares {name}={default!r} in {workload.file})") from None
     return types.MappingProxyType(values)
+
+
+def user_frame(error: BaseException) -> str:
+    """" at <file>:<line>" of the innermost frame of the traceback that is not the platform's or a library's
+    (the user's own line), or "" when there is none."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    platform_root = str(Path(__file__).resolve().parents[1])
+    own = [frame for frame in frames if not frame.filename.startswith(platform_root) and "site-packages" not in frame.filename
+           and not frame.filename.startswith("<")]
+    return f" at {Path(own[-1].filename).name}:{own[-1].lineno}" if own else ""
+
+
+def batch_keys_hint(error: BaseException, args: tuple[Any, ...]) -> str:
+    """For a KeyError inside a step: the keys the batch (a dict among ``args``) has. Pure."""
+    if not isinstance(error, KeyError):
+        return ""
+    batches = [arg for arg in args if isinstance(arg, Mapping) and not isinstance(arg, types.MappingProxyType)]
+    return f" (the batch has {sorted(batches[0])})" if batches else ""

@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from training.data_service.dataset import ChannelError
 from training.hyperparameters import to_hyperparameter_string
-from training.workload.code import install_requirements, pack_code, unpack_code
+from training.workload.code import CodeError, install_requirements, pack_code, unpack_code
 from training.workload.contexts import ChannelContext, TrainContext
-from training.workload.contract import WorkloadError, load_workload
+from training.workload.contract import WorkloadError, batch_keys_hint, load_workload, user_frame
 from training.workload.host import split_settings
-from training.workload.samples import classes_of, list_channel, make_batch, probe_features, BatchRecipe
+from training.workload.samples import BatchRecipe, classes_of, list_channel, make_batch, probe_features
 
 DRY_RUN_SAMPLES = 4
 
@@ -41,16 +42,22 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
     was checked, or a WorkloadError / CodeError / HyperparameterError naming what is wrong."""
     code = spec.code
     packed = pack_code(code_dir)
-    report: dict[str, Any] = {"module": code.module, "sha256": packed.sha256, "files": len(packed.files)}
+    report: dict[str, Any] = {"module": code.module, "sha256": packed.sha256, "files": len(packed.files), "not_checked": []}
+    unknown = sorted(set(channels) - {channel.name for channel in spec.inputs})
+    if unknown:
+        raise ChannelError(f"--channel {unknown[0]}: the spec has no such input (it has {sorted(channel.name for channel in spec.inputs)})")
     with tempfile.TemporaryDirectory(prefix="workload-dry-run-") as scratch:
         archive = Path(scratch) / "sourcedir.tar.gz"
         archive.write_bytes(packed.archive)
         unpacked = unpack_code(archive, Path(scratch) / "code", packed.sha256)
-        if install and code.requirements:
-            install_requirements(unpacked, code.requirements, dry_run=True)
-            report["requirements"] = "resolve"
-        workload = load_workload(unpacked, code.module)
         try:
+            packages = None
+            if install and code.requirements:
+                # Installed (into an environment of the dry run's own, seeing this one's packages), so that
+                # the module imports with them, as on a host.
+                packages = install_requirements(unpacked, code.requirements, Path(scratch) / "environment")
+                report["requirements"] = "installed"
+            workload = load_workload(unpacked, code.module, packages)
             report["hooks"] = sorted(workload.hooks)
             raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
             raw |= {"role_map": '{"dry-run": "dnn"}', "workload_module": code.module, "workload_sha256": packed.sha256}
@@ -58,8 +65,15 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
             report["hyperparameters"] = dict(hyperparameters)
             if "train" in channels:
                 report |= _dry_run_data(workload, config, hyperparameters, channels, samples)
+                if config.eval_channel and config.eval_channel not in channels:
+                    report["not_checked"].append(f"eval_step on {config.eval_channel!r} (no --channel {config.eval_channel}=DIR)")
+            else:
+                report["not_checked"].append("the hooks on samples (no --channel train=DIR)")
+        except (WorkloadError, CodeError) as error:
+            # Name the user's own files, not the dry run's copy of them.
+            raise type(error)(str(error).replace(str(unpacked.resolve()), str(code_dir)).replace(str(unpacked), str(code_dir))) from None
         finally:
-            _forget(code.module, unpacked)
+            _forget(unpacked)
     return report
 
 
@@ -81,13 +95,17 @@ def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any]
     model = _call("build_model", workload.build_model, ctx)
     if not isinstance(model, torch.nn.Module):
         raise WorkloadError(f"build_model returned a {type(model).__name__}: return a torch.nn.Module")
+    optimizer, scheduler = _dry_run_optimizer(workload, model, ctx, hyperparameters)
     tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
     if workload.has("device_transform"):
         tensors = _call("device_transform", workload.device_transform, tensors, ctx)
-    loss, metrics = step_output(_call("train_step", workload.train_step, model, tensors, ctx), 1)
+    loss, metrics = step_output(_call("train_step", workload.train_step, model, dict(tensors), ctx), 1)
     report["trial_loss"] = check_finite(loss.item(), 1)
     report["trial_metrics"] = sorted(metrics)
     loss.backward()
+    optimizer.step()
+    if scheduler is not None:
+        _call("the scheduler's step()", scheduler.step)
     if config.eval_channel:
         if not workload.has("eval_step"):
             raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
@@ -100,6 +118,7 @@ def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any]
             tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in eval_batch.items()}
             if workload.has("device_transform"):
                 tensors = _call("device_transform", workload.device_transform, tensors, ctx)
+            ctx.training = False
             with torch.no_grad():
                 output = _call("eval_step", workload.eval_step, model.eval(), tensors, ctx)
             if not isinstance(output, Mapping) or not output:
@@ -116,21 +135,42 @@ def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any]
     return report
 
 
+def _dry_run_optimizer(workload: Any, model: Any, ctx: Any, hyperparameters: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The optimizer and scheduler as the runtime builds and checks them (a bare module, no device)."""
+    import torch
+
+    from training.trainers.pytorch_runtime import StepOutputError
+
+    if not workload.has("build_optimizer"):
+        return torch.optim.AdamW(model.parameters(), lr=float(hyperparameters.get("learning_rate", 1e-3))), None
+    built = _call("build_optimizer", workload.build_optimizer, model, ctx)
+    optimizer, scheduler = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise StepOutputError(f"build_optimizer returned a {type(optimizer).__name__}: return a torch.optim optimizer, or (optimizer, scheduler)")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise StepOutputError("build_optimizer returned ReduceLROnPlateau, which steps on a metric: the platform steps the scheduler once "
+                              "per training step, with no argument; use a step-based one (LambdaLR, CosineAnnealingLR)")
+    return optimizer, scheduler
+
+
 def _call(hook: str, function: Any, *args: Any) -> Any:
     try:
         return function(*args)
     except WorkloadError:
         raise
-    except Exception as error:  # noqa: BLE001 — the user's hook, by name
-        raise WorkloadError(f"{hook} raised {type(error).__name__} on the first samples: {error}") from error
+    except Exception as error:  # noqa: BLE001 — the user's hook, by name, with where in the user's code
+        raise WorkloadError(f"{hook} raised {type(error).__name__} on the first samples{user_frame(error)}: {error}"
+                            + batch_keys_hint(error, args)) from error
 
 
-def _forget(module: str, folder: Path) -> None:
-    """Drop the dry run's import and its folder from the path, so that a second check (another spec)
-    imports its own code."""
+def _forget(folder: Path) -> None:
+    """Drop every module the dry run imported from its copy of the code (siblings too) and the folder from
+    the path, so that a second check (another spec) imports its own code."""
     import sys
 
-    for name in [name for name in sys.modules if name == module or name.startswith(f"{module}.")]:
-        del sys.modules[name]
-    if str(folder.resolve()) in sys.path:
-        sys.path.remove(str(folder.resolve()))
+    root = str(folder.resolve())
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", "") or "").startswith(root):
+            del sys.modules[name]
+    for entry in [entry for entry in sys.path if entry.startswith(root) or entry.startswith(str(folder.parent.resolve()))]:
+        sys.path.remove(entry)

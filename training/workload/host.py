@@ -50,11 +50,11 @@ def workload_keys(workload: Workload) -> frozenset[str]:
 def split_settings(raw: Mapping[str, Any], workload: Workload, token: str) -> tuple[PlatformSettings, WorkloadConfig, types.MappingProxyType]:
     """The platform's settings, the loop's (WorkloadConfig) and the workload's own hyperparameters from the
     job's. A key that the workload declares and the loop also has is refused: it would mean two things."""
-    loop_keys = {item.name for item in fields(WorkloadConfig)}
-    clashes = sorted(workload_keys(workload) & loop_keys)
+    platform_keys_ = {item.name for item in fields(WorkloadConfig)} | {item.name for item in fields(PlatformSettings)} | {"variant"}
+    clashes = sorted(workload_keys(workload) & platform_keys_)
     if clashes:
         raise HyperparameterError(f"the workload declares {clashes} in HYPERPARAMETERS ({workload.file}), which the platform's loop "
-                                  "sets: rename them (they would mean two things), or read the loop's from ctx")
+                                  "or launcher sets: rename them (they would mean two things), or read the loop's from ctx")
     platform, config = parse_settings({key: value for key, value in raw.items() if key not in workload_keys(workload)}, WorkloadConfig,
                                       token, also_known=workload_keys(workload))
     return platform, config, resolve_hyperparameters(workload, raw)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from training.workload.contexts import ChannelContext, SampleContext, SkipSample
-from training.workload.contract import Workload, WorkloadError
+from training.workload.contract import Workload, WorkloadError, user_frame
 
 # What the data service carries (training/data_service/codec.py ALLOWED_DTYPES).
 FEATURE_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
@@ -119,7 +119,9 @@ def as_features(output: Any, *, sample: Any, index: int) -> dict[str, np.ndarray
     for name, value in output.items():
         if not isinstance(name, str) or not FEATURE_NAME.fullmatch(name):
             raise PreprocessOutputError(f"{where}: key {name!r} is not 1–64 letters, digits or _")
-        if isinstance(value, (bool, int, float, np.generic)):
+        if isinstance(value, float) and not isinstance(value, np.generic):
+            value = np.asarray(value, dtype=np.float32)  # a Python float: float32, what a model takes (not float64)
+        elif isinstance(value, (bool, int, np.generic)):
             value = np.asarray(value)
         if not isinstance(value, np.ndarray):
             raise PreprocessOutputError(f"{where}: {name!r} is a {type(value).__module__}.{type(value).__name__}, not a NumPy array "
@@ -127,6 +129,9 @@ def as_features(output: Any, *, sample: Any, index: int) -> dict[str, np.ndarray
         if value.dtype.name not in FEATURE_DTYPES:
             raise PreprocessOutputError(f"{where}: {name!r} has dtype {value.dtype.name}, which cannot be batched and sent; use one of "
                                         f"{', '.join(FEATURE_DTYPES)}")
+        if 0 in value.shape:
+            raise PreprocessOutputError(f"{where}: {name!r} has shape {list(value.shape)}, with no elements: every feature holds at least "
+                                        "one value (pad an empty one to a fixed size, with a mask)")
         features[name] = value
     return features
 
@@ -139,7 +144,7 @@ def check_features(features: Mapping[str, np.ndarray], expected: Sequence[Featur
     """Refuse a sample whose arrays differ from ``expected`` (the first sample's), naming the key. Pure."""
     where = f"preprocess of sample {index} ({describe_sample(sample)})"
     names = [spec.name for spec in expected]
-    if list(features) != names:
+    if set(features) != set(names):  # the order may differ: batches are built by name
         missing, extra = sorted(set(names) - set(features)), sorted(set(features) - set(names))
         raise FeatureMismatchError(f"{where} returned keys {list(features)}, expected {names} (the first sample's)"
                                    + (f"; missing {missing}" if missing else "") + (f"; extra {extra}" if extra else ""))
@@ -160,7 +165,8 @@ def preprocess_one(workload: Workload, samples: Sequence[Any], index: int, *, se
     except SkipSample:
         return None
     except Exception as error:  # noqa: BLE001 — the user's hook fails the job at once, by name
-        raise HookError(f"preprocess raised {type(error).__name__} on sample {index} ({describe_sample(sample)}): {error}") from error
+        raise HookError(f"preprocess raised {type(error).__name__}{user_frame(error)} on sample {index} ({describe_sample(sample)}): "
+                        f"{error}") from error
     return as_features(output, sample=sample, index=index)
 
 
@@ -210,8 +216,8 @@ def make_batch(workload: Workload, recipe: BatchRecipe, indices: Sequence[int], 
                 trace.slots.append(position)
             break
         else:
-            raise AllSkippedError(f"preprocess skipped all {skipped} of the {len(indices) + len(spares)} samples tried for one batch: "
-                                  "check the channel's contents")
+            raise AllSkippedError(f"preprocess skipped {skipped} of the {len(indices) + len(spares)} samples a data host had for one "
+                                  f"batch of {len(indices)} (its own and as many spares): too many samples are skipped; check the channel")
     return batch, skipped
 
 

@@ -43,9 +43,11 @@ def build_model(ctx):
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, len(ctx.classes)))
 
 
-def build_optimizer(model, ctx):
+def build_optimizer(model, ctx):  # AdamW, warm-up then cosine decay over the run (ctx.steps: a resumed run may extend it)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.hyperparameters["learning_rate"], weight_decay=0.01)
-    return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, ctx.hyperparameters["learning_rate"], total_steps=ctx.steps)
+    warmup = max(1, ctx.steps // 20)
+    shape = lambda done: min(1.0, (done + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(1.0, done / ctx.steps)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, shape)
 
 
 def device_transform(batch, ctx):  # uint8 travels; floats are made on the accelerator

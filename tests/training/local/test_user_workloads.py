@@ -268,3 +268,26 @@ def test_the_profile_measures_the_workloads_own_preprocessing_and_step_for_the_a
 
     heavier = workload_preprocess_ms_per_batch(validate_job_spec(raw), IMAGE_EXAMPLE, images, (0,), batches=6)
     assert heavier > figures["preprocess_ms_per_batch_per_vcpu"] * 1.3
+
+
+@pytest.mark.cluster
+def test_ddp_ranks_validate_a_channel_smaller_than_the_world_without_a_collective_hang(tmp_path: Path, images: Path) -> None:
+    """Two DDP ranks, a BatchNorm model, one validation image: the rank with no validation batch must not
+    wait in a DDP buffer broadcast the other never makes (eval_step gets the unwrapped module)."""
+    from training.local.images import write_dataset
+
+    one_image = write_dataset(tmp_path / "one", classes=1, per_class=1, size=64)
+    raw = workload_spec(IMAGE_EXAMPLE, data_hosts=0, steps=6, batch_size=4, image_size=32, dataloader_workers=0, eval_every=3)
+    cluster, watcher, result = run(raw, tmp_path / "run", {"train": images, "validation": one_image}, processes_per_host=2,
+                                   trainer_stall_timeout_s=60)
+    assert result.ok, result.report() + "\n" + "\n".join(watcher.of("algo-1")[-20:])
+    assert cluster.summary()["validation"]["samples"] == 1
+
+
+def test_a_channel_folder_that_is_absent_or_not_the_specs_is_refused_before_any_host_starts(tmp_path: Path, images: Path) -> None:
+    spec = validate_job_spec(workload_spec(IMAGE_EXAMPLE, data_hosts=1, steps=4, validation=False))
+    for channels, words in (({"train": tmp_path / "trian"}, "--channel train=.*trian: no such folder"),
+                            ({"train": images, "trian": images}, r"--channel trian: the spec has no such input \(it has \['train'\]\)")):
+        cluster = EmulatedCluster(spec, EmulationOptions(workdir=tmp_path / "run", channels=channels))
+        with pytest.raises(Exception, match=words):
+            cluster.prepare()
