@@ -43,7 +43,8 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, 
 from lambdas.core.job_spec import DEFAULT_MODULE, RUN_ID, JobSpecError, WorkloadCode, code_key, validate_job_spec
 from lambdas.core.sweep import SweepSpecError, plan_sweep
 from training.metrics import parse_metric_line
-from training.workload.code import CodeError, PackedCode, pack_code
+from training.workload.code import CodeError, PackedCode, pack_code, stored_archive_problem
+from training.workload.contract import source_problem
 
 DEFAULT_STACK = "HeteroTrainingPlatform"
 # SageMaker's log group for training jobs; each host writes the stream <job>/<host>-<epoch seconds>.
@@ -273,6 +274,10 @@ def _check_packed(label: str, where: str, code: WorkloadCode, packed: PackedCode
                                                             "among its files (folders like .venv, build and __pycache__ are not packed)")
     if code.requirements and code.requirements not in packed.files:
         raise SpecRefused(label, f"{where}workload.requirements", f"{code.requirements!r} is not a file of {folder}")
+    module_file = next(folder / name for name in module_files(code.module) if name in packed.files)
+    problem = source_problem(module_file.read_text(errors="replace"), str(module_file))
+    if problem is not None:  # what the source alone shows (`hetero validate` runs the hooks themselves)
+        raise SpecRefused(label, f"{where}workload.module", problem)
 
 
 def pack_local_code(label: str, raw: Any, base: Path, sweep: bool = False) -> dict[Path, PackedCode]:
@@ -312,23 +317,37 @@ def with_uploaded_code(raw: Any, base: Path, bucket: str, packed: Mapping[Path, 
 
 
 def upload_code(platform: Platform, bucket: str, packed: PackedCode) -> bool:
-    """Put the archive at code/<sha256>/sourcedir.tar.gz unless it is there already (the same size and,
-    where S3 reports it, the same SHA-256); True when it was uploaded. S3 checks the bytes it receives
-    against their SHA-256 (ChecksumSHA256), and every host checks the archive against its run's hash."""
+    """Put the archive at code/<sha256>/sourcedir.tar.gz unless it is there already; True when it was
+    uploaded. An object there is taken only when its bytes are the archive (S3's SHA-256 of it, or its
+    bytes hashed): every host checks the archive against its run's hash, so other bytes would fail the run
+    after it started billing. Written once (If-None-Match; the bucket's policy denies any other write to
+    code/): a client that meets another's upload of the same archive (412, or 409 while it lands) checks
+    what is there and goes on. S3 checks the bytes it receives against their SHA-256 (ChecksumSHA256)."""
     s3 = platform.client("s3")
+    if call(s3.head_object, Bucket=bucket, Key=packed.key, absent_ok=True) is not None:
+        _check_stored(s3, bucket, packed)
+        return False
     digest = base64.b64encode(bytes.fromhex(packed.sha256)).decode()
-    found = call(s3.head_object, Bucket=bucket, Key=packed.key, ChecksumMode="ENABLED", absent_ok=True)
-    if found is not None:
-        if found.get("ContentLength") == len(packed.archive) and found.get("ChecksumSHA256", digest) == digest:
-            return False
-        # Written once (the bucket's policy denies any other write to code/): bytes other than the name says
-        # are refused by every host, so a run of this code would fail after it started billing.
-        raise ClientFacingError(f"s3://{bucket}/{packed.key} holds other bytes than its SHA-256 name: ask the platform's operator "
-                                "to remove it, then run again")
-    # The bucket encrypts every object (S3-managed keys, its default): no header to add, as for the other uploads.
-    call(s3.put_object, Bucket=bucket, Key=packed.key, Body=packed.archive, ChecksumSHA256=digest, ContentType="application/gzip",
-         IfNoneMatch="*")
+    try:
+        # The bucket encrypts every object (S3-managed keys, its default): no header to add, as for the other uploads.
+        call(s3.put_object, Bucket=bucket, Key=packed.key, Body=packed.archive, ChecksumSHA256=digest, ContentType="application/gzip",
+             IfNoneMatch="*")
+    except ClientFacingError as error:
+        if not str(error).startswith(WRITTEN_MEANWHILE):
+            raise
+        _check_stored(s3, bucket, packed)  # another client's upload of it landed first
+        return False
     return True
+
+
+# What S3 answers a conditional write when an object came meanwhile (412), or while another lands (409).
+WRITTEN_MEANWHILE = ("PreconditionFailed:", "ConditionalRequestConflict:")
+
+
+def _check_stored(s3: Any, bucket: str, packed: PackedCode) -> None:
+    problem = call(stored_archive_problem, s3=s3, bucket=bucket, key=packed.key, sha256=packed.sha256)
+    if problem is not None:
+        raise ClientFacingError(f"{problem}: ask the platform's operator to remove it, then run again")
 
 
 def upload_local_code(platform: Platform, bucket: str, raw: Any, base: Path, packed: Mapping[Path, PackedCode], sweep: bool = False) -> Any:

@@ -70,7 +70,7 @@ from lambdas.core.training_request import (
     token_uri,
 )
 from training.hyperparameters import TOKEN_FILE
-from training.workload.code import PackedCode
+from training.workload.code import PackedCode, stored_archive_problem
 
 # The direct job's tag naming its run (a state-machine run's job carries its execution's instead).
 RUN_TAG = "run_id"
@@ -187,6 +187,11 @@ def launch_direct(source: str | Path | Mapping[str, Any], platform: Platform | N
     _check_run_id(launch, platform)
     for archive in launch.archives:  # content-addressed: a second run of the same code uploads nothing
         upload_code(platform, launch.code_bucket, archive)
+    if launch.spec.code is not None and not launch.archives:  # named in S3 already: it must be there, and be itself
+        bucket_name, key = split_s3_uri(launch.spec.code.source)
+        problem = call(stored_archive_problem, s3=platform.client("s3"), bucket=bucket_name, key=key, sha256=launch.spec.code.sha256)
+        if problem is not None:
+            raise ClientFacingError(f"the workload's code: {problem}: run from the code's folder, which packs and uploads it")
     bucket, prefix = split_s3_uri(token_uri(launch.settings, launch.key))
     token = f"{prefix}{TOKEN_FILE}"
     _write_token(platform, bucket, token, launch.run_id)

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, base_dir, host_addresses, load_cluster
+from training.data_service.augmentation import AugmentConfig
 from training.data_service.dataset import (
     ChannelError,
     EmptyChannelError,
@@ -90,7 +91,6 @@ from training.hyperparameters import (
     load_shutdown_token,
     platform_keys,
 )
-from training.data_service.augmentation import AugmentConfig
 from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
 from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
 from training.workload.code import CodeError

@@ -60,6 +60,15 @@ class Buckets(Construct):
         # must be conditional on no object being there (If-None-Match: *), whoever makes it; and so must a
         # write to code/: a workload's archive is named by its SHA-256, and a run's hosts refuse one whose
         # bytes are not it, so an overwrite could only break the runs that use it.
+        # Nothing else under code/ may share an archive's key as its prefix: a channel of S3Prefix type downloads
+        # every object whose key starts with the archive's (sourcedir.tar.gz.x.tar.gz, sourcedir.tar.gz/x), and
+        # such an object, planted by anyone who may write code/, would break every run of that archive.
+        self.results.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="OnlyArchivesUnderCode", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()], actions=["s3:PutObject"],
+                resources=[self.results.arn_for_objects("code/*/sourcedir.tar.gz?*")],
+            )
+        )
         for prefix in ("results/", "benchmarks/", "code/"):
             self.results.add_to_resource_policy(
                 iam.PolicyStatement(

@@ -92,7 +92,8 @@ class DirectLaunchPolicy(Construct):
                                     conditions={"Null": {"s3:if-none-match": "false"}}),
                 # Whether a run id has checkpoints (and resume_from's run), and whether a job left output.tar.gz.
                 iam.PolicyStatement(sid="ListCheckpointsAndOutputs", actions=["s3:ListBucket"], resources=[results.bucket_arn],
-                                    conditions={"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*"]}}),
+                                    # code/*: whether a workload's archive is there answers 404 when it is not, not 403
+                                    conditions={"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*", "code/*"]}}),
                 iam.PolicyStatement(sid="ReadJobOutputs", actions=["s3:GetObject"], resources=[results.arn_for_objects("artifacts/*")]),
                 iam.PolicyStatement(sid="FindThePlatform", actions=["cloudformation:DescribeStacks"],
                                     resources=[stack.format_arn(service="cloudformation", resource="stack",

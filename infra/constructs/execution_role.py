@@ -31,6 +31,7 @@ from constructs import Construct
 from infra.nag import S3_READ_ACTIONS, S3_WRITE_ACTIONS, acknowledge, arn_token, wildcard_actions, wildcard_resources
 from lambdas.core.job_spec import CODE_PREFIX
 from lambdas.core.training_request import CONTROL_KEY_TAG, DIRECT_RUNS, JOB_KEY_TAG, RESUME_KEY_TAG, RUN_KEY_TAG, SESSION_TAG_KEYS
+from training.hyperparameters import CODE_ARCHIVE
 
 SAGEMAKER_NAMESPACE = "/aws/sagemaker/TrainingJobs"
 
@@ -87,7 +88,7 @@ class ExecutionRole(Construct):
                 # cdk-nag writes a policy variable ${x} as <x>
                 *(f"{arn_token(results)}/{prefix}".replace("${", "<").replace("}", ">") for prefix in own_prefixes()),
                 f"{arn_token(results)}/neuron-cache/*",
-                f"{arn_token(results)}/{CODE_PREFIX}*",
+                f"{arn_token(results)}/{CODE_PREFIX}*/{CODE_ARCHIVE}",
                 f"arn:<AWS::Partition>:logs:{stack.region}:<AWS::AccountId>:log-group:{SAGEMAKER_NAMESPACE}:*",
             ),
         )
@@ -142,12 +143,13 @@ def neuron_cache_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
 
 
 def code_statements(results: s3.IBucket) -> list[iam.PolicyStatement]:
-    """User workloads' packed code (code/<sha256>/sourcedir.tar.gz): any job reads any archive, none writes
-    one (the client uploads it). Read-only and content-addressed, it needs no per-run scope: a host refuses
-    an archive whose SHA-256 is not its run's. ListBucket only under code/ (SageMaker lists a channel's
-    prefix before it downloads)."""
+    """User workloads' packed code (code/<sha256>/sourcedir.tar.gz): a job reads an archive it can name,
+    writes none (the client uploads it, once). Listing only with the whole key of an archive as the prefix
+    (SageMaker lists a channel's prefix before it downloads): no job enumerates code/ to find other users'
+    archives; one whose SHA-256 it knows it can read (a name of 256 bits, which only the run's spec and
+    DescribeTrainingJob show). A host refuses an archive whose SHA-256 is not its run's."""
     return [
-        iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects(f"{CODE_PREFIX}*")]),
+        iam.PolicyStatement(actions=["s3:GetObject"], resources=[results.arn_for_objects(f"{CODE_PREFIX}*/{CODE_ARCHIVE}")]),
         iam.PolicyStatement(actions=["s3:ListBucket"], resources=[results.bucket_arn],
-                            conditions={"StringLike": {"s3:prefix": [f"{CODE_PREFIX}*"]}}),
+                            conditions={"StringLike": {"s3:prefix": [f"{CODE_PREFIX}*/{CODE_ARCHIVE}"]}}),
     ]

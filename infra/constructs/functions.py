@@ -46,6 +46,8 @@ LAMBDA_SOURCES = (
     "training/trainers/config.py",
     "training/data_service/__init__.py",
     "training/data_service/augmentation.py",
+    "training/workload/__init__.py",
+    "training/workload/code.py",
 )
 RUNTIME = lambda_.Runtime.PYTHON_3_14
 # Why checkov's Lambda checks do not apply to these functions (acknowledged on each; the stop and reconcile

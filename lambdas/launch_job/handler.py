@@ -55,6 +55,7 @@ from lambdas.core.training_request import (
     token_uri,
 )
 from training.hyperparameters import TOKEN_FILE
+from training.workload.code import stored_archive_problem
 
 logger = Logger(service="launch-job")
 
@@ -89,8 +90,9 @@ class NothingToResume(RuntimeError):
 
 
 class CodeMissing(RuntimeError):
-    """A user workload's archive is not where the spec says: the job would start, bill, and fail to download
-    it. Refused before anything is created (``hetero run`` uploads it)."""
+    """A user workload's archive is not where the spec says, or is not the archive its SHA-256 names: the
+    job would start, bill, and fail on every host. Refused before anything is created (``hetero run``
+    uploads it)."""
 
 
 class JobNameTaken(RuntimeError):
@@ -145,9 +147,10 @@ def launch(event: dict[str, Any]) -> dict[str, Any]:
     if spec.resume_from and not _has_checkpoints(checkpoint_uri(settings, spec.resume_from)):
         raise NothingToResume(f"run {spec.resume_from!r} left no checkpoints ({checkpoint_uri(settings, spec.resume_from)}): "
                               "name a run that wrote some, or leave resume_from out to start afresh")
-    if spec.code is not None and object_size_or_none(*split_s3_uri(spec.code.source)) is None:
-        raise CodeMissing(f"the workload's code {spec.code.source} does not exist: start the run with `hetero run`, which packs and "
-                          "uploads it")
+    if spec.code is not None:
+        problem = stored_archive_problem(client("s3"), *split_s3_uri(spec.code.source), spec.code.sha256)
+        if problem is not None:  # every host would refuse it, after the job started billing
+            raise CodeMissing(f"the workload's code: {problem}: start the run with `hetero run`, which packs and uploads it")
     result_key = f"results/{run}/result.json"
     if object_size_or_none(os.environ["RESULTS_BUCKET"], result_key) is not None:
         raise RunIdTaken(f"{result_key} exists already (an earlier execution of this name): start the run under another name")

@@ -157,7 +157,7 @@ def test_direct_launchers_may_create_only_the_platforms_jobs(template_json, in_v
         assert set(by_sid["TagPlatformJobs"]["Condition"]["ForAllValues:StringEquals"]["aws:TagKeys"]) == {"platform", "run_name", "run_id"}
         assert "control/direct.runs/*" in json.dumps(by_sid["WriteDirectRunTokensOnce"]["Resource"])
         assert by_sid["WriteDirectRunTokensOnce"]["Condition"] == {"Null": {"s3:if-none-match": "false"}}
-        assert by_sid["ListCheckpointsAndOutputs"]["Condition"] == {"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*"]}}
+        assert by_sid["ListCheckpointsAndOutputs"]["Condition"] == {"StringLike": {"s3:prefix": ["checkpoints/*", "artifacts/*", "code/*"]}}
         assert by_sid["StopDirectJobs"]["Condition"] == {"Null": {"aws:ResourceTag/run_id": "false", "aws:ResourceTag/execution_arn": "true"}}
         assert by_sid["TagPlatformJobs"]["Condition"]["StringEquals"] == {"aws:RequestTag/platform": "hetero"}
     assert "DirectLaunchPolicy" in template_json["Outputs"]
@@ -519,27 +519,35 @@ def test_a_jobs_session_reaches_only_its_own_runs_prefixes(template_json) -> Non
         lists = any(action.startswith("s3:List") for action in as_list(statement["Action"]))
         if on_the_bucket and lists:
             prefixes = statement["Condition"]["StringLike"]["s3:prefix"]
-            assert all(prefix.endswith("/*") for prefix in prefixes), statement
+            # a folder of its own, or one archive's whole key (code/<sha256>/sourcedir.tar.gz: never code/ itself)
+            assert all(prefix.endswith("/*") or prefix == "code/*/sourcedir.tar.gz" for prefix in prefixes), statement
 
 
-def test_every_job_may_read_any_user_workloads_code_and_none_may_write_it(template_json) -> None:
-    """code/<sha256>/sourcedir.tar.gz is content-addressed and each host refuses an archive that is not its
-    run's: read by every session, tagged or untagged (no condition on the tags), written by none."""
+def test_a_job_reads_a_workload_archive_it_can_name_and_none_may_list_or_write_code(template_json) -> None:
+    """code/<sha256>/sourcedir.tar.gz: read by every session, tagged or untagged (a host refuses an archive
+    that is not its run's), listed only by an archive's whole key (SageMaker lists a channel's prefix: no
+    job enumerates code/ for other users' archives), written by none; in the bucket, written once, and
+    nothing else may share an archive's key as its prefix (an S3Prefix channel would download it too)."""
     on_code = []
     for statement in role_statements(template_json, "SageMakerExecutionRole"):
         keys = [resource["Fn::Join"][1][1].lstrip("/") for resource in as_list(statement["Resource"])
                 if "BucketsResults" in json.dumps(resource) and "Fn::Join" in json.dumps(resource)]
         prefixes = statement.get("Condition", {}).get("StringLike", {}).get("s3:prefix", [])
-        if "code/*" in keys or "code/*" in prefixes:
+        if any(key.startswith("code/") for key in keys + prefixes):
             on_code.append(statement)
             assert not any(key.startswith("Null") for key in statement.get("Condition", {})), statement  # tagged and untagged alike
     reads = [s for s in on_code if as_list(s["Action"]) == ["s3:GetObject"]]
     lists = [s for s in on_code if as_list(s["Action"]) == ["s3:ListBucket"]]
     assert len(reads) == 1 and len(lists) == 1 and len(on_code) == 2, on_code
-    assert lists[0]["Condition"] == {"StringLike": {"s3:prefix": ["code/*"]}}
+    assert reads[0]["Resource"]["Fn::Join"][1][1] == "/code/*/sourcedir.tar.gz"
+    assert lists[0]["Condition"] == {"StringLike": {"s3:prefix": ["code/*/sourcedir.tar.gz"]}}
     everything = [s for s in role_statements(template_json, "SageMakerExecutionRole")
                   if any(a.startswith(("s3:Put", "s3:Delete")) for a in as_list(s["Action"]))]
     assert not [s for s in everything if "/code/" in json.dumps(s["Resource"])]
+    bucket_denies = {s["Sid"]: s for p in resources(template_json, "AWS::S3::BucketPolicy").values()
+                     for s in p["Properties"]["PolicyDocument"]["Statement"] if s["Effect"] == "Deny" and "Sid" in s}
+    assert bucket_denies["OnlyArchivesUnderCode"]["Resource"]["Fn::Join"][1][1] == "/code/*/sourcedir.tar.gz?*"
+    assert "Condition" not in bucket_denies["OnlyArchivesUnderCode"] and bucket_denies["WriteOnceCode"]["Action"] == "s3:PutObject"
 
 
 def test_a_direct_launcher_whose_session_carries_a_jobs_tag_keys_may_create_no_job(template_json) -> None:

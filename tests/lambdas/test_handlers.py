@@ -64,7 +64,9 @@ def test_validate_and_launch_apply_the_deployments_policy(aws, context) -> None:
     assert aws.training_jobs() == []
 
 
-SHA = "ab" * 32
+# The SHA-256 of the archive the tests upload (b"packed code"): the launch checks the bytes against it.
+ARCHIVE = b"packed code"
+SHA = __import__("hashlib").sha256(ARCHIVE).hexdigest()
 
 
 def user_workload(code: str, base: dict | None = None) -> dict:
@@ -97,8 +99,14 @@ def test_launch_takes_code_only_from_code_sha256_of_its_results_bucket(aws, cont
     with pytest.raises(CodeMissing, match=f"code/{SHA}/sourcedir.tar.gz does not exist: start the run with `hetero run`"):
         launch({"spec": user_workload(f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"), "execution_arn": EXECUTION,
                 "execution_start": STARTED}, context)
+    # Other bytes under the archive's name (planted by anyone who may write code/): every host would refuse them.
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"code/{SHA}/sourcedir.tar.gz", Body=b"other bytes", IfNoneMatch="*")
+    with pytest.raises(CodeMissing, match="holds other bytes than its name says"):
+        launch({"spec": user_workload(f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"), "execution_arn": EXECUTION,
+                "execution_start": STARTED}, context)
     assert aws.training_jobs() == []
-    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"code/{SHA}/sourcedir.tar.gz", Body=b"packed code", IfNoneMatch="*")
+    aws.s3.delete_object(Bucket=RESULTS_BUCKET, Key=f"code/{SHA}/sourcedir.tar.gz")
+    aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"code/{SHA}/sourcedir.tar.gz", Body=ARCHIVE, IfNoneMatch="*")
     launched = launch({"spec": user_workload(f"s3://{RESULTS_BUCKET}/code/{SHA}/sourcedir.tar.gz"), "execution_arn": EXECUTION,
                        "execution_start": STARTED}, context)
     described = aws.sagemaker.describe_training_job(TrainingJobName=launched["job_name"])

@@ -159,7 +159,8 @@ def test_bad_input_is_refused_before_anything_is_written_or_created(aws) -> None
 def user_workload_spec(tmp_path: Path, example: str) -> Path:
     """The example as a user workload whose code is a folder beside the spec's file."""
     (tmp_path / "my_workload").mkdir()
-    (tmp_path / "my_workload" / "workload.py").write_text("def build_model(ctx):\n    return None\n")
+    (tmp_path / "my_workload" / "workload.py").write_text("def list_samples(ctx):\n    return []\n\ndef preprocess(sample, ctx):\n    return {}\n\n"
+                                                          "def build_model(ctx):\n    return None\n\ndef train_step(model, batch, ctx):\n    return 0\n")
     raw = json.loads((EXAMPLES / example).read_text()) | {"workload": {"code": "my_workload"}, "hyperparameters": {"steps": 10, "hidden": 8}}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(raw))

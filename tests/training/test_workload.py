@@ -350,3 +350,15 @@ def test_the_readmes_complete_workload_passes_the_dry_run_hetero_validate_runs(t
     report = dry_run(spec, folder, {"train": data / "train", "validation": data / "validation"})
     assert report["features"] == {"input_ids": "int32 [32]", "label": "int64 []"} and report["classes"] == ["negative", "positive"]
     assert np.isfinite(report["trial_loss"]) and set(report["trial_eval"]) == {"accuracy"}
+
+
+def test_the_client_reads_the_hooks_from_the_source_without_importing_it():
+    """What `hetero run` refuses before anything is uploaded or launched, from the module's text alone."""
+    from training.workload.contract import source_problem
+
+    assert source_problem(textwrap.dedent(GOOD), "workload.py") is None
+    assert source_problem(GOOD.replace("def train_step", "def train_stepp"), "w.py") == "w.py defines no train_step() (it defines train_stepp(): rename it train_step)"
+    assert "takes 1 arguments, but the platform calls preprocess(sample, ctx)" in source_problem(
+        GOOD.replace("def preprocess(sample, ctx)", "def preprocess(sample)"), "w.py")
+    assert source_problem("def list_samples(ctx:\n", "w.py") == "w.py line 1: '(' was never closed"
+    assert source_problem("from helpers import *\n", "w.py") is None  # left to the hosts' full check

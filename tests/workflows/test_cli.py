@@ -241,7 +241,12 @@ def test_bad_specs_are_refused_by_validate_and_by_run_before_anything_starts(run
 USER_SPEC = SPEC | {"workload": {"code": "my_workload", "requirements": "requirements.txt"}, "hyperparameters": {"steps": 10, "hidden": 8}}
 
 
-def workload_folder(root: Path, body: str = "def train_step(model, batch, ctx):\n    return model(batch)\n") -> Path:
+# The contract's required hooks, as the client reads them from the source (it imports nothing).
+HOOKS = ("def list_samples(ctx):\n    return []\n\ndef preprocess(sample, ctx):\n    return {}\n\n"
+         "def build_model(ctx):\n    return None\n\n")
+
+
+def workload_folder(root: Path, body: str = HOOKS + "def train_step(model, batch, ctx):\n    return model(batch)\n") -> Path:
     """A user's code folder, with what packing leaves behind (a cache, a virtual environment)."""
     folder = root / "my_workload"
     (folder / "__pycache__").mkdir(parents=True, exist_ok=True)
@@ -294,7 +299,7 @@ def test_run_packs_a_local_workload_folder_uploads_it_once_by_its_hash_and_start
     assert code["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]
     assert job["HyperParameters"]["workload_sha256"] == packed.sha256 and job["HyperParameters"]["hidden"] == "8"
     # One changed file: another archive, under its own hash; the first stays for the runs that name it.
-    (folder / "workload.py").write_text("def train_step(model, batch, ctx):\n    return model(batch).mean()\n")
+    (folder / "workload.py").write_text(HOOKS + "def train_step(model, batch, ctx):\n    return model(batch).mean()\n")
     changed = pack_code(folder)
     assert changed.sha256 != packed.sha256
     assert runner().invoke(app, ["run", str(spec), "--name", "user-3", "--quiet"]).exit_code == 0
@@ -334,10 +339,61 @@ def test_bad_workload_code_is_refused_before_any_aws_call(run, tmp_path: Path) -
     assert misspelt.exit_code == 2 and "workload.module" in misspelt.stderr and "wrkload.py" in misspelt.stderr
     no_file = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC | {"workload": {"code": "my_workload", "requirements": "reqs.txt"}}))])
     assert no_file.exit_code == 2 and "workload.requirements" in no_file.stderr
+    (tmp_path / "my_workload" / "workload.py").write_text(HOOKS.replace("def preprocess(sample, ctx)", "def preprocess(sample)"))
+    hooks = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC))])  # read from the source: no train_step, a wrong signature
+    assert hooks.exit_code == 2 and "workload.module" in hooks.stderr and "defines no train_step()" in hooks.stderr
+    (tmp_path / "my_workload" / "workload.py").write_text(HOOKS.replace("def preprocess(sample, ctx)", "def preprocess(sample)")
+                                                          + "def train_step(model, batch, ctx):\n    return 0\n")
+    arity = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC))])
+    assert arity.exit_code == 2 and "preprocess in" in arity.stderr and "calls preprocess(sample, ctx)" in arity.stderr
+    workload_folder(tmp_path)
     tensorflow = runner().invoke(app, ["run", str(spec_file(tmp_path, USER_SPEC | {"variant": "tensorflow", "distribution": "horovod"}))])
     assert tensorflow.exit_code == 2 and "later issue" in tensorflow.stderr
     assert harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"] == []
     assert code_objects(harness) == []
+
+
+def test_an_upload_that_meets_another_clients_of_the_same_archive_goes_on_and_other_bytes_are_refused(run, tmp_path: Path, monkeypatch) -> None:
+    """Two clients pack the same folder at once: the second's conditional write meets the first's object
+    (412), checks that its bytes are the archive, and starts its run; an object of other bytes under the
+    archive's name is refused before anything runs (every host would refuse it, billed)."""
+    from training.workload.code import pack_code
+
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=0.5))
+    deploy(harness)
+    folder = workload_folder(tmp_path / "project")
+    spec = spec_file(tmp_path / "project", USER_SPEC)
+    packed = pack_code(folder)
+
+    raced: list[str] = []
+
+    def the_other_client_first(params, **_):  # at the AWS boundary: the other client's PutObject lands first
+        if params.get("Key") == packed.key and not raced:
+            raced.append(packed.key)  # once; this client's own conditional write then meets the other's object
+            harness.s3.put_object(Bucket=RESULTS_BUCKET, Key=packed.key, Body=packed.archive, IfNoneMatch="*")
+
+    import boto3
+
+    real_session = boto3.Session
+
+    def session_with_the_race(*args, **kwargs):  # the client's own sessions (Platform.session) see the other's write
+        session = real_session(*args, **kwargs)
+        session.events.register("before-parameter-build.s3.PutObject", the_other_client_first)
+        return session
+
+    monkeypatch.setattr(boto3, "Session", session_with_the_race)
+    started = runner().invoke(app, ["run", str(spec), "--name", "race-1", "--quiet"])
+    monkeypatch.setattr(boto3, "Session", real_session)
+    assert started.exit_code == 0, started.output
+    assert raced and harness.s3.get_object(Bucket=RESULTS_BUCKET, Key=packed.key)["Body"].read() == packed.archive
+    harness.wait(harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":race-1")
+    # Other bytes under the name (planted by hand): refused, nothing started.
+    (folder / "workload.py").write_text(HOOKS + "def train_step(model, batch, ctx):\n    return 1\n")
+    other = pack_code(folder)
+    harness.s3.put_object(Bucket=RESULTS_BUCKET, Key=other.key, Body=b"not the archive", IfNoneMatch="*")
+    refused = runner().invoke(app, ["run", str(spec), "--name", "race-2", "--quiet"])
+    assert refused.exit_code != 0 and "holds other bytes than its name says" in refused.stderr
+    assert [e["name"] for e in harness.sfn.list_executions(stateMachineArn=harness.state_machine_arn)["executions"]] == ["race-1"]
 
 
 def test_run_direct_uploads_the_code_and_routes_it_to_every_group(run, tmp_path: Path) -> None:

@@ -50,8 +50,10 @@ def resolve_code(raw: object, spec_path: Path) -> object:
     seen from here (as `hetero run` resolves it before packing). Pure."""
     if isinstance(raw, dict) and isinstance(raw.get("workload"), dict):
         code = raw["workload"].get("code")
-        if isinstance(code, str) and not code.startswith("s3://") and not Path(code).is_absolute():
+        if isinstance(code, str) and not code.startswith("s3://") and not Path(code).expanduser().is_absolute():
             raw = {**raw, "workload": {**raw["workload"], "code": str(spec_path.parent / code)}}
+        elif isinstance(code, str) and not code.startswith("s3://"):
+            raw = {**raw, "workload": {**raw["workload"], "code": str(Path(code).expanduser())}}
     return raw
 
 

@@ -34,10 +34,16 @@ from lambdas.core.chart import render_chart
 from lambdas.core.job_spec import JobSpec, trainer_config, validate_job_spec
 from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_steps, hourly_cost
 from lambdas.core.sweep import compare, render_markdown
+from training.local.__main__ import resolve_code
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions
 from training.local.images import write_dataset
-from training.local.__main__ import resolve_code
-from training.local.profile import Profile, data_host_cpus, preprocess_ms_per_batch, train_ms_per_step, workload_preprocess_ms_per_batch
+from training.local.profile import (
+    Profile,
+    data_host_cpus,
+    preprocess_ms_per_batch,
+    train_ms_per_step,
+    workload_preprocess_ms_per_batch,
+)
 from training.metrics import parse_metric_line
 from training.variants import VARIANTS
 

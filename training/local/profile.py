@@ -119,8 +119,8 @@ def _time_workload_pipeline(code_dir: str, module: str, hyperparameters: dict[st
 
 def workload_preprocess_ms_per_batch(spec: JobSpec, code_dir: Path, channel: Path, cpus: tuple[int, ...], batches: int = 20) -> float:
     """One data host's preprocessing time per batch of a user workload (the job's batch size and seed)."""
-    from training.trainers.config import WorkloadConfig
     from training.hyperparameters import build, to_hyperparameter_string
+    from training.trainers.config import WorkloadConfig
 
     raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
     loop = build(WorkloadConfig, {name: value for name, value in raw.items() if name in WorkloadConfig.__dataclass_fields__})

@@ -58,7 +58,7 @@ from training.cluster import ClusterConfigError, host_addresses, load_cluster
 from training.data_service import codec
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
-from training.data_service.dataset import ChannelError, channel_dir
+from training.data_service.dataset import ChannelError
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError
 from training.trainers import host_collectives
@@ -67,15 +67,13 @@ from training.trainers.loop import (
     CheckpointWriteError,
     DataExhaustedError,
     OutputPaths,
-    TrainingLoop,
     TrainingStopped,
-    decode_bytes,
-    encode_bytes,
     leave_stopped,
 )
 from training.trainers.precision import resolve_precision
 from training.trainers.sampling import ShardTooSmallError, epoch_order, eval_batches, rank_share
 from training.trainers.service_summary import rank_service_stats, service_summary, shard_classes
+from training.trainers.torch_loop import TorchTrainingLoop, host_cpus
 from training.workload.contexts import TrainContext
 from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError, batch_keys_hint, user_frame
 from training.workload.host import PreparedWorkload, prepared_workload
@@ -217,7 +215,7 @@ class EvalSamples(Dataset):
         return {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in filler}, weights
 
 
-class WorkloadTrainer(TrainingLoop[Batch]):
+class WorkloadTrainer(TorchTrainingLoop[Batch]):
     checkpoint_name = "checkpoint.pt"
 
     def __init__(
@@ -498,37 +496,6 @@ class WorkloadTrainer(TrainingLoop[Batch]):
 
     # Collectives, state, outputs --------------------------------------------------------------------
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            host_collectives.barrier(self.host_group)
-
-    def reduce_max(self, values: list[float]) -> list[float]:
-        return host_collectives.reduce_max(values, self.host_group) if self.world_size > 1 else values
-
-    def gather(self, value: Any) -> list[Any]:
-        return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
-
-    def rng_state(self) -> dict[str, Any]:
-        state = super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes())}
-        if self.device.type == "cuda":
-            state["cuda"] = encode_bytes(torch.cuda.get_rng_state(self.device).numpy().tobytes())
-        if self.xla:
-            import torch_xla.core.xla_model as xm
-
-            state["xla"] = xm.get_rng_state()
-        return state
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        super().set_rng_state(state)
-        if "torch" in state:
-            torch.set_rng_state(_byte_tensor(state["torch"]))
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(_byte_tensor(state["cuda"]), self.device)
-        if "xla" in state and self.xla:
-            import torch_xla.core.xla_model as xm
-
-            xm.set_rng_state(int(state["xla"]))
-
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         check_restorable(self.ctx.state)
         saved = {"model": _to_cpu(self.module.state_dict()), "optimizer": _to_cpu(self.optimizer.state_dict()),
@@ -667,12 +634,6 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _byte_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(decode_bytes(text)), dtype=torch.uint8)
-
-
-def host_cpus() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:

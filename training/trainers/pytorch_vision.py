@@ -55,22 +55,24 @@ from training.data_service.preprocess import DECODE_ERRORS, load_and_augment
 from training.failure import write_failure
 from training.hyperparameters import HyperparameterError, load_settings
 from training.trainers import host_collectives
-from training.trainers.host_collectives import end_process
 from training.trainers.config import AugmentConfig, VisionConfig
+from training.trainers.host_collectives import end_process
 from training.trainers.loop import (
     CheckpointWriteError,
     DataExhaustedError,
     OutputPaths,
-    TrainingLoop,
     TrainingStopped,
-    decode_bytes,
-    encode_bytes,
     leave_stopped,
 )
 from training.trainers.precision import resolve_precision
 from training.trainers.sampling import EndlessSampler, ShardTooSmallError
 from training.trainers.schedule import Schedule
-from training.trainers.service_summary import rank_service_stats, service_summary, shard_classes  # noqa: F401 — tests import it here
+from training.trainers.service_summary import (  # noqa: F401 — tests import it here
+    rank_service_stats,
+    service_summary,
+    shard_classes,
+)
+from training.trainers.torch_loop import TorchTrainingLoop, host_cpus
 
 log = logging.getLogger("training.pytorch_vision")
 
@@ -190,7 +192,7 @@ def collate_skipping(items: list[tuple[np.ndarray | None, int]]) -> VisionBatch:
     )
 
 
-class VisionTrainer(TrainingLoop[VisionBatch]):
+class VisionTrainer(TorchTrainingLoop[VisionBatch]):
     checkpoint_name = "checkpoint.pt"
 
     def __init__(
@@ -308,19 +310,6 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
             torch.cuda.synchronize(self.device)
         self._in_flight = None
 
-    def rng_state(self) -> dict[str, Any]:
-        state = super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes())}
-        if self.device.type == "cuda":
-            state["cuda"] = encode_bytes(torch.cuda.get_rng_state(self.device).numpy().tobytes())
-        return state
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        super().set_rng_state(state)
-        if "torch" in state:
-            torch.set_rng_state(_byte_tensor(state["torch"]))
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(_byte_tensor(state["cuda"]), self.device)
-
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         # Into a file of ours: a failed write then raises OSError with its errno (ENOSPC), which torch's own
         # writer, given a path, reports as a bare RuntimeError.
@@ -342,16 +331,6 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
     def save_model(self, model_dir: Path) -> None:
         torch.save(self.module.state_dict(), model_dir / "model.pt")
         (model_dir / "classes.txt").write_text("\n".join(self.classes) + "\n")
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            host_collectives.barrier(self.host_group)
-
-    def reduce_max(self, values: list[float]) -> list[float]:
-        return host_collectives.reduce_max(values, self.host_group) if self.world_size > 1 else values
-
-    def gather(self, value: Any) -> list[Any]:
-        return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
 
     def summary_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
@@ -376,12 +355,6 @@ class VisionTrainer(TrainingLoop[VisionBatch]):
         return extra
 
 
-def _byte_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(decode_bytes(text)), dtype=torch.uint8)
-
-
-def host_cpus() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 def build_trainer(environ: dict[str, str]) -> VisionTrainer:

@@ -64,14 +64,12 @@ from training.trainers.loop import (
     CheckpointWriteError,
     DataExhaustedError,
     OutputPaths,
-    TrainingLoop,
     TrainingStopped,
-    decode_bytes,
-    encode_bytes,
     leave_stopped,
 )
 from training.trainers.sampling import EndlessSampler, ShardTooSmallError, eval_batches
 from training.trainers.schedule import Schedule
+from training.trainers.torch_loop import TorchTrainingLoop
 
 log = logging.getLogger("training.xla_text")
 
@@ -288,7 +286,7 @@ def additive_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * MASKED_SCORE
 
 
-class TextTrainer(TrainingLoop[Batch]):
+class TextTrainer(TorchTrainingLoop[Batch]):
     checkpoint_name = "checkpoint.pt"
 
     def __init__(
@@ -394,19 +392,6 @@ class TextTrainer(TrainingLoop[Batch]):
         self.eval_accuracy = correct_count / total_count if total_count else None
         return self.eval_accuracy
 
-    def rng_state(self) -> dict[str, Any]:
-        import torch_xla.core.xla_model as xm
-
-        return super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes()), "xla": xm.get_rng_state()}
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        import torch_xla.core.xla_model as xm
-
-        super().set_rng_state(state)
-        if "torch" in state:
-            torch.set_rng_state(torch.frombuffer(bytearray(decode_bytes(state["torch"])), dtype=torch.uint8))
-            xm.set_rng_state(int(state["xla"]))
-
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         import torch_xla.core.xla_model as xm
 
@@ -427,16 +412,6 @@ class TextTrainer(TrainingLoop[Batch]):
         cpu_state = {name: tensor.cpu() for name, tensor in self.model.state_dict().items()}
         self.model.save_pretrained(model_dir, state_dict=cpu_state)
         self.tokenizer.save_pretrained(model_dir)
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            host_collectives.barrier(self.host_group)
-
-    def reduce_max(self, values: list[float]) -> list[float]:
-        return host_collectives.reduce_max(values, self.host_group) if self.world_size > 1 else values
-
-    def gather(self, value: Any) -> list[Any]:
-        return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
 
     def summary_extra(self) -> dict[str, Any]:
         if self.eval_data is not None:

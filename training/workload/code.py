@@ -34,6 +34,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from training.hyperparameters import CODE_ARCHIVE
 
@@ -105,7 +106,7 @@ def pack_code(folder: Path) -> PackedCode:
     folder = Path(folder)
     if not folder.is_dir():
         raise CodeError(f"the workload's code folder {folder} does not exist")
-    files = tuple(sorted(str(path) for path in code_files(folder)))
+    files = tuple(sorted(path.as_posix() for path in code_files(folder)))  # tar names are POSIX paths, whatever the client
     if not files:
         raise CodeError(f"the workload's code folder {folder} holds no files to pack")
     raw = io.BytesIO()
@@ -113,7 +114,8 @@ def pack_code(folder: Path) -> PackedCode:
         for name in files:
             data = (folder / name).read_bytes()
             info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            # Only the execute bit is kept of a file's mode (a shipped script stays runnable); times and owners not at all.
+            info.size, info.mode, info.mtime = len(data), 0o755 if os.access(folder / name, os.X_OK) else 0o644, 0
             archive.addfile(info, io.BytesIO(data))
     packed = io.BytesIO()
     with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0, filename="") as compressed:
@@ -133,11 +135,40 @@ def file_sha256(path: Path) -> str:
 
 
 def find_archive(channel: Path) -> Path:
-    """The archive in a host's code channel (SageMaker copies the object under its own name)."""
-    archives = sorted(channel.glob("*.tar.gz")) if channel.is_dir() else []
-    if len(archives) != 1:
-        raise CodeError(f"the code channel {channel} must hold one {ARCHIVE_NAME}, found {[path.name for path in archives]}")
-    return archives[0]
+    """The archive in a host's code channel: exactly its name (other objects that share the key's prefix,
+    which an S3Prefix channel downloads too, are not it)."""
+    archive = channel / ARCHIVE_NAME
+    if not archive.is_file():
+        found = sorted(path.name for path in channel.iterdir()) if channel.is_dir() else []
+        raise CodeError(f"the code channel {channel} holds no {ARCHIVE_NAME} (it holds {found})")
+    return archive
+
+
+def stored_archive_problem(s3: Any, bucket: str, key: str, sha256: str) -> str | None:
+    """None when s3://bucket/key is the archive whose SHA-256 is ``sha256``; else what is wrong with it
+    (absent, too large, other bytes). S3's own SHA-256 of the object where it has one (an upload with
+    ChecksumSHA256), else the bytes read and hashed: the size is bounded by MAX_ARCHIVE_BYTES."""
+    import base64
+
+    from botocore.exceptions import ClientError
+
+    try:
+        head = s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    except ClientError as error:
+        if error.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+            return f"s3://{bucket}/{key} does not exist"
+        raise
+    size = int(head.get("ContentLength", 0))
+    if size > MAX_ARCHIVE_BYTES:
+        return f"s3://{bucket}/{key} holds {size >> 20} MiB, more than any packed code ({MAX_ARCHIVE_BYTES >> 20} MiB)"
+    if head.get("ChecksumSHA256") and "-" not in head["ChecksumSHA256"]:
+        seen = base64.b64decode(head["ChecksumSHA256"]).hex()
+    else:
+        digest = hashlib.sha256()
+        for block in s3.get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 20):
+            digest.update(block)
+        seen = digest.hexdigest()
+    return None if seen == sha256 else f"s3://{bucket}/{key} holds other bytes than its name says (SHA-256 {seen})"
 
 
 def unpack_code(archive: Path, destination: Path, sha256: str) -> Path:

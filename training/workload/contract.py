@@ -111,7 +111,9 @@ def add_to_path(code_dir: Path, packages_dir: Path | None = None) -> None:
     if str(code_dir) not in sys.path:
         sys.path.insert(0, str(code_dir))
     if packages_dir is not None and str(packages_dir) not in sys.path:
-        sys.path.append(str(packages_dir))
+        import site
+
+        site.addsitedir(str(packages_dir))  # appended, with its .pth files read (namespace packages, editable installs)
 
 
 def load_workload(code_dir: Path, module: str, packages_dir: Path | None = None) -> Workload:
@@ -258,3 +260,31 @@ def batch_keys_hint(error: BaseException, args: tuple[Any, ...]) -> str:
         return ""
     batches = [arg for arg in args if isinstance(arg, Mapping) and not isinstance(arg, types.MappingProxyType)]
     return f" (the batch has {sorted(batches[0])})" if batches else ""
+
+
+def source_problem(source: str, filename: str) -> str | None:
+    """What the contract refuses that reading the module's source alone shows (no import: the client
+    that launches need not have the workload's packages): a syntax error, a required hook that is no
+    top-level function, a hook that takes another number of arguments. None when the source passes;
+    hooks assigned otherwise than by def (an import, an alias) are left to the hosts' full check."""
+    try:
+        tree = ast.parse(source, filename=filename)
+    except SyntaxError as error:
+        return f"{filename} line {error.lineno}: {error.msg}"
+    defined = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+    bound = {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets if isinstance(target, ast.Name)}
+    imported = {(alias.asname or alias.name).split(".")[0] for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
+                for alias in node.names}
+    for hook in REQUIRED_HOOKS:
+        if hook not in defined and hook not in bound and hook not in imported and "*" not in imported:
+            close = difflib.get_close_matches(hook, list(defined), n=1)
+            return f"{filename} defines no {hook}()" + (f" (it defines {close[0]}(): rename it {hook})" if close else "")
+    for hook, parameters in HOOKS.items():
+        node = defined.get(hook)
+        if node is None or node.args.vararg is not None:
+            continue
+        positional = [*node.args.posonlyargs, *node.args.args]
+        required = len(positional) - len(node.args.defaults)
+        if not required <= len(parameters) <= len(positional):
+            return f"{hook} in {filename} takes {len(positional)} arguments, but the platform calls {hook}({', '.join(parameters)})"
+    return None

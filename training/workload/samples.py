@@ -198,7 +198,7 @@ def make_batch(workload: Workload, recipe: BatchRecipe, indices: Sequence[int], 
     sample is counted and the slot takes the next candidate (the indices first, then the spares).
     Returns (stacked features, skipped count)."""
     batch = {spec.name: np.empty((len(indices), *spec.shape), dtype=spec.dtype) for spec in recipe.features}
-    candidates = enumerate([*zip(indices, epochs), *((spare, SPARE_EPOCH) for spare in spares)])
+    candidates = enumerate([*zip(indices, epochs, strict=True), *((spare, SPARE_EPOCH) for spare in spares)])
     skipped = 0
     for slot in range(len(indices)):
         for position, (index, epoch) in candidates:

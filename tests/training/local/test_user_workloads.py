@@ -89,8 +89,8 @@ def check_learned(cluster: EmulatedCluster, watcher: LineWatcher, result, *, cha
     assert result.ok, result.report() + "\n" + "\n".join(watcher.of(dnn)[-30:])
     summary = cluster.summary()
     assert summary["status"] == "completed" and summary["skipped_samples"] == 0
-    trained = losses(watcher, dnn)
-    assert trained[-1] < trained[0] * 0.7, trained  # it learns
+    trained = losses(watcher, dnn)  # every step's (log_every 1): from the untrained model's first step on
+    assert sum(trained[-3:]) / 3 < trained[0] * 0.7, trained  # it learns
     validation = summary["validation"]
     assert validation["samples"] > 0 and validation["metrics"]["accuracy"] > chance + 0.3, validation  # well above chance
     assert any(line.startswith(f"step={summary['steps']}/{summary['steps']} eval_loss=") for line in watcher.of(dnn))
@@ -103,14 +103,16 @@ def check_learned(cluster: EmulatedCluster, watcher: LineWatcher, result, *, cha
 @pytest.mark.cluster
 @pytest.mark.parametrize("data_hosts", [0, 1, 2])
 def test_the_image_example_learns_homogeneous_and_from_data_hosts(tmp_path: Path, images: Path, held_out_images: Path, data_hosts: int) -> None:
-    raw = workload_spec(IMAGE_EXAMPLE, data_hosts=data_hosts, steps=30, batch_size=8, image_size=32, dataloader_workers=1)
+    raw = workload_spec(IMAGE_EXAMPLE, data_hosts=data_hosts, steps=30, batch_size=8, image_size=32, dataloader_workers=1, log_every=1)
     cluster, watcher, result = run(raw, tmp_path, {"train": images, "validation": held_out_images})
     summary = check_learned(cluster, watcher, result, chance=0.25)
     assert summary["features"] == {"image": "uint8 [3, 32, 32]", "label": "int64 []"}
     if data_hosts:
         assert summary["data_source"] == "data_service" and summary["lost_data_hosts"] == []
-        epochs = summary["epochs"]  # 30 batches of 8 over 96 images: two whole epochs, each sample once in each
-        assert epochs["exactly_once"] == ["0", "1"] and epochs["duplicates"] == 0, epochs
+        # 30 batches of 8 over 96 images: 2.5 epochs' worth. The hosts split each epoch and the trainer takes
+        # batches as they arrive, so a faster host runs ahead into later epochs; the first is whole by then.
+        epochs = summary["epochs"]
+        assert "0" in epochs["exactly_once"] and epochs["not_exactly_once"] == [] and epochs["duplicates"] == 0, epochs
         assert all(result.outcome(host.name).exit_code == 0 for host in cluster.hosts_with_role("data"))
     assert result.orphans == []
 
@@ -119,7 +121,7 @@ def test_the_image_example_learns_homogeneous_and_from_data_hosts(tmp_path: Path
 @pytest.mark.parametrize(("variant", "data_hosts"), [("pytorch", 0), ("pytorch", 1), ("pytorch", 2), ("neuron", 0), ("neuron", 1)],
                          ids=["gpu-homogeneous", "gpu-1-data-host", "gpu-2-data-hosts", "xla-homogeneous", "xla-1-data-host"])
 def test_the_text_example_learns_on_gpu_and_xla_devices(tmp_path: Path, reviews: Path, variant: str, data_hosts: int) -> None:
-    raw = workload_spec(TEXT_EXAMPLE, data_hosts=data_hosts, steps=40, variant=variant, batch_size=16, dataloader_workers=1)
+    raw = workload_spec(TEXT_EXAMPLE, data_hosts=data_hosts, steps=40, variant=variant, batch_size=16, dataloader_workers=1, log_every=1)
     cluster, watcher, result = run(raw, tmp_path, {"train": reviews / "train", "validation": reviews / "validation"}, processes_per_host=1)
     summary = check_learned(cluster, watcher, result, chance=0.5 - 0.2)  # two classes: accuracy above 0.6
     assert summary["validation"]["samples"] == 64
@@ -202,7 +204,7 @@ def test_a_preprocess_that_raises_on_one_sample_fails_the_job_naming_the_hook_an
     dnn = f"algo-{data_hosts + 1}"
     failure = failure_of(cluster, dnn)
     assert result.outcome(dnn).exit_code != 0
-    assert "preprocess raised ValueError on sample 37 (37): a broken record" in failure, failure
+    assert re.search(r"preprocess raised ValueError at workload.py:\d+ on sample 37 \(37\): a broken record", failure), failure
     assert result.orphans == []
 
 
