@@ -46,7 +46,9 @@ def build_model(ctx):
 def build_optimizer(model, ctx):  # AdamW, warm-up then cosine decay over the run (ctx.steps: a resumed run may extend it)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.hyperparameters["learning_rate"], weight_decay=0.01)
     warmup = max(1, ctx.steps // 20)
-    shape = lambda done: min(1.0, (done + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(1.0, done / ctx.steps)))
+
+    def shape(done):
+        return min(1.0, (done + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(1.0, done / ctx.steps)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, shape)
 
 
