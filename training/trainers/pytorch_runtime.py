@@ -72,7 +72,7 @@ from training.trainers.loop import (
 )
 from training.trainers.precision import resolve_precision
 from training.trainers.sampling import ShardTooSmallError, epoch_order, eval_batches, rank_share
-from training.trainers.service_summary import rank_service_stats, service_summary, shard_classes
+from training.trainers.service_summary import shard_classes
 from training.trainers.torch_loop import TorchTrainingLoop, host_cpus
 from training.workload.contexts import TrainContext
 from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError, batch_keys_hint, user_frame
@@ -125,6 +125,25 @@ def step_output(output: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.T
             raise StepOutputError(f"train_step's metric {name!r} has shape {list(value.shape)} at step {step}: metrics are scalars")
         checked[str(name)] = value.detach()
     return loss.reshape(()), checked
+
+
+def default_optimizer(module: nn.Module, hyperparameters: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """A workload's optimizer when it builds none: AdamW at its learning_rate hyperparameter, else 1e-3."""
+    return torch.optim.AdamW(module.parameters(), lr=float(hyperparameters.get("learning_rate", 1e-3)))
+
+
+def checked_optimizer(built: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """(optimizer, scheduler or None) from what build_optimizer returned, or StepOutputError: an optimizer,
+    or (optimizer, scheduler) whose scheduler steps once per step with no argument (not ReduceLROnPlateau)."""
+    optimizer, scheduler = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise StepOutputError(f"build_optimizer returned a {type(optimizer).__name__}: return a torch.optim optimizer, or (optimizer, scheduler)")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise StepOutputError(f"build_optimizer's scheduler is a {type(scheduler).__name__} with no step()")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise StepOutputError("build_optimizer returned ReduceLROnPlateau, which steps on a metric: the platform steps the "
+                              "scheduler once per training step, with no argument; use a step-based one (LambdaLR, CosineAnnealingLR)")
+    return optimizer, scheduler
 
 
 def check_finite(value: float, step: int) -> float:
@@ -294,21 +313,12 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
         if not self.workload.has("build_optimizer"):
-            rate = float(self.prepared.hyperparameters.get("learning_rate", 1e-3))
-            return torch.optim.AdamW(self.module.parameters(), lr=rate), None
+            return default_optimizer(self.module, self.prepared.hyperparameters), None
         try:
             built = self.workload.build_optimizer(self.module, self.ctx)
         except Exception as error:  # noqa: BLE001
             raise WorkloadError(f"build_optimizer raised {type(error).__name__}: {error}") from error
-        optimizer, scheduler = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise StepOutputError(f"build_optimizer returned a {type(optimizer).__name__}: return a torch.optim optimizer, or (optimizer, scheduler)")
-        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            raise StepOutputError(f"build_optimizer's scheduler is a {type(scheduler).__name__} with no step()")
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise StepOutputError("build_optimizer returned ReduceLROnPlateau, which steps on a metric: the platform steps the "
-                                  "scheduler once per training step, with no argument; use a step-based one (LambdaLR, CosineAnnealingLR)")
-        return optimizer, scheduler
+        return checked_optimizer(built)
 
     # Input ------------------------------------------------------------------------------------------
 
@@ -555,15 +565,8 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
             "validation": self.validation,
             "cached_input_batches": self.runtime.cached_input_batches,
         }
-        local: dict[str, Any] = {"skipped_samples": self.skipped_samples}
-        if self.service is not None:
-            local = rank_service_stats(self.service)
-        ranks = self.gather(local)
-        extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
-        if self.service is not None:
-            extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded,
-                                     epochs=not self.runtime.cached_input_batches)
-        return extra
+        return extra | self.input_summary(self.service, self.skipped_samples, self.epoch_samples, sharded=self.sharded,
+                                          epochs=not self.runtime.cached_input_batches)
 
 
 def check_restorable(state: Mapping[str, Any]) -> None:

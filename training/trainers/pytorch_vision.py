@@ -344,17 +344,8 @@ class VisionTrainer(TorchTrainingLoop[VisionBatch]):
             "cached_input_batches": self.vision.cached_input_batches,
             "classes": len(self.classes),
         }
-        local: dict[str, Any] = {"skipped_samples": self.skipped_samples}
-        if self.service is not None:
-            local = rank_service_stats(self.service)
-        ranks = self.gather(local)
-        extra["skipped_samples"] = sum(rank["skipped_samples"] for rank in ranks)
-        if self.service is not None:
-            extra |= service_summary(self.service.addresses, ranks, self.epoch_samples, sharded=self.sharded,
-                                     epochs=not self.vision.cached_input_batches)
-        return extra
-
-
+        return extra | self.input_summary(self.service, self.skipped_samples, self.epoch_samples, sharded=self.sharded,
+                                          epochs=not self.vision.cached_input_batches)
 
 
 def build_trainer(environ: dict[str, str]) -> VisionTrainer:

@@ -6,12 +6,14 @@ runtime of user workloads all derive from it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from training.trainers import host_collectives
 from training.trainers.loop import TrainingLoop, decode_bytes, encode_bytes
+from training.trainers.service_summary import rank_service_stats, service_summary
 
 BatchT = TypeVar("BatchT")
 
@@ -51,6 +53,19 @@ class TorchTrainingLoop(TrainingLoop[BatchT]):
             import torch_xla.core.xla_model as xm
 
             xm.set_rng_state(int(state["xla"]))
+
+
+    def input_summary(self, service: Any, skipped_samples: int, epoch_samples: Mapping[str, int], *, sharded: bool,
+                      epochs: bool) -> dict[str, Any]:
+        """The summary's account of what the ranks trained on (a collective: every rank calls it): the
+        samples skipped, summed over the ranks, and with data hosts (``service``, a DataServiceDataset)
+        the hosts lost and why, batches per host and the epochs (training/trainers/service_summary.py)."""
+        local = rank_service_stats(service) if service is not None else {"skipped_samples": skipped_samples}
+        ranks = self.gather(local)
+        summary: dict[str, Any] = {"skipped_samples": sum(rank["skipped_samples"] for rank in ranks)}
+        if service is not None:
+            summary |= service_summary(service.addresses, ranks, epoch_samples, sharded=sharded, epochs=epochs)
+        return summary
 
 
 def byte_tensor(text: str) -> torch.Tensor:

@@ -122,11 +122,17 @@ class ChannelContext:
     readers: Readers = READERS
 
     def channel_path(self, name: str) -> Path:
-        try:
-            return self.channels[name]
-        except KeyError:
-            raise ChannelNotRoutedError(f"the workload asks for channel {name!r}, which this job does not route to this host's group; "
-                                        f"it has {sorted(self.channels)}: add it to the spec's inputs for this group") from None
+        return routed_channel(self.channels, name)
+
+
+def routed_channel(channels: Mapping[str, Path], name: str) -> Path:
+    """The folder of channel ``name`` among those routed to this host's group, or ChannelNotRoutedError
+    listing the ones it has."""
+    try:
+        return channels[name]
+    except KeyError:
+        raise ChannelNotRoutedError(f"the workload asks for channel {name!r}, which this job does not route to this host's group; "
+                                    f"it has {sorted(channels)}: add it to the spec's inputs for this group") from None
 
 
 @dataclass

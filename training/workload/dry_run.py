@@ -137,20 +137,11 @@ def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any]
 
 def _dry_run_optimizer(workload: Any, model: Any, ctx: Any, hyperparameters: Mapping[str, Any]) -> tuple[Any, Any]:
     """The optimizer and scheduler as the runtime builds and checks them (a bare module, no device)."""
-    import torch
-
-    from training.trainers.pytorch_runtime import StepOutputError
+    from training.trainers.pytorch_runtime import checked_optimizer, default_optimizer
 
     if not workload.has("build_optimizer"):
-        return torch.optim.AdamW(model.parameters(), lr=float(hyperparameters.get("learning_rate", 1e-3))), None
-    built = _call("build_optimizer", workload.build_optimizer, model, ctx)
-    optimizer, scheduler = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise StepOutputError(f"build_optimizer returned a {type(optimizer).__name__}: return a torch.optim optimizer, or (optimizer, scheduler)")
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise StepOutputError("build_optimizer returned ReduceLROnPlateau, which steps on a metric: the platform steps the scheduler once "
-                              "per training step, with no argument; use a step-based one (LambdaLR, CosineAnnealingLR)")
-    return optimizer, scheduler
+        return default_optimizer(model, hyperparameters), None
+    return checked_optimizer(_call("build_optimizer", workload.build_optimizer, model, ctx))
 
 
 def _call(hook: str, function: Any, *args: Any) -> Any:

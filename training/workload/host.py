@@ -25,6 +25,8 @@ from typing import Any
 from training.cluster import base_dir
 from training.hyperparameters import (
     CODE_CHANNEL,
+    PLATFORM_CHANNEL,
+    RESUME_CHANNEL,
     HyperparameterError,
     PlatformSettings,
     load_hyperparameters,
@@ -33,7 +35,7 @@ from training.hyperparameters import (
 )
 from training.trainers.config import WorkloadConfig
 from training.workload.code import PACKAGES_DIR, find_archive, install_requirements, unpack_code
-from training.workload.contexts import ChannelContext
+from training.workload.contexts import ChannelContext, routed_channel
 from training.workload.contract import Workload, WorkloadError, load_workload, resolve_hyperparameters
 from training.workload.samples import FeatureSpec, list_channel, probe_features
 
@@ -63,7 +65,7 @@ def split_settings(raw: Mapping[str, Any], workload: Workload, token: str) -> tu
 def channel_folders(environ: Mapping[str, str] = os.environ) -> dict[str, Path]:
     """The channels this host received (the platform's own are not the workload's)."""
     root = base_dir(environ) / "input" / "data"
-    skip = {"platform", "resume", CODE_CHANNEL}
+    skip = {PLATFORM_CHANNEL, RESUME_CHANNEL, CODE_CHANNEL}
     return {path.name: path for path in sorted(root.iterdir()) if path.is_dir() and path.name not in skip} if root.is_dir() else {}
 
 
@@ -84,7 +86,7 @@ class PreparedWorkload:
         return list_channel(self.workload, ctx)
 
     def channel(self, name: str) -> Path:
-        return ChannelContext(channel=name, path=Path(), training=True, hyperparameters={}, channels=self.channels).channel_path(name)
+        return routed_channel(self.channels, name)
 
     def features(self, samples: Sequence[Any], *, training: bool) -> tuple[FeatureSpec, ...]:
         return probe_features(self.workload, samples, seed=self.config.seed, hyperparameters=self.hyperparameters, training=training)
