@@ -95,7 +95,15 @@ from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DI
 from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
 from training.workload.code import CodeError
 from training.workload.contract import WorkloadError
-from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_PACKAGES_ENV, PreparedWorkload, prepare, unpack_on_host
+from training.workload.host import (
+    WORKLOAD_DIR_ENV,
+    WORKLOAD_MODULE_ENV,
+    WORKLOAD_PACKAGES_ENV,
+    PreparedWorkload,
+    builtin_workload,
+    prepare,
+    unpack_on_host,
+)
 
 if TYPE_CHECKING:
     from training.data_service.control import FailureReports
@@ -1082,14 +1090,19 @@ def main() -> int:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
-        if hyperparameters.get("workload_module"):
-            # A user workload, before the role split: its code unpacked, installed, imported and checked
-            # on every host, and the job's hyperparameters split between platform, loop and workload.
-            platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
-            code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()}))
-            workload = prepare(code_dir, packages_dir, raw=hyperparameters)
+        if hyperparameters.get("workload_module") or variant.user_workloads:
+            # A PyTorch workload, before the role split: a user's code unpacked, installed, imported and
+            # checked on every host (a built-in's is in the image), and the job's hyperparameters split
+            # between platform, loop and workload.
+            module = ""
+            if hyperparameters.get("workload_module"):
+                platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
+                code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()}))
+            else:
+                code_dir, module = builtin_workload(variant)
+            workload = prepare(code_dir, packages_dir, raw=hyperparameters, module=module)
             settings, config = workload.settings, workload.config
-            trainer_env = {WORKLOAD_DIR_ENV: str(code_dir), WORKLOAD_PACKAGES_ENV: str(packages_dir or "")}
+            trainer_env = {WORKLOAD_DIR_ENV: str(code_dir), WORKLOAD_PACKAGES_ENV: str(packages_dir or ""), WORKLOAD_MODULE_ENV: module}
         else:
             settings, config = load_settings(variant.config, hyperparameters=hyperparameters)
         settings.check_cluster(cluster)

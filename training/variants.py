@@ -7,6 +7,7 @@ Standard library only, so the validation Lambda can import it without the traini
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from training.trainers.config import KerasVisionConfig, TextConfig, VisionConfig, WorkloadConfig
 
@@ -15,7 +16,9 @@ from training.trainers.config import KerasVisionConfig, TextConfig, VisionConfig
 class Variant:
     name: str
     module: str  # started on the DNN group (python -m <module>)
-    config: type  # the trainer's config dataclass: its fields are the hyperparameters it accepts
+    # The hyperparameters its built-in workload accepts (a dataclass); for the PyTorch variants, the loop's
+    # and the built-in module's (training/workloads/<workload>.py), held equal to them by a test.
+    config: type
     workloads: tuple[str, ...]
     distributions: tuple[str, ...]
     has_data_service: bool  # whether CPU data groups can feed it
@@ -28,17 +31,21 @@ class Variant:
     user_workloads: bool = False
 
 
-# The trainer of every user workload, and its settings; the workload's own hyperparameters come on top.
+# The trainer of every PyTorch workload, built-in or a user's, and its settings; the workload's own
+# hyperparameters come on top.
 WORKLOAD_TRAINER = "training.trainers.pytorch_runtime"
 WORKLOAD_CONFIG = WorkloadConfig
 # The name a spec's "workload" takes when it is a user's module ({"code": ..., "module": ...}).
 USER_WORKLOAD = "user"
+# The built-in PyTorch workloads: contract modules (vision.py, text.py) in this folder of the image, loaded
+# exactly as a user's code folder is (on the import path, by module name, checked against the contract).
+BUILTIN_WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
 
 
 VARIANTS: dict[str, Variant] = {
     "pytorch": Variant(
         name="pytorch",
-        module="training.trainers.pytorch_vision",
+        module=WORKLOAD_TRAINER,
         config=VisionConfig,
         workloads=("vision",),
         distributions=("torchrun", "none"),
@@ -60,7 +67,7 @@ VARIANTS: dict[str, Variant] = {
     ),
     "neuron": Variant(
         name="neuron",
-        module="training.trainers.xla_text",
+        module=WORKLOAD_TRAINER,
         config=TextConfig,
         workloads=("text",),
         distributions=("torchrun",),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,6 +49,7 @@ DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 # The augmentation's parameter ranges (the same in pil_reference.py and the TensorFlow pipeline).
 JITTER_STRENGTH = 0.4  # brightness, contrast, saturation factors in [0.6, 1.4]
 ROTATION_DEGREES = 15.0
+EVAL_CROP = 0.875  # of the shorter side: the validation centre crop (ImageNet's 224 of 256)
 BLUR_RADIUS = (0.1, 1.5)  # the Gaussian's standard deviation, pixels
 SHARPNESS = (0.5, 2.0)
 AUTOCONTRAST_CUTOFF = 1  # percent of pixels clipped at each end of each channel's histogram
@@ -80,6 +81,14 @@ def load_and_augment(path: SampleSource, rng: np.random.Generator, config: Augme
     return np.stack(cv2.split(image))  # (height, width, 3) → (3, height, width), one copy
 
 
+def load_for_eval(path: SampleSource, size: int, draft: bool = True) -> np.ndarray:
+    """One validation sample, the same every time: the centre crop holding EVAL_CROP of the shorter side,
+    resized to size × size (torchvision's Resize(size / 0.875) + CenterCrop(size)), as uint8 (3, size,
+    size). Raises a DECODE_ERRORS error for a file that is not a decodable image."""
+    image = decode_crop(path, np.random.default_rng(0), size, draft, box_of=centre_box)
+    return np.stack(cv2.split(image))
+
+
 class Decoded(NamedTuple):
     """An image decoded for one crop: the pixels at 1/``reduction`` of the full size (full-size pixel x
     lies at x / reduction in them), and the crop ``box`` in full-size pixels."""
@@ -90,24 +99,25 @@ class Decoded(NamedTuple):
     reduction: int
 
 
-def decode_crop(path: SampleSource, rng: np.random.Generator, size: int, draft: bool = True) -> np.ndarray:
-    """The random crop of the image at ``path``, resized to size × size: RGB uint8 (size, size, 3)."""
-    decoded = decode_for_crop(path, rng, size, draft)
+def decode_crop(path: SampleSource, rng: np.random.Generator, size: int, draft: bool = True, box_of: BoxChooser | None = None) -> np.ndarray:
+    """The random crop of the image at ``path`` (or the one ``box_of`` chooses), resized to size × size:
+    RGB uint8 (size, size, 3)."""
+    decoded = decode_for_crop(path, rng, size, draft, box_of)
     resized = resize_box(decoded.pixels, decoded.box, decoded.reduction, size)
     # OpenCV decodes to BGR: the channels are swapped after the resize, on the fewest pixels.
     return cv2.cvtColor(resized, cv2.COLOR_BGR2RGB) if decoded.bgr else resized
 
 
-def decode_for_crop(path: SampleSource, rng: np.random.Generator, size: int, draft: bool = True) -> Decoded:
+def decode_for_crop(path: SampleSource, rng: np.random.Generator, size: int, draft: bool = True, box_of: BoxChooser | None = None) -> Decoded:
     """Draw the crop from the header, then decode at the largest reduction that leaves it ≥ ``size``."""
     data = read_sample(path)
     header = jpeg_size(data)
     if header is None:  # another format, or a JPEG OpenCV's path does not take: PIL decodes it
-        return decode_for_crop_pil(data, rng, size, draft)
+        return decode_for_crop_pil(data, rng, size, draft, box_of)
     width, height = header
     if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:  # PIL's own refusal
         raise Image.DecompressionBombError(f"{path}: {width}×{height} pixels is over twice Image.MAX_IMAGE_PIXELS")
-    box, reduction = plan_crop(width, height, rng, size, draft)  # from the header: nothing is decoded yet
+    box, reduction = plan_crop(width, height, rng, size, draft, box_of)  # from the header: nothing is decoded yet
     try:
         bgr = cv2.imdecode(data, _OPENCV_READ[reduction])
     except cv2.error as error:
@@ -117,12 +127,12 @@ def decode_for_crop(path: SampleSource, rng: np.random.Generator, size: int, dra
     return Decoded(bgr, True, box, reduction)
 
 
-def decode_for_crop_pil(data: np.ndarray, rng: np.random.Generator, size: int, draft: bool) -> Decoded:
+def decode_for_crop_pil(data: np.ndarray, rng: np.random.Generator, size: int, draft: bool, box_of: BoxChooser | None = None) -> Decoded:
     """decode_for_crop for what OpenCV's path does not take: PIL reads the header, decodes (a JPEG at a
     DCT reduction, as OpenCV would) and refuses what is not a whole image."""
     with Image.open(io.BytesIO(data)) as source:
         width, height = source.size
-        box, reduction = plan_crop(width, height, rng, size, draft)
+        box, reduction = plan_crop(width, height, rng, size, draft, box_of)
         if reduction > 1:  # a no-op for formats without DCT scaling (PNG, ...)
             # PIL takes the largest scale with width // (requested width) at least it: floor, not ceil.
             source.draft("RGB", (width // reduction, height // reduction))
@@ -273,9 +283,22 @@ def crop_box(
     return left, top, left + side, top + side
 
 
-def plan_crop(width: int, height: int, rng: np.random.Generator, size: int, draft: bool = True) -> tuple[tuple[int, int, int, int], int]:
-    """The random crop of a width × height image and the decode reduction for it (1 without ``draft``)."""
-    box = crop_box(width, height, rng)
+def centre_box(width: int, height: int, _rng: np.random.Generator | None = None) -> tuple[int, int, int, int]:
+    """The validation crop: a centred square of EVAL_CROP of the shorter side. Pure."""
+    side = max(1, round(min(width, height) * EVAL_CROP))
+    left, top = (width - side) // 2, (height - side) // 2
+    return left, top, left + side, top + side
+
+
+# (width, height, rng) → the crop box (left, top, right, bottom) in full-size pixels.
+BoxChooser = Callable[[int, int, np.random.Generator], tuple[int, int, int, int]]
+
+
+def plan_crop(width: int, height: int, rng: np.random.Generator, size: int, draft: bool = True,
+              box_of: BoxChooser | None = None) -> tuple[tuple[int, int, int, int], int]:
+    """The random crop of a width × height image (or ``box_of``'s) and the decode reduction for it (1
+    without ``draft``)."""
+    box = (box_of or crop_box)(width, height, rng)
     return box, draft_reduction(box, size) if draft else 1
 
 

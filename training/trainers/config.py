@@ -105,18 +105,6 @@ class ImageClassificationConfig(LoopConfig):
 
 
 @dataclass(frozen=True)
-class VisionConfig(ImageClassificationConfig):
-    """The PyTorch image-classification trainer (training/trainers/pytorch_vision.py): "cnn", "resnet18"
-    or "resnet50" (torchvision); preprocessing in training/data_service/preprocess.py."""
-
-    limits: ClassVar[Mapping[str, tuple[float, float]]] = {"dataloader_workers": (-1, 256)}
-    model: str = "resnet18"
-    dataloader_workers: int = -1  # homogeneous jobs only; -1: this host's CPUs
-    channels_last: bool = True  # on GPUs: NHWC memory format, which tensor cores want (ignored on CPUs)
-    compile: bool = False  # torch.compile the model (a longer warm-up for a faster step)
-
-
-@dataclass(frozen=True)
 class KerasVisionConfig(ImageClassificationConfig):
     """The TensorFlow (Keras 3) image-classification trainer (training/trainers/tf_vision.py): "cnn" or
     "resnet50" (keras.applications, untrained); preprocessing in training/data_service/tf_pipeline.py."""
@@ -134,36 +122,6 @@ class KerasVisionConfig(ImageClassificationConfig):
 
 
 @dataclass(frozen=True)
-class TextConfig(LoopConfig):
-    """The PyTorch/XLA sequence-classification trainer (training/trainers/xla_text.py)."""
-
-    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
-        "eval_every": (0, 10_000_000), "max_seq_len": (8, 8192), "learning_rate": (1e-8, 1.0), "weight_decay": (0.0, 1.0),
-        "lr_warmup_fraction": (0.0, 0.99), "tokenize_chunk": (1, 1_000_000), "precompile_steps": (0, 10_000_000),
-    }
-
-    model: str = "bert-base-uncased"  # a Hugging Face name already in the image's cache, or a saved model folder
-    model_channel: str = ""  # when set, the model and tokenizer load from this input channel instead
-    eval_channel: str = ""  # CSV channel to evaluate on at the end (and every eval_every steps)
-    eval_every: int = 0  # steps between evaluations; 0: only at the end
-    max_seq_len: int = 128  # tokens per example after truncation and padding
-    learning_rate: float = 5e-5  # AdamW; the peak, after the warm-up, decaying linearly to zero at the end
-    weight_decay: float = 0.01
-    lr_warmup_fraction: float = 0.1  # of the steps, linear from zero (the Neuron BERT recipe's schedule)
-    tokenize_chunk: int = 4096  # texts per tokenizer call: bounds the tokenising host's memory
-    # N > 0: before training, run N steps under the Neuron SDK's neuron_parallel_compile (graph extraction
-    # only, outputs discarded), which compiles every graph in parallel into the compile cache.
-    precompile_steps: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.precompile_steps <= self.steps:
-            raise ValueError(f"precompile_steps must be in 0..steps ({self.steps}), got {self.precompile_steps}")
-        if self.eval_every and not self.eval_channel:
-            raise ValueError("eval_every needs an eval_channel to evaluate on")
-
-
-@dataclass(frozen=True)
 class WorkloadConfig(LoopConfig):
     """What the platform's loop takes for a user workload (training/trainers/pytorch_runtime.py); the
     workload's own hyperparameters are the ones its module declares (``HYPERPARAMETERS``), checked where
@@ -171,7 +129,7 @@ class WorkloadConfig(LoopConfig):
 
     limits: ClassVar[Mapping[str, tuple[float, float]]] = {
         "eval_every": (0, 10_000_000), "dataloader_workers": (-1, 256), "grad_clip_norm": (0.0, 1e6), "eval_batch_size": (0, 65_536),
-        "cached_input_batches": (0, 100_000),
+        "cached_input_batches": (0, 100_000), "precompile_steps": (0, 10_000_000),
     }
     precision: str = "auto"  # see PRECISIONS: autocast (and loss scaling for fp16) around the user's step
     eval_channel: str = ""  # the validation channel (read on the DNN group), evaluated every eval_every steps and at the end
@@ -182,6 +140,10 @@ class WorkloadConfig(LoopConfig):
     # N > 0: cycle the first N real batches in memory: the model's step time with no input cost (the
     # train-only figure of the profile, training/local/profile.py, and of bench/offload.py)
     cached_input_batches: int = 0
+    compile: bool = False  # torch.compile the model on GPUs and CPUs (a longer warm-up for a faster step; XLA compiles anyway)
+    # XLA: N > 0 runs N steps first under the Neuron SDK's neuron_parallel_compile (graph extraction only,
+    # outputs discarded), which compiles every graph of the step in parallel into the compile cache.
+    precompile_steps: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -189,3 +151,64 @@ class WorkloadConfig(LoopConfig):
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.eval_every and not self.eval_channel:
             raise ValueError("eval_every needs an eval_channel to validate on")
+        if not 0 <= self.precompile_steps <= self.steps:
+            raise ValueError(f"precompile_steps must be in 0..steps ({self.steps}), got {self.precompile_steps}")
+
+
+# The built-in workloads' settings, for the platform's spec validation (which imports no torch): the
+# loop's (WorkloadConfig) and the module's own HYPERPARAMETERS (training/workloads/<name>.py), with the
+# module's LOOP_DEFAULTS; tests/training/test_builtin_workloads.py holds them equal to the modules'.
+
+
+@dataclass(frozen=True)
+class VisionConfig(WorkloadConfig):
+    """The built-in image classifier (training/workloads/vision.py): "cnn", "resnet18" or "resnet50"
+    (torchvision), both augmentation recipes of training/data_service/preprocess.py."""
+
+    models: ClassVar[tuple[str, ...]] = MODELS
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "cnn_width": (1, 1024), "image_size": (8, 1024), "learning_rate": (1e-8, 10.0), "momentum": (0.0, 0.999),
+        "weight_decay": (0.0, 1.0), "lr_warmup_fraction": (0.0, 0.99), "label_smoothing": (0.0, 0.5),
+    }
+    model: str = "resnet18"
+    cnn_width: int = 32  # channels of the first "cnn" layer; doubles per stage
+    image_size: int = 128  # side of the square crops fed to the model
+    augment: str = "standard"  # "standard" or "heavy"
+    # SGD with momentum, per worker: with W workers the peak is W × learning_rate (linear scaling), reached
+    # by a linear warm-up over lr_warmup_fraction of the steps, then a cosine decay to zero at the last step.
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4  # SGD's (coupled, torchvision's recipe), on convolution and linear weights only: not on norms or biases
+    scale_lr: bool = True
+    lr_warmup_fraction: float = 0.05
+    label_smoothing: float = 0.0
+    channels_last: bool = True  # on GPUs: NHWC memory format, which tensor cores want (ignored on CPUs)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in self.models:
+            raise ValueError(f"model must be one of {self.models}, got {self.model!r}")
+        AugmentConfig(image_size=self.image_size, augment=self.augment)  # raises on a bad size or augmentation
+
+    @property
+    def augment_config(self) -> AugmentConfig:
+        return AugmentConfig(image_size=self.image_size, augment=self.augment)
+
+
+@dataclass(frozen=True)
+class TextConfig(WorkloadConfig):
+    """The built-in sequence classifier for Trainium (training/workloads/text.py): a Hugging Face model
+    (BERT) fine-tuned with AdamW, tokenised once per node."""
+
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "max_seq_len": (8, 8192), "learning_rate": (1e-8, 1.0), "weight_decay": (0.0, 1.0), "lr_warmup_fraction": (0.0, 0.99),
+        "tokenize_chunk": (1, 1_000_000),
+    }
+    grad_clip_norm: float = 1.0  # the module's LOOP_DEFAULTS
+    model: str = "bert-base-uncased"  # a Hugging Face name already in the image's cache, or a saved model folder
+    model_channel: str = ""  # when set, the model and tokenizer load from this input channel instead
+    max_seq_len: int = 128  # tokens per example after truncation and padding
+    learning_rate: float = 5e-5  # AdamW; the peak, after the warm-up, decaying linearly to zero at the end
+    weight_decay: float = 0.01
+    lr_warmup_fraction: float = 0.1  # of the steps, linear from zero (the Neuron BERT recipe's schedule)
+    tokenize_chunk: int = 4096  # texts per tokenizer call: bounds the tokenising host's memory

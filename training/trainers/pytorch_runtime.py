@@ -44,6 +44,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from training.cluster import ClusterConfigError, host_addresses, load_cluster
+from training.cluster import ClusterConfigError, base_dir, host_addresses, load_cluster
 from training.data_service import codec
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
@@ -82,6 +83,7 @@ from training.workload.samples import (
     AllSkippedError,
     FeatureSpec,
     check_features,
+    classes_of,
     preprocess_one,
     sample_rng,
 )
@@ -157,26 +159,29 @@ def batch_shapes(batch: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]
     return {name: tuple(tensor.shape) for name, tensor in batch.items()}
 
 
-def tagged_order(size: int, *, rank: int, world_size: int, seed: int, start: int) -> Iterator[tuple[int, int]]:
+def tagged_order(size: int, *, rank: int, world_size: int, seed: int, start: int, shard_ends: Sequence[int] = ()) -> Iterator[tuple[int, int]]:
     """(epoch, index) for this rank, endlessly, from ``start`` samples in: EndlessSampler's order with the
-    epoch beside each index (preprocess draws from (seed, epoch, index))."""
+    epoch beside each index (preprocess draws from (seed, epoch, index)); tar shards (``shard_ends``)
+    in their streaming order."""
     per_epoch = size // world_size
     if per_epoch == 0:
         raise ShardTooSmallError(f"{size} samples cannot give each of {world_size} trainer processes one")
     epoch, offset = divmod(start, per_epoch)
     while True:
-        for index in rank_share(epoch_order(size, seed, epoch), rank, world_size)[offset:]:
+        for index in rank_share(epoch_order(size, seed, epoch, shard_ends=shard_ends), rank, world_size)[offset:]:
             yield epoch, index
         epoch, offset = epoch + 1, 0
 
 
 class TaggedSampler(torch.utils.data.Sampler):
-    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, start: int) -> None:
-        tagged_order(size, rank=rank, world_size=world_size, seed=seed, start=start)  # refuses too few samples now
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, start: int, shard_ends: Sequence[int] = ()) -> None:
+        next(tagged_order(size, rank=rank, world_size=world_size, seed=seed, start=start, shard_ends=shard_ends))  # refuses too few samples now
         self.size, self.rank, self.world_size, self.seed, self.start = size, rank, world_size, seed, start
+        self.shard_ends = tuple(shard_ends)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return tagged_order(self.size, rank=self.rank, world_size=self.world_size, seed=self.seed, start=self.start)
+        return tagged_order(self.size, rank=self.rank, world_size=self.world_size, seed=self.seed, start=self.start,
+                            shard_ends=self.shard_ends)
 
 
 class LocalSamples(Dataset):
@@ -284,7 +289,7 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
             torch.backends.cudnn.benchmark = True
         self.ctx = TrainContext(hyperparameters=prepared.hyperparameters, device=self.device, rank=rank, world_size=world_size,
                                 local_rank=local_rank, steps=config.steps, classes=self.classes, num_samples=num_samples,
-                                precision=self.precision, is_xla=xla)
+                                precision=self.precision, is_xla=xla, channels=prepared.channels)
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         self.module = self._build_model()
         if xla and world_size > 1:
@@ -293,6 +298,8 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         self.model: nn.Module = self.module
         if world_size > 1 and not xla:
             self.model = DistributedDataParallel(self.module, device_ids=[local_rank] if gpu else None)
+        if config.compile and not xla:  # XLA compiles every step's graph anyway
+            self.model = torch.compile(self.model)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type if not xla else "cpu", enabled=self.precision == "fp16")
         self.skipped_samples = 0
@@ -342,7 +349,7 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         workers = self.cpus if self.runtime.dataloader_workers < 0 else self.runtime.dataloader_workers
         try:
             sampler = TaggedSampler(len(self.samples), rank=self.rank, world_size=self.world_size, seed=self.runtime.seed,
-                                    start=self.resume_samples)
+                                    start=self.resume_samples, shard_ends=getattr(self.samples, "shard_ends", ()))
         except ShardTooSmallError as error:
             raise DataExhaustedError(str(error)) from None
         loader = DataLoader(dataset, batch_size=self.runtime.batch_size, sampler=sampler, num_workers=workers,
@@ -639,6 +646,20 @@ def _to_cpu(value: Any) -> Any:
 
 
 
+# Set by neuron_parallel_compile while it runs the trainer to collect its graphs (tensors hold no values).
+GRAPH_EXTRACTION_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
+
+
+def graph_extraction_run(config: WorkloadConfig, scratch: Path) -> tuple[WorkloadConfig, OutputPaths]:
+    """Under neuron_parallel_compile (``precompile_steps``): that many steps (every graph of a step is seen
+    after a few), a checkpoint and a validation (their graphs too), into a scratch folder, never the job's
+    own outputs (its tensors are zeros: a checkpoint of them would be resumed from). Pure."""
+    steps = max(2, config.precompile_steps)
+    extraction = replace(config, steps=steps, warmup_steps=min(config.warmup_steps, steps - 1), checkpoint_every=0, eval_every=0,
+                         precompile_steps=0)
+    return extraction, OutputPaths.under(scratch)
+
+
 def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
     cluster = load_cluster(environ)
     prepared = prepared_workload(environ)
@@ -663,6 +684,9 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         host_group = host_collectives.host_group()
     paths = OutputPaths.from_environment(environ)
+    extracting = xla and bool(environ.get(GRAPH_EXTRACTION_ENV))
+    if extracting:
+        config, paths = graph_extraction_run(config, base_dir(environ) / "precompile")
     common: dict[str, Any] = dict(prepared=prepared, rank=rank, world_size=world_size, local_rank=local_rank, cpus=cpus, xla=xla,
                                   host_group=host_group)
     eval_samples, eval_features = None, ()
@@ -694,14 +718,15 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
                                      pin_memory=torch.cuda.is_available() and not xla,
                                      # Every host must serve these (the first host's word): another is refused by name.
                                      features=wire)
-        return WorkloadTrainer(config, paths, classes=classes, features=features, num_samples=int(info.num_samples),
-                               source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
-    samples = prepared.list(settings.data_channel, training=True)
-    features = prepared.features(samples, training=True)
-    from training.workload.samples import classes_of
-
-    return WorkloadTrainer(config, paths, classes=classes_of(samples), features=features, num_samples=len(samples), source="local",
-                           samples=samples, **common)
+        trainer = WorkloadTrainer(config, paths, classes=classes, features=features, num_samples=int(info.num_samples),
+                                  source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
+    else:
+        samples = prepared.list(settings.data_channel, training=True)
+        features = prepared.features(samples, training=True)
+        trainer = WorkloadTrainer(config, paths, classes=classes_of(samples), features=features, num_samples=len(samples), source="local",
+                                  samples=samples, **common)
+    trainer.report_metrics = not extracting  # a graph extraction's step times are not the job's
+    return trainer
 
 
 def main() -> int:

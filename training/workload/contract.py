@@ -10,6 +10,7 @@ precision, backward and the optimizer step, the stop vote, checkpoints, validati
 summary), so that the same file trains homogeneous, heterogeneous and on Trainium.
 
     HYPERPARAMETERS = {"learning_rate": 0.01}          # optional: the module's own, with their defaults
+    LOOP_DEFAULTS = {"grad_clip_norm": 1.0}            # optional: its defaults for the platform loop's settings
     def list_samples(ctx): ...                         # a channel's samples: small picklable items
     def preprocess(sample, ctx): ...                   # CPU, ctx.rng seeded by the platform → dict of arrays
     def build_model(ctx): ...                          # a torch.nn.Module
@@ -32,7 +33,7 @@ import inspect
 import sys
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,8 @@ class Workload:
     code_dir: Path
     hooks: Mapping[str, Callable[..., Any]]
     hyperparameters: Mapping[str, bool | int | float | str]  # declared defaults
+    # The module's defaults for the platform loop's settings (WorkloadConfig's fields), under the job's.
+    loop_defaults: Mapping[str, bool | int | float | str] = field(default_factory=lambda: types.MappingProxyType({}))
 
     @property
     def file(self) -> str:
@@ -157,7 +160,31 @@ def check_module(loaded: types.ModuleType, name: str, code_dir: Path) -> Workloa
     bad = {key: value for key, value in declared.items() if not isinstance(value, HYPERPARAMETER_TYPES)}
     if bad:
         raise WorkloadError(f"HYPERPARAMETERS in {where}: {bad} are not bool, int, float or str (SageMaker passes hyperparameters as strings)")
-    return Workload(loaded, name, code_dir, types.MappingProxyType(hooks), types.MappingProxyType(dict(declared)))
+    return Workload(loaded, name, code_dir, types.MappingProxyType(hooks), types.MappingProxyType(dict(declared)),
+                    types.MappingProxyType(_loop_defaults(loaded, where)))
+
+
+def _loop_defaults(loaded: types.ModuleType, where: str) -> dict[str, Any]:
+    """The module's LOOP_DEFAULTS, checked: names of the loop's settings (WorkloadConfig), each of the
+    setting's type (a misspelt one would silently be ignored)."""
+    from dataclasses import MISSING, fields
+
+    from training.trainers.config import WorkloadConfig
+
+    declared = getattr(loaded, "LOOP_DEFAULTS", {})
+    if not isinstance(declared, Mapping):
+        raise WorkloadError(f"LOOP_DEFAULTS in {where} must be a dict of loop setting → default value")
+    settings = {item.name: item.default for item in fields(WorkloadConfig) if item.default is not MISSING}
+    for key, value in declared.items():
+        if key not in settings:
+            close = difflib.get_close_matches(str(key), list(settings), n=1)
+            raise WorkloadError(f"LOOP_DEFAULTS in {where} names {key!r}, which is not a setting of the platform's loop"
+                                + (f" (did you mean {close[0]!r}?)" if close else f"; they are {sorted(settings)}"))
+        expected = type(settings[key])
+        kinds = (int, float) if expected is float else (expected,)  # an int is a fine float
+        if not isinstance(value, kinds) or (isinstance(value, bool) and expected is not bool):
+            raise WorkloadError(f"LOOP_DEFAULTS in {where}: {key}={value!r} is not a {expected.__name__}")
+    return dict(declared)
 
 
 def _defined(loaded: types.ModuleType) -> list[str]:

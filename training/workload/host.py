@@ -9,6 +9,7 @@ data host serves or any trainer starts. The trainer processes it then starts fin
 environment (``prepared_workload``) and load the same module the same way.
 
     WORKLOAD_DIR_ENV  the unpacked code folder      WORKLOAD_PACKAGES_ENV  its installed requirements
+    WORKLOAD_MODULE_ENV  the module, for a built-in (training/workloads/, in the image: nothing unpacked)
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ log = logging.getLogger(__name__)
 
 WORKLOAD_DIR_ENV = "TRAINING_WORKLOAD_DIR"
 WORKLOAD_PACKAGES_ENV = "TRAINING_WORKLOAD_PACKAGES"
+WORKLOAD_MODULE_ENV = "TRAINING_WORKLOAD_MODULE"  # the module to import (a built-in's; a user's is the job's workload_module)
+
+
+def builtin_workload(variant: Any) -> tuple[Path, str]:
+    """(code folder, module) of a PyTorch variant's built-in workload (training/workloads/)."""
+    from training.variants import BUILTIN_WORKLOADS_DIR
+
+    return BUILTIN_WORKLOADS_DIR, variant.workloads[0]
 
 
 def workload_keys(workload: Workload) -> frozenset[str]:
@@ -57,7 +66,9 @@ def split_settings(raw: Mapping[str, Any], workload: Workload, token: str) -> tu
     if clashes:
         raise HyperparameterError(f"the workload declares {clashes} in HYPERPARAMETERS ({workload.file}), which the platform's loop "
                                   "or launcher sets: rename them (they would mean two things), or read the loop's from ctx")
-    platform, config = parse_settings({key: value for key, value in raw.items() if key not in workload_keys(workload)}, WorkloadConfig,
+    # The module's LOOP_DEFAULTS under the job's own values (SageMaker passes strings; so do these).
+    loop = {key: str(value) for key, value in workload.loop_defaults.items()} | dict(raw)
+    platform, config = parse_settings({key: value for key, value in loop.items() if key not in workload_keys(workload)}, WorkloadConfig,
                                       token, also_known=workload_keys(workload))
     return platform, config, resolve_hyperparameters(workload, raw)
 
@@ -82,7 +93,7 @@ class PreparedWorkload:
 
     def list(self, channel: str, *, training: bool) -> Sequence[Any]:
         ctx = ChannelContext(channel=channel, path=self.channel(channel), training=training, hyperparameters=self.hyperparameters,
-                             channels=self.channels)
+                             channels=self.channels, training_channel=self.settings.data_channel)
         return list_channel(self.workload, ctx)
 
     def channel(self, name: str) -> Path:
@@ -93,10 +104,11 @@ class PreparedWorkload:
 
 
 def prepare(code_dir: Path, packages_dir: Path | None, environ: Mapping[str, str] = os.environ,
-            raw: Mapping[str, Any] | None = None) -> PreparedWorkload:
-    """Load and check the workload in ``code_dir`` against this host's job."""
+            raw: Mapping[str, Any] | None = None, module: str = "") -> PreparedWorkload:
+    """Load and check the workload in ``code_dir`` against this host's job: ``module``, or the job's
+    workload_module (a user's)."""
     raw = load_hyperparameters(environ) if raw is None else raw
-    module = str(raw.get("workload_module", ""))
+    module = module or str(raw.get("workload_module", ""))
     workload = load_workload(code_dir, module, packages_dir)
     settings, config, hyperparameters = split_settings(raw, workload, load_shutdown_token(environ))
     if config.eval_channel and not workload.has("eval_step"):
@@ -111,7 +123,7 @@ def prepared_workload(environ: Mapping[str, str] = os.environ) -> PreparedWorklo
     except KeyError:
         raise HyperparameterError(f"{WORKLOAD_DIR_ENV} is not set: the launcher starts this trainer with the unpacked workload") from None
     packages = environ.get(WORKLOAD_PACKAGES_ENV) or None
-    return prepare(code_dir, Path(packages) if packages else None, environ)
+    return prepare(code_dir, Path(packages) if packages else None, environ, module=environ.get(WORKLOAD_MODULE_ENV, ""))
 
 
 def unpack_on_host(settings: PlatformSettings, environ: Mapping[str, str] = os.environ) -> tuple[Path, Path | None]:

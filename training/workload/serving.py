@@ -27,9 +27,11 @@ from training.workload.samples import BatchRecipe, BatchTrace, FeatureSpec, clas
 def host_listing(workload: Workload, channel: str, path: Path, hyperparameters: Mapping[str, Any],
                  channels: Mapping[str, Path]) -> ImageDataset:
     """The channel as the workload lists it, in the form the server describes and serves."""
-    ctx = ChannelContext(channel=channel, path=path, training=True, hyperparameters=hyperparameters, channels=channels)
+    ctx = ChannelContext(channel=channel, path=path, training=True, hyperparameters=hyperparameters, channels=channels,
+                         training_channel=channel)
     samples = list_channel(workload, ctx)
-    return ImageDataset(root=path, classes=classes_of(samples), samples=samples)
+    # Tar shards' members (Samples.shard_ends) are served shard by shard, as the homogeneous loader reads them.
+    return ImageDataset(root=path, classes=classes_of(samples), samples=samples, shard_ends=tuple(getattr(samples, "shard_ends", ())))
 
 
 def recipe_for(workload: Workload, listing: ImageDataset, *, packages_dir: Path | None, hyperparameters: Mapping[str, Any],
