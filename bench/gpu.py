@@ -3,7 +3,8 @@
     python bench/gpu.py [--rounds 3] [--steps 60] [--images 3000]      (any CUDA machine; make bench-gpu)
     python bench/gpu.py --dry-run                                        (this script's plumbing, on CPUs)
 
-1. Train-only, input already on the device (ResNet50, 224², batch 128), the real VisionTrainer's step:
+1. Train-only, input already on the device (ResNet50, 224², batch 128), the runtime's step of the built-in
+   vision workload (training/workloads/vision.py, through training/trainers/pytorch_runtime.py):
    fp32 as PyTorch runs by default, against the trainer's defaults (``precision=auto``: bf16 on Ampere and
    later; channels_last; cuDNN autotuning), and the defaults with ``compile=true``. Rounds interleave the
    configurations; each is a mean step over its steps (one step in flight, as in training), the median
@@ -34,9 +35,7 @@ import torch  # noqa: E402
 from training.local.cluster import EmulatedCluster, EmulationOptions  # noqa: E402
 from training.local.demo import load_spec, quiet  # noqa: E402
 from training.local.images import write_dataset  # noqa: E402
-from training.trainers.config import VisionConfig  # noqa: E402
-from training.trainers.loop import OutputPaths  # noqa: E402
-from training.trainers.pytorch_vision import VisionBatch, VisionTrainer  # noqa: E402
+from training.local.single_host import single_host_trainer  # noqa: E402
 
 FULL = {"model": "resnet50", "image_size": 224, "batch_size": 128}
 DRY = {"model": "cnn", "cnn_width": 8, "image_size": 64, "batch_size": 16}
@@ -47,17 +46,16 @@ TRAIN_ONLY = {
 }
 
 
-def train_only_ms(settings: dict, steps: int, warmup: int) -> float:
-    """Mean step time of the real trainer's train_step on a batch already on the device."""
-    config = VisionConfig(**(settings | {"steps": steps + warmup, "warmup_steps": warmup}))
+def train_only_ms(settings: dict, steps: int, warmup: int, classes: Path) -> float:
+    """Mean step time of the runtime's train_step for the built-in vision workload (the job's trainer,
+    built from a one-host job folder as a job builds it) on a batch already on the device."""
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = VisionTrainer(config, OutputPaths.under(Path(scratch)), classes=[str(c) for c in range(1000)], source="local")
-        size = config.image_size
-        batch = VisionBatch(
-            torch.randint(0, 256, (config.batch_size, 3, size, size), dtype=torch.uint8, device=trainer.device),
-            torch.randint(0, 1000, (config.batch_size,), device=trainer.device),
-            0,
-        )
+        trainer = single_host_trainer(Path(scratch), settings | {"steps": steps + warmup, "warmup_steps": warmup}, {"train": classes})
+        size, batch_size = trainer.prepared.hyperparameters["image_size"], trainer.runtime.batch_size
+        batch = {
+            "image": torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=trainer.device),
+            "label": torch.randint(0, len(trainer.classes), (batch_size,), device=trainer.device),
+        }
         for _ in range(warmup):
             trainer.train_step(batch)
         trainer.settle()
@@ -99,9 +97,12 @@ def main() -> int:
     # 1. Train-only.
     names = list(TRAIN_ONLY) if not args.dry_run else ["fp32", "defaults"]
     measured: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(args.rounds):
-        for name in names:
-            measured[name].append(train_only_ms(sizes | TRAIN_ONLY[name], args.steps, warmup=5 if args.dry_run else 15))
+    with tempfile.TemporaryDirectory() as scratch:
+        # 1000 class folders of one tiny image: the model's head has ImageNet's 1000 classes.
+        classes = write_dataset(Path(scratch) / "classes", classes=10 if args.dry_run else 1000, per_class=1, size=32)
+        for _ in range(args.rounds):
+            for name in names:
+                measured[name].append(train_only_ms(sizes | TRAIN_ONLY[name], args.steps, warmup=5 if args.dry_run else 15, classes=classes))
     fp32 = statistics.median(measured["fp32"])
     print(f"\ntrain-only, {sizes['model']} {sizes['image_size']}² batch {sizes['batch_size']}, input on the device:")
     print(f"{'configuration':<18} {'ms/step':>9} {'images/s':>9} {'× fp32':>7}")

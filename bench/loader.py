@@ -2,14 +2,16 @@
 
     python bench/loader.py [--rounds 3] [--batches 60] [--workers 1] [--train-steps 0]
 
-Both sides run the same preprocessing (training/data_service/preprocess.py) with ``--workers`` worker
-processes pinned to the same CPUs, and are read by a consumer pinned to another CPU that takes batches
-as fast as they come (no model: this times the input alone):
+Both sides run the built-in vision workload's preprocess (training/workloads/vision.py: the OpenCV
+pipeline of training/data_service/preprocess.py) with ``--workers`` worker processes pinned to the same
+CPUs, and are read by a consumer pinned to another CPU that takes batches as fast as they come (no
+model: this times the input alone), each side as its job runs it:
 
-- data host: the real gRPC data server (serve(): BatchProducer and its worker processes) in its own
-  process, read over loopback by the trainer's client (DataServiceDataset), as a heterogeneous job reads;
-- DataLoader: the homogeneous trainer's loader (pytorch_vision.local_loader: the endless per-rank
-  sampler, persistent workers, LocalImages, collate_skipping).
+- data host: the real gRPC data server (serve() with WorkloadBatchProducer and its worker processes, as
+  the launcher's run_workload_data_host sets it up) in its own process, read over loopback by the
+  trainer's client (DataServiceDataset), as a heterogeneous job reads;
+- DataLoader: the homogeneous job's own loader, from the runtime's trainer built for a one-host job
+  (training/local/single_host.py): the endless per-rank sampler, the workers, collate_features.
 
 The dataset is small (128 images of 500 px, 4 batches an epoch), so every run crosses many epoch
 boundaries: a loader whose workers drained and restarted at each would show it as a mean batch interval
@@ -22,6 +24,7 @@ cluster for N steps, many epochs, and reports its step time's mean against its m
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -39,12 +42,14 @@ import torch  # noqa: E402
 
 from training.data_service.augmentation import AugmentConfig  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
-from training.data_service.dataset import scan_images  # noqa: E402
 from training.data_service.server import ServerSettings, serve  # noqa: E402
 from training.local.cluster import EmulatedCluster, EmulationOptions, free_port  # noqa: E402
 from training.local.demo import LOCAL_OVERRIDES, load_spec, quiet  # noqa: E402
 from training.local.images import write_dataset  # noqa: E402
-from training.trainers.pytorch_vision import LocalImages, collate_skipping, local_loader  # noqa: E402
+from training.local.single_host import single_host_trainer  # noqa: E402
+from training.variants import BUILTIN_WORKLOADS_DIR  # noqa: E402
+from training.workload.contract import load_workload, resolve_hyperparameters  # noqa: E402
+from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features  # noqa: E402
 
 TOKEN = "loader-benchmark-token"
 BATCH_SIZE = 32
@@ -57,19 +62,25 @@ def intervals(batches: Iterable, count: int, warmup: int = 4) -> list[float]:
         next(iterator)
     times = [time.perf_counter()]
     for _ in range(count):
-        images = next(iterator)[0]
+        images = next(iterator)["image"]
         assert images.dtype == torch.uint8
         times.append(time.perf_counter())
     return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
 
 
 def data_host(channel: str, augment: AugmentConfig, workers: int, cpus: set[int], port: int) -> None:
+    """A data host of the built-in vision workload, set up as the launcher sets one up."""
     os.sched_setaffinity(0, cpus)  # inherited by the spawned preprocessing workers
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    hyperparameters = resolve_hyperparameters(vision, {"image_size": str(augment.image_size), "augment": augment.augment})
+    listing = host_listing(vision, "train", Path(channel), hyperparameters, {"train": Path(channel)})
+    recipe = recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=0)
     settings = ServerSettings(
         host="bench", bind_address="127.0.92.2", port=port, channel="train", batch_size=BATCH_SIZE, augment=augment,
-        shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=120, workers=workers,
+        shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=120, workers=workers, features=wire_features(recipe.features),
     )
-    serve(settings, scan_images(Path(channel), "train", "bench"), 0, threading.Event())
+    producer = WorkloadBatchProducer(listing, recipe, batch_size=BATCH_SIZE, workers=workers, seed=0, queue_depth=settings.queue_depth)
+    serve(settings, listing, 0, threading.Event(), source=producer)
 
 
 def measure_data_host(channel: Path, augment: AugmentConfig, workers: int, cpus: set[int], count: int) -> list[float]:
@@ -79,7 +90,8 @@ def measure_data_host(channel: Path, augment: AugmentConfig, workers: int, cpus:
     server = context.Process(target=data_host, args=(str(channel), augment, workers, cpus, port))
     server.start()
     try:
-        dataset = DataServiceDataset([f"127.0.92.2:{port}"], BATCH_SIZE, TOKEN, "bench", connect_timeout_s=60)
+        dataset = DataServiceDataset([f"127.0.92.2:{port}"], BATCH_SIZE, TOKEN, "bench", connect_timeout_s=60,
+                                     features=list(codec_features(channel, augment)))
         return intervals(dataset, count)
     finally:
         server.terminate()  # SIGTERM: the data host stops its workers as it would on SageMaker
@@ -89,17 +101,27 @@ def measure_data_host(channel: Path, augment: AugmentConfig, workers: int, cpus:
             server.join()
 
 
+def codec_features(channel: Path, augment: AugmentConfig) -> tuple:
+    """What the vision workload's batches hold (the trainer names them to its client, as the runtime does)."""
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    hyperparameters = resolve_hyperparameters(vision, {"image_size": str(augment.image_size), "augment": augment.augment})
+    listing = host_listing(vision, "train", channel, hyperparameters, {"train": channel})
+    return wire_features(recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=0).features)
+
+
 def measure_dataloader(channel: Path, augment: AugmentConfig, workers: int, cpus: set[int], consumer: set[int], count: int) -> list[float]:
-    dataset = LocalImages(scan_images(channel, "train", "bench"), augment)
-    loader = local_loader(dataset, batch_size=BATCH_SIZE, rank=0, world_size=1, seed=0, start=0, workers=workers,
-                          pin_memory=False, collate_fn=collate_skipping)
-    os.sched_setaffinity(0, cpus)  # the workers start with the iterator and keep this affinity
-    iterator = iter(loader)
-    os.sched_setaffinity(0, consumer)
-    try:
-        return intervals(((batch.images, batch.labels) for batch in iterator), count)
-    finally:
-        del iterator  # shuts the workers down
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = single_host_trainer(Path(scratch), {"model": "cnn", "cnn_width": 8, "image_size": augment.image_size, "augment": augment.augment,
+                                                      "batch_size": BATCH_SIZE, "dataloader_workers": workers, "steps": 10**6},
+                                      {"train": channel})
+        os.sched_setaffinity(0, cpus)  # the workers start with the iterator and keep this affinity
+        iterator = trainer.batches()
+        first = next(iterator)
+        os.sched_setaffinity(0, consumer)
+        try:
+            return intervals(itertools.chain([first], iterator), count)
+        finally:
+            iterator.close()  # shuts the workers down
 
 
 def homogeneous_step_stats(channel: Path, steps: int) -> dict[str, float]:

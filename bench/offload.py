@@ -25,7 +25,6 @@ from training.local.cluster import EmulationOptions, plan_hosts  # noqa: E402
 from training.local.demo import LOCAL_OVERRIDES, load_spec, quiet, run_job  # noqa: E402
 from training.local.images import write_dataset  # noqa: E402
 from training.local.profile import Profile, preprocess_ms_per_batch, train_ms_per_step  # noqa: E402
-from training.trainers.config import VisionConfig  # noqa: E402
 
 
 def main() -> int:
@@ -38,7 +37,6 @@ def main() -> int:
     overrides = LOCAL_OVERRIDES | {"steps": args.steps}
     homogeneous = load_spec("pytorch-homogeneous.json", overrides)
     heterogeneous = load_spec("pytorch-heterogeneous.json", overrides)
-    config = VisionConfig(**overrides)
 
     def options(name: str) -> EmulationOptions:
         shutil.rmtree(workdir / name, ignore_errors=True)
@@ -50,7 +48,7 @@ def main() -> int:
     print(f"{'round':>5} {'preprocess ms/batch':>20} {'train-only ms':>14} {'ideal ms':>9} {'hetero ms':>10} {'hetero/ideal':>13}")
     for round_number in range(1, args.rounds + 1):
         profile = Profile(
-            preprocess_ms_per_batch(images, config, data_cpus),
+            preprocess_ms_per_batch(homogeneous, images, data_cpus),
             train_ms_per_step(homogeneous, options("train-only"), on_line=quiet),
         )
         hetero = run_job("heterogeneous", heterogeneous, options("heterogeneous"), progress=False)

@@ -25,6 +25,14 @@ def write_failure(message: str, environ: Mapping[str, str] = os.environ) -> None
     write_quietly(failure_path(environ), message[:1024])
 
 
+def write_first_failure(message: str, environ: Mapping[str, str] = os.environ) -> None:
+    """write_failure unless a reason is already there: for an error nothing named, which may be the
+    consequence of the first (a trainer orphaned by its killed torchrun finds the launcher's folders gone
+    after the launcher wrote why), never its cause's replacement."""
+    if not failure_path(environ).exists():
+        write_failure(message, environ)
+
+
 def write_quietly(path: Path, text: str) -> None:
     """Write a reason to ``path``; a full, read-only or missing tree is logged, never raised: it must not
     hide the reason itself, which the log still holds."""

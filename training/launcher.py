@@ -96,6 +96,7 @@ from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
 from training.workload.code import CodeError
 from training.workload.contract import WorkloadError
 from training.workload.host import (
+    CACHE_DIR_ENV,
     WORKLOAD_DIR_ENV,
     WORKLOAD_MODULE_ENV,
     WORKLOAD_PACKAGES_ENV,
@@ -1083,6 +1084,9 @@ def main() -> int:
     os.environ.setdefault(CONTAINER_STARTED_ENV, repr(time.time()))
     if os.getpid() == 1 or os.environ.get(SUPERVISE_ENV) == "1":
         return supervise([sys.executable, "-m", "training.launcher", *sys.argv[1:]])
+    # Node-local caches of workloads (the text built-in's tokenised channels) on the job's volume, not
+    # the container's own disk; every process on the host inherits it.
+    os.environ.setdefault(CACHE_DIR_ENV, str(base_dir() / "cache"))
     workload: PreparedWorkload | None = None
     packages_dir: Path | None = None
     trainer_env: dict[str, str] = {}

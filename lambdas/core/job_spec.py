@@ -590,9 +590,9 @@ def _check_code(spec: JobSpec, policy: SpecPolicy) -> None:
 
 
 def eval_channel_of(spec: JobSpec) -> str:
-    """The channel a user workload validates on (its eval_channel hyperparameter), "" when none or for a
-    built-in workload. Pure."""
-    if spec.code is None:
+    """The channel a PyTorch workload (built-in or a user's) validates on, on the DNN group: its
+    eval_channel hyperparameter, "" when none or for the tensorflow variant's workload. Pure."""
+    if not VARIANTS[spec.variant].user_workloads:
         return ""
     return str(spec.hyperparameters.get("eval_channel", ""))
 
@@ -601,7 +601,7 @@ def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
     if DATA_CHANNEL not in {channel.name for channel in spec.inputs}:
         raise JobSpecError("inputs", f"the job trains from a {DATA_CHANNEL!r} channel: add {{\"{DATA_CHANNEL}\": {{\"s3_uri\": \"s3://...\"}}}}")
     data_groups = {group.name for group in spec.data_groups}
-    # A user workload validates on the DNN group: its eval channel goes there, data groups need not read it.
+    # A PyTorch workload validates on the DNN group: its eval channel goes there, data groups need not read it.
     evaluated = eval_channel_of(spec)
     for channel in spec.inputs:
         if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:

@@ -46,6 +46,7 @@ from lambdas.core.job_spec import (
 )
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
 from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed, ms_per_batch_per_vcpu
+from training.variants import VARIANTS
 
 # Where each sweep's figures go in CloudWatch (the dashboard reads them there).
 METRIC_NAMESPACE = "HeterogeneousTraining/Sweeps"
@@ -96,9 +97,10 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
                           for name, channel in dict(spec.get("inputs", {})).items()}
     else:
         spec["instance_groups"] = [{"name": "data_group", "role": "data", "instance_type": data_instance_type, "count": count}, *dnn]
-        # The data group preprocesses the channels; a user workload's validation channel stays with the DNN
-        # group, which validates on it (job_spec requires it there).
-        evaluation = spec.get("hyperparameters", {}).get("eval_channel") if isinstance(spec.get("workload"), dict) else None
+        # The data group preprocesses the channels; a PyTorch workload's validation channel stays with the
+        # DNN group, which validates on it (job_spec requires it there).
+        variant = VARIANTS.get(str(spec.get("variant", "pytorch")))
+        evaluation = spec.get("hyperparameters", {}).get("eval_channel") if variant is not None and variant.user_workloads else None
         spec["inputs"] = {name: dict(channel) | {"groups": [dnn[0].get("name")] if name == evaluation else ["data_group"]}
                           for name, channel in dict(spec.get("inputs", {})).items()}
     return spec

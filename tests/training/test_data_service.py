@@ -57,10 +57,23 @@ def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
         stop_grace_s=0,  # `stop` stands for a host that goes away
     )
     host_index = overrides.pop("host_index", 0)
+    workload = overrides.pop("workload", False)  # the built-in vision workload's batches (named features), as its jobs serve
     settings = ServerSettings(**{**settings.__dict__, **overrides})
-    folder = scan_images(images, "train", "data_group")
+    folder, source = scan_images(images, "train", "data_group"), None
+    if workload:
+        from training.variants import BUILTIN_WORKLOADS_DIR
+        from training.workload.contract import load_workload, resolve_hyperparameters
+        from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features
+
+        vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+        hyperparameters = resolve_hyperparameters(vision, {"image_size": "32"})
+        folder = host_listing(vision, "train", images, hyperparameters, {"train": images})
+        recipe = recipe_for(vision, folder, packages_dir=None, hyperparameters=hyperparameters, seed=settings.seed)
+        settings = ServerSettings(**{**settings.__dict__, "features": wire_features(recipe.features)})
+        source = WorkloadBatchProducer(folder, recipe, batch_size=settings.batch_size, workers=1, seed=settings.seed, host_index=host_index,
+                                       queue_depth=settings.queue_depth, hosts=settings.hosts)
     stop, result = threading.Event(), {}
-    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, host_index, stop)), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, host_index, stop, source=source)), daemon=True)
     thread.start()
     host = RunningHost(settings, thread, stop, result)
     try:
@@ -169,15 +182,16 @@ def test_a_trainer_of_a_replicated_channel_starts_without_waiting_for_every_data
     import json
 
     from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
-    from training.cluster import BASE_DIR_ENV, HOST_ADDRESSES_ENV
-    from training.trainers.pytorch_vision import build_trainer
+    from training.cluster import HOST_ADDRESSES_ENV
+    from training.local.single_host import trainer_environment
+    from training.trainers.pytorch_runtime import build_trainer
 
-    with data_host(images, hosts=2) as live:
+    with data_host(images, hosts=2, workload=True) as live:
         hyperparameters = platform_hyperparameters(data_service_port=live.settings.port, data_connect_timeout_s=3, model="cnn",
                                                    cnn_width=8, image_size=32, batch_size=8, steps=10)
         base = write_host_tree(tmp_path / "algo-3", hetero_resource_config("algo-3"), hyperparameters)
         addresses = {"algo-1": live.settings.bind_address, "algo-2": "127.0.77.254", "algo-3": "127.0.0.1"}
-        trainer = build_trainer({BASE_DIR_ENV: str(base), HOST_ADDRESSES_ENV: json.dumps(addresses)})
+        trainer = build_trainer(trainer_environment(base) | {HOST_ADDRESSES_ENV: json.dumps(addresses)})
     assert trainer.source == "data_service" and trainer.epoch_samples == {"channel": 96} and not trainer.sharded
 
 

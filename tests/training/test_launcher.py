@@ -75,12 +75,12 @@ def test_pre_compilation_without_the_neuron_sdk_is_refused_before_anything_runs(
 
 def test_torchrun_spans_the_dnn_group() -> None:
     command = trainer_command(
-        "training.trainers.pytorch_vision", distribution="torchrun", nnodes=2, processes_per_host=4, node_rank=1,
+        "training.trainers.pytorch_runtime", distribution="torchrun", nnodes=2, processes_per_host=4, node_rank=1,
         master_address="10.0.0.7", master_port=29500, python="python",
     )
     assert command == [
         "python", "-m", "training.torchrun", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
-        "--master-addr=10.0.0.7", "--master-port=29500", "-m", "training.trainers.pytorch_vision",
+        "--master-addr=10.0.0.7", "--master-port=29500", "-m", "training.trainers.pytorch_runtime",
     ]
 
 
@@ -134,7 +134,7 @@ CASES = {
     ),
     "data host without its channel": (
         lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(data_connect_timeout_s=1), {}),
-        "MissingChannelError: channel 'train' is not on this host",
+        "ChannelNotRoutedError: the workload asks for channel 'train', which this job does not route to this host's group",
     ),
     "data host with an empty channel": (
         lambda tmp, images: (hetero_resource_config("algo-2"), platform_hyperparameters(data_connect_timeout_s=1), {"train": empty_channel(tmp)}),
@@ -146,7 +146,7 @@ CASES = {
             platform_hyperparameters(role_map=json.dumps({"homogeneousCluster": "dnn"})),
             {},
         ),
-        "assign it to instance group 'homogeneousCluster'",
+        "ChannelNotRoutedError: the workload asks for channel 'train', which this job does not route to this host's group; it has []",
     ),
     "one process asked, several hosts": (
         lambda tmp, images: (

@@ -5,6 +5,7 @@ draws exactly what a data host's worker draws, and the saved model loads without
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -202,3 +203,45 @@ def test_a_scheduler_that_steps_on_a_metric_is_refused_by_name(tmp_path):
     '''))
     with pytest.raises(StepOutputError, match="ReduceLROnPlateau, which steps on a metric"):
         build_trainer(host(tmp_path, code, steps=4))
+
+
+PROBE = '''
+import os
+
+import numpy as np
+import torch
+
+def list_samples(ctx):
+    return list(range(8))
+
+def preprocess(sample, ctx):
+    return {"index": np.int64(sample), "pid": np.int64(os.getpid()), "draw": np.float64(ctx.rng.random())}
+
+def build_model(ctx):
+    return torch.nn.Linear(1, 1)
+
+def train_step(model, batch, ctx):
+    return model(batch["draw"].float().unsqueeze(1)).mean()
+'''
+
+
+def test_each_rank_draws_its_own_augmentations_and_workers_never_restart(tmp_path):
+    """A homogeneous job's DataLoader workers persist across epochs (the sampler never ends, so they
+    never drain at an epoch's end); each rank reads its own half of an epoch, and a sample's draws are
+    (seed, epoch, sample)'s: another epoch draws anew, a resumed run draws what the uninterrupted one would."""
+    from training.trainers.pytorch_runtime import tagged_order
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "workload.py").write_text(PROBE)
+    trainer = build_trainer(host(tmp_path, code, batch_size=2, dataloader_workers=2, steps=100))
+    batches = [next(batches) for batches in [trainer.batches()] for _ in range(12)]  # three epochs of 8 samples
+    assert len({int(pid) for batch in batches for pid in batch["pid"]}) == 2  # the same two worker processes all along
+    epochs = [sorted(int(i) for batch in batches[at:at + 4] for i in batch["index"]) for at in (0, 4, 8)]
+    assert epochs == [list(range(8))] * 3  # each epoch reads every sample once
+    draws = [{int(i): float(d) for batch in batches[at:at + 4] for i, d in zip(batch["index"], batch["draw"], strict=True)} for at in (0, 4)]
+    assert all(draws[0][index] != draws[1][index] for index in range(8))  # a new epoch, new augmentations
+    halves = [list(itertools.islice(tagged_order(8, rank=rank, world_size=2, seed=0, start=0), 4)) for rank in (0, 1)]
+    assert sorted(index for half in halves for _, index in half) == list(range(8))  # the two ranks' halves: the epoch, once
+    uninterrupted = list(itertools.islice(tagged_order(8, rank=0, world_size=2, seed=0, start=0), 12))
+    assert list(itertools.islice(tagged_order(8, rank=0, world_size=2, seed=0, start=5), 7)) == uninterrupted[5:]

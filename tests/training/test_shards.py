@@ -221,50 +221,9 @@ def test_the_dataloader_reads_shards_in_streaming_order_and_every_sample_once_pe
     assert only == streamed != list(itertools.islice(iter(EndlessSampler(24, rank=0, world_size=1, seed=1)), 24))
 
 
-def test_the_trainer_hands_the_dataloader_the_shard_layout(image_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from training.trainers import pytorch_vision
-    from training.trainers.config import VisionConfig
-    from training.trainers.loop import OutputPaths
-
-    seen = {}
-    real = pytorch_vision.local_loader
-
-    def spy(*args, **kwargs):
-        seen["shard_ends"] = kwargs.get("shard_ends")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pytorch_vision, "local_loader", spy)
-    dataset = scan_images(image_shards, "train", "homogeneousCluster")
-    config = VisionConfig(model="cnn", cnn_width=8, image_size=32, batch_size=16, dataloader_workers=0, steps=2, warmup_steps=1)
-    pytorch_vision.VisionTrainer(config, OutputPaths.under(tmp_path), classes=list(dataset.classes), source="local", local_folder=dataset).run()
-    assert seen["shard_ends"] == (16, 32, 48, 64, 80, 96)
-
-
-def test_the_homogeneous_trainer_learns_from_shards_and_reports_what_it_reports_for_the_folder(
-    images: Path, image_shards: Path, tmp_path: Path
-) -> None:
-    from training.trainers.config import VisionConfig
-    from training.trainers.loop import OutputPaths
-    from training.trainers.pytorch_vision import VisionTrainer
-
-    config = VisionConfig(model="cnn", cnn_width=8, image_size=32, batch_size=16, learning_rate=0.05, dataloader_workers=1,
-                          steps=30, warmup_steps=2, log_every=1)
-    summaries = {}
-    for name, root in (("folder", images), ("shards", image_shards)):
-        dataset = scan_images(root, "train", "homogeneousCluster")
-        summaries[name] = VisionTrainer(config, OutputPaths.under(tmp_path / name), classes=list(dataset.classes), source="local",
-                                        local_folder=dataset).run()
-    folder, shards = summaries["folder"], summaries["shards"]
-    assert shards.keys() == folder.keys()
-    same = ("status", "steps", "timed_steps", "warmup_steps", "batch_size", "world_size", "data_source", "skipped_samples")
-    assert {key: shards[key] for key in same} == {key: folder[key] for key in same}
-    assert shards["status"] == "completed" and shards["skipped_samples"] == 0
-    assert shards["final_loss"] < 0.8 * np.log(4), shards  # learnt: chance is ln 4
-
-
 def test_sharded_tar_hosts_with_different_classes_agree_on_the_highest_and_folders_must_match() -> None:
     from training.data_service import data_service_pb2 as pb
-    from training.trainers.pytorch_vision import shard_classes
+    from training.trainers.service_summary import shard_classes
 
     def info(host: str, classes: int | list[str], indices: bool) -> pb.DatasetInfo:
         names = [str(index) for index in range(classes)] if isinstance(classes, int) else classes

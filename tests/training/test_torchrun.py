@@ -17,7 +17,7 @@ def test_the_rank_killed_by_a_signal_is_the_cause_not_the_peer_that_died_of_it()
     # Seen in one poll: rank 0 failed on the broken all-reduce the moment rank 1 was SIGKILLed.
     failures = {0: failure(0, 1, 100), 1: failure(1, -9, 100)}
     assert cause(failures)[0] == 1
-    record = failure_record(ChildFailedError("training.trainers.pytorch_vision", failures))
+    record = failure_record(ChildFailedError("training.trainers.pytorch_runtime", failures))
     assert record == {"rank": 1, "local_rank": 1, "exitcode": -9, "signal": "SIGKILL", "pid": 1001}
 
 

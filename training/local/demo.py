@@ -42,7 +42,6 @@ from training.local.profile import (
     data_host_cpus,
     preprocess_ms_per_batch,
     train_ms_per_step,
-    workload_preprocess_ms_per_batch,
 )
 from training.metrics import parse_metric_line
 from training.variants import VARIANTS
@@ -129,12 +128,17 @@ def quiet(host: EmulatedHost, line: str) -> None:
     """Host logs still go to <workdir>/logs; nothing on the terminal."""
 
 
-def load_spec(name: str | Path, overrides: dict | None = None) -> JobSpec:
+def load_spec(name: str | Path, overrides: dict | None = None, validation: str = "") -> JobSpec:
     """An example spec (a name under examples/, or a path) with local overrides, validated as the platform
-    would; a user workload's code folder is relative to the spec file, as for `hetero local`."""
+    would; a user workload's code folder is relative to the spec file, as for `hetero local`.
+    ``validation``: a channel added to the spec, on its DNN group, for the workload to validate on."""
     path = EXAMPLES / name if isinstance(name, str) else name
     raw = resolve_code(json.loads(path.read_text()), path)
     raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **(overrides or {})}
+    if validation:
+        dnn = next(group["name"] for group in raw["instance_groups"] if group.get("role") == "dnn")
+        raw["inputs"] = {**raw["inputs"], validation: {"s3_uri": f"s3://local-demo/{validation}/", "groups": [dnn]}}
+        raw["hyperparameters"]["eval_channel"] = validation
     return validate_job_spec(raw)
 
 
@@ -156,7 +160,11 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload
     channels = {"train": images}
     if workload is None:
         overrides = LOCAL_OVERRIDES | {"steps": steps}
-        homogeneous, heterogeneous = load_spec(f"{variant}-homogeneous.json", overrides), load_spec(f"{variant}-heterogeneous.json", overrides)
+        # The PyTorch built-in validates at the end on held-out images, as a user workload does.
+        validation = "validation" if VARIANTS[variant].user_workloads else ""
+        homogeneous, heterogeneous = (load_spec(f"{variant}-{kind}.json", overrides, validation) for kind in ("homogeneous", "heterogeneous"))
+        if validation:
+            channels["validation"] = write_dataset(workdir / "held-out", classes=4, per_class=8, size=320, seed=1)
     else:
         # The workload's own settings, run for ``steps``, validated halfway and at the end on held-out images.
         overrides = {"steps": steps, "warmup_steps": 10, "log_every": 5, "eval_every": max(1, steps // 2)}
@@ -171,11 +179,7 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload
     one_host = data_cpus[0]
     effective = min(len(data_cpus), len(set().union(*data_cpus)) / len(one_host))
     print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
-    if workload is None:
-        config = VARIANTS[variant].config(**overrides)
-        preprocess = preprocess_ms_per_batch(images, config, one_host, data_service=VARIANTS[variant].data_service)
-    else:
-        preprocess = workload_preprocess_ms_per_batch(homogeneous, Path(homogeneous.code.source), images, one_host)
+    preprocess = preprocess_ms_per_batch(homogeneous, images, one_host)
     train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
     profile = Profile(preprocess, train)
     print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
@@ -277,10 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload)
     print()
     print(render(comparison))
-    if args.workload is not None:
-        accuracy = (comparison_validation(workdir) or {}).get("accuracy")
-        if accuracy is not None:
-            print(f"validation accuracy of the heterogeneous run's model: {accuracy:.3f} (4 classes: chance 0.25)")
+    accuracy = (comparison_validation(workdir) or {}).get("accuracy")
+    if accuracy is not None:
+        print(f"validation accuracy of the heterogeneous run's model: {accuracy:.3f} (4 classes: chance 0.25)")
     *_, chart, markdown = write_report(comparison, workdir / "report", title)
     print(f"\n{markdown}\nreport: {workdir / 'report'}/report.md, chart: {chart}")
     print(f"host trees and logs: {workdir}")

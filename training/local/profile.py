@@ -3,8 +3,8 @@
 Together they give the ideal a heterogeneous job can reach: with the CPU work moved to data hosts, a step
 can be no faster than the slower of the two, ``max(train-only step, preprocessing per batch / data hosts)``.
 
-* preprocessing alone: the data host's real pipeline (BatchProducer and its worker processes, or the
-  tensorflow variant's tf.data graph) in a process pinned to the CPUs a data host gets, timed in steady
+* preprocessing alone: the data host's real pipeline (the workload's preprocess in WorkloadBatchProducer's
+  worker processes, or the tensorflow variant's tf.data graph) in a process pinned to the CPUs a data host gets, timed in steady
   state;
 * training alone: the real job on the emulated cluster with ``cached_input_batches``: real batches made
   once and cycled in memory, so the step time is the model's alone.
@@ -23,9 +23,8 @@ from types import MappingProxyType
 
 from lambdas.core.job_spec import JobSpec
 from training.data_service.dataset import scan_images
-from training.data_service.server import BatchProducer
 from training.local.cluster import EmulatedCluster, EmulationOptions, LineCallback, plan_hosts
-from training.trainers.config import KerasVisionConfig, VisionConfig
+from training.trainers.config import KerasVisionConfig
 
 
 @dataclass(frozen=True)
@@ -64,23 +63,6 @@ def data_host_cpus(spec: JobSpec, options: EmulationOptions) -> list[tuple[int, 
     return [host.cpus for host in plan_hosts(spec, options, sorted(os.sched_getaffinity(0)), 0) if host.role == "data"]
 
 
-def _time_pipeline(channel: str, config: VisionConfig, cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
-    os.sched_setaffinity(0, cpus)  # inherited by the spawned preprocessing workers
-    producer = BatchProducer(
-        scan_images(Path(channel), "train", "profile"),
-        batch_size=config.batch_size,
-        augment=config.augment_config,
-        workers=len(cpus),
-        seed=config.seed,
-        queue_depth=2,
-    )
-    producer.start()
-    try:
-        result.put(ms_per_batch(lambda: producer.batches.get(timeout=120), batches))
-    finally:
-        producer.stop()
-
-
 def _time_tf_pipeline(channel: str, config: KerasVisionConfig, cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
     os.sched_setaffinity(0, cpus)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -99,8 +81,8 @@ def _time_tf_pipeline(channel: str, config: KerasVisionConfig, cpus: tuple[int, 
 
 def _time_workload_pipeline(code_dir: str, module: str, hyperparameters: dict[str, str], channel: str, batch_size: int, seed: int,
                             cpus: tuple[int, ...], batches: int, result: multiprocessing.Queue) -> None:
-    """A user workload's data-host pipeline (its list_samples and preprocess in WorkloadBatchProducer's
-    worker processes), as a data host runs it."""
+    """A workload's data-host pipeline (its list_samples and preprocess in WorkloadBatchProducer's worker
+    processes), as a data host runs it."""
     from training.workload.contract import load_workload, resolve_hyperparameters
     from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for
 
@@ -117,23 +99,26 @@ def _time_workload_pipeline(code_dir: str, module: str, hyperparameters: dict[st
         producer.stop()
 
 
-def workload_preprocess_ms_per_batch(spec: JobSpec, code_dir: Path, channel: Path, cpus: tuple[int, ...], batches: int = 20) -> float:
-    """One data host's preprocessing time per batch of a user workload (the job's batch size and seed)."""
+def preprocess_ms_per_batch(spec: JobSpec, channel: Path, cpus: tuple[int, ...], batches: int = 20, code_dir: Path | None = None) -> float:
+    """One data host's preprocessing time per batch of the spec's workload (its batch size, seed and
+    settings), with the pipeline its data hosts run: the workload's list_samples and preprocess in
+    WorkloadBatchProducer's workers (a built-in's or a user's, from ``code_dir`` or the spec's code), or
+    the tensorflow variant's tf.data graph."""
     from training.hyperparameters import build, to_hyperparameter_string
     from training.trainers.config import WorkloadConfig
+    from training.variants import BUILTIN_WORKLOADS_DIR, VARIANTS
 
     raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
+    variant = VARIANTS[spec.variant]
+    if variant.data_service == "tf.data.service":
+        config = build(variant.config, raw)
+        return _profile_in_process(_time_tf_pipeline, (str(channel), config, cpus, batches))
     loop = build(WorkloadConfig, {name: value for name, value in raw.items() if name in WorkloadConfig.__dataclass_fields__})
-    return _profile_in_process(_time_workload_pipeline, (str(code_dir), spec.code.module, raw, str(channel), loop.batch_size, loop.seed,
-                                                         cpus, batches))
-
-
-def preprocess_ms_per_batch(
-    channel: Path, config: VisionConfig | KerasVisionConfig, cpus: tuple[int, ...], batches: int = 20, data_service: str = "grpc"
-) -> float:
-    """One data host's preprocessing time per batch, with the pipeline its variant's data hosts run."""
-    target = _time_tf_pipeline if data_service == "tf.data.service" else _time_pipeline
-    return _profile_in_process(target, (str(channel), config, cpus, batches))
+    if spec.code is not None:
+        source, module = code_dir or Path(spec.code.source), spec.code.module
+    else:
+        source, module = BUILTIN_WORKLOADS_DIR, variant.workloads[0]
+    return _profile_in_process(_time_workload_pipeline, (str(source), module, raw, str(channel), loop.batch_size, loop.seed, cpus, batches))
 
 
 def _profile_in_process(target: Callable[..., None], args: tuple[object, ...]) -> float:
@@ -194,16 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ProfilingError("give the training channel's local folder: --channel train=DIR")
         options = EmulationOptions(workdir=Path(tempfile.mkdtemp(prefix="profile-")), channels=channels, code_dir=args.code)
         one_core = (sorted(os.sched_getaffinity(0))[-1],)
-        if spec.code is not None:
-            code_dir = args.code or Path(spec.code.source)
-            preprocess = workload_preprocess_ms_per_batch(spec, code_dir, channels["train"], one_core, args.batches)
-        else:
-            from training.hyperparameters import build, to_hyperparameter_string
-            from training.variants import VARIANTS
-
-            variant = VARIANTS[spec.variant]
-            config = build(variant.config, {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()})
-            preprocess = preprocess_ms_per_batch(channels["train"], config, one_core, args.batches, variant.data_service)
+        preprocess = preprocess_ms_per_batch(spec, channels["train"], one_core, args.batches, code_dir=args.code)
         train = train_ms_per_step(spec, options, on_line=lambda _host, _line: None)  # stdout is the figures'
     except (OSError, ValueError, JobSpecError, ProfilingError) as error:
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)

@@ -28,7 +28,6 @@ from training.local.cluster import EmulatedCluster, EmulationOptions
 from training.local.cpu_quota import available as quotas_available
 from training.local.images import write_dataset
 from training.local.profile import data_host_cpus, preprocess_ms_per_batch, train_ms_per_step
-from training.trainers.config import VisionConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # Heavy augmentation on small crops, and a CNN wide enough that training outweighs one batch's
@@ -106,7 +105,7 @@ def run_check(workdir: Path, steps: int) -> SizingCheck:
     shutil.rmtree(workdir / "train-only", ignore_errors=True)  # a fresh tree: a profile must not resume a checkpoint
     options = EmulationOptions(workdir=workdir / "train-only", channels={"train": images})
     data_core = data_host_cpus(hetero, options)[0]
-    preprocess = preprocess_ms_per_batch(images, VisionConfig(**OVERRIDES), data_core)
+    preprocess = preprocess_ms_per_batch(hetero, images, data_core)
     train = train_ms_per_step(hetero, options, on_line=lambda *_: None)
     quota = min(0.45, max(0.05, preprocess / (ONE_HOST_SHORTFALL * train)))
     profile = SizingProfile(preprocess_ms_per_batch_per_vcpu=preprocess, train_ms_per_step=train)

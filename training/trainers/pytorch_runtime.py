@@ -60,7 +60,7 @@ from training.data_service import codec
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
 from training.data_service.dataset import ChannelError
-from training.failure import write_failure
+from training.failure import write_failure, write_first_failure
 from training.hyperparameters import HyperparameterError
 from training.trainers import host_collectives
 from training.trainers.config import WorkloadConfig
@@ -505,7 +505,7 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         samples = sum(rank["__count"] for rank in ranks)
         metrics = {name: sum(rank.get(name, 0.0) for rank in ranks) / samples for name in local if name != "__count"} if samples else {}
         self.validation = {"step": self.ctx.step, "samples": int(samples), "metrics": {name: round(value, 6) for name, value in metrics.items()}}
-        if self.is_chief:
+        if self.is_chief and self.report_metrics:  # not a graph extraction's (its tensors hold no values)
             from training.metrics import metric_line
 
             print(metric_line(self.ctx.step, self.runtime.steps, {f"eval_{name}": value for name, value in metrics.items()}), flush=True)
@@ -527,6 +527,7 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         self.optimizer.load_state_dict(saved["optimizer"])
         if self.scheduler is not None and saved.get("scheduler") is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
+            resumed_rate(self.scheduler)
         self.scaler.load_state_dict(saved["scaler"])
         self.ctx.state.clear()
         self.ctx.state.update(saved.get("workload_state") or {})
@@ -574,6 +575,15 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         }
         return extra | self.input_summary(self.service, self.skipped_samples, self.epoch_samples, sharded=self.sharded,
                                           epochs=not self.runtime.cached_input_batches)
+
+
+def resumed_rate(scheduler: Any) -> None:
+    """The next step's rate from this run's schedule: the optimizer's saved rate is the earlier run's,
+    whose ``steps`` (or workers) may differ. For LambdaLR, whose rate is a function of the step; another
+    scheduler's (a chained formula) continues from the saved rate."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * rate(scheduler.last_epoch)
 
 
 def check_restorable(state: Mapping[str, Any]) -> None:
@@ -624,8 +634,10 @@ class _Reiterable:
 
 
 def _ignore_stop_signal(_worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM to their trainer (see pytorch_vision.ignore_stop_signal), and die
-    with it (PR_SET_PDEATHSIG): a trainer that fails leaves at once, and no worker of it runs on."""
+    """DataLoader workers leave SIGTERM to their trainer: torchrun stops a rank by signalling its whole
+    process group, and a worker killed by it would crash the trainer (PyTorch turns a worker's death into
+    an error) before the step boundary where it saves. They die with it (PR_SET_PDEATHSIG): a trainer
+    that fails leaves at once, and no worker of it runs on."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -752,7 +764,7 @@ if __name__ == "__main__":
         exit_code = main()
     except Exception as error:  # none of main's handlers names it (a broken collective, CUDA out of memory): its reason
         traceback.print_exc()
-        write_failure(f"{type(error).__name__}: {error}")
+        write_first_failure(f"{type(error).__name__}: {error}")
         exit_code = 1
     # The trainer leaves at once, its outputs written (past the final barrier) or its reason: tearing down
     # DataLoader workers waited here, after a failed batch and after every homogeneous XLA run (up to the

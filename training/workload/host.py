@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 WORKLOAD_DIR_ENV = "TRAINING_WORKLOAD_DIR"
 WORKLOAD_PACKAGES_ENV = "TRAINING_WORKLOAD_PACKAGES"
+# A node-local folder on the job's volume for a workload's caches (set by the launcher for every process
+# of the host; the text built-in keeps its tokenised channels there).
+CACHE_DIR_ENV = "TRAINING_CACHE_DIR"
 WORKLOAD_MODULE_ENV = "TRAINING_WORKLOAD_MODULE"  # the module to import (a built-in's; a user's is the job's workload_module)
 
 

@@ -103,11 +103,12 @@ def _channels_last(ctx):
 
 def schedule_factor(step, steps, warmup_fraction):
     """The rate of optimizer step ``step`` (1-based) relative to the peak: linear warm-up over the first
-    ``warmup_fraction`` of the steps, then a cosine from the peak to zero at step ``steps``. Pure."""
+    ``warmup_fraction`` of the steps, then a cosine from the peak (the step after the warm-up) towards
+    zero, which it would reach one step after the last (every step trains). Pure."""
     warmup = int(warmup_fraction * steps)
     if warmup and step <= warmup:
         return step / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
+    progress = (step - warmup - 1) / max(1, steps - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 

@@ -66,6 +66,7 @@ def test_the_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture)
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p3.2xlarge" in out and "heterogeneous: 1× ml.c5.9xlarge" in out
     assert "preprocessing" in out and "EMULATED" in out
+    assert re.search(r"validation accuracy of the heterogeneous run's model: \d\.\d{3}", out)  # the built-in validates too
     assert (tmp_path / "report" / "report.md").exists() and (tmp_path / "report" / "chart.png").exists()
 
 

@@ -266,9 +266,9 @@ def test_the_profile_measures_the_workloads_own_preprocessing_and_step_for_the_a
     # Heavier augmentation of the same workload costs more per batch: the figure is the workload's own.
     raw["hyperparameters"]["blur_passes"] = 12
     spec_file.write_text(json.dumps(raw))
-    from training.local.profile import workload_preprocess_ms_per_batch
+    from training.local.profile import preprocess_ms_per_batch
 
-    heavier = workload_preprocess_ms_per_batch(validate_job_spec(raw), IMAGE_EXAMPLE, images, (0,), batches=6)
+    heavier = preprocess_ms_per_batch(validate_job_spec(raw), images, (0,), batches=6, code_dir=IMAGE_EXAMPLE)
     assert heavier > figures["preprocess_ms_per_batch_per_vcpu"] * 1.3
 
 
