@@ -234,3 +234,19 @@ def test_the_lambda_side_settings_of_a_builtin_are_the_loops_and_its_modules(var
     workload = load_workload(BUILTIN_WORKLOADS_DIR, VARIANTS[variant].workloads[0])
     assert config in (VisionConfig, TextConfig)
     assert _declared(config) == _declared(WorkloadConfig) | dict(workload.loop_defaults) | dict(workload.hyperparameters)
+
+
+def test_a_data_host_serves_tar_shards_in_their_streaming_order(image_shards: Path) -> None:
+    """The listing a data host serves keeps the shards' layout (training/workload/serving.host_listing), so
+    its epochs stream shard by shard as the homogeneous loader's do, and its labels are class indices."""
+    from training.data_service.server import sample_order
+    from training.workload.contract import load_workload, resolve_hyperparameters
+    from training.workload.serving import host_listing
+
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    listing = host_listing(vision, "train", image_shards, resolve_hyperparameters(vision, {}), {"train": image_shards})
+    assert listing.shard_ends == (16, 32, 48, 64, 80, 96) and listing.layout == "tar shards"
+    first_epoch = list(itertools.islice(sample_order(len(listing), 5, 0, shard_ends=listing.shard_ends), 96))
+    from training.data_service.dataset import shard_stream_order
+
+    assert first_epoch == shard_stream_order(listing.shard_ends, np.random.default_rng([5, 0]))

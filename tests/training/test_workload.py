@@ -22,6 +22,7 @@ from training.workload.contract import (
     MissingHookError,
     NotImportableByNameError,
     PlatformImportError,
+    WorkloadError,
     WorkloadImportError,
     load_workload,
     resolve_hyperparameters,
@@ -233,6 +234,31 @@ def test_a_workload_hyperparameter_the_loop_also_has_is_refused(tmp_path):
     workload = load_workload(module_dir(tmp_path, GOOD.replace('"width": 4', '"steps": 4')), "workload")
     with pytest.raises(HyperparameterError, match=r"declares \['steps'\].*which the platform's loop or launcher sets"):
         split_settings({"role_map": '{"homogeneousCluster": "dnn"}'}, workload, "t" * 24)
+    sys.modules.pop("workload", None)
+
+
+def test_a_modules_loop_defaults_apply_under_the_jobs_own_values(tmp_path):
+    workload = load_workload(module_dir(tmp_path, GOOD + '\nLOOP_DEFAULTS = {"grad_clip_norm": 1, "batch_size": 8, "compile": True}\n'),
+                             "workload")
+    raw = {"role_map": '{"homogeneousCluster": "dnn"}'}
+    _, config, _ = split_settings(raw, workload, "t" * 24)
+    assert (config.grad_clip_norm, config.batch_size, config.compile) == (1.0, 8, True)  # an int is a fine float
+    _, config, _ = split_settings(raw | {"batch_size": "16", "compile": "false"}, workload, "t" * 24)
+    assert (config.batch_size, config.compile) == (16, False)  # the job's word wins
+    sys.modules.pop("workload", None)
+
+
+@pytest.mark.parametrize(("defaults", "words"), [
+    ('{"grad_clip": 1.0}', r"LOOP_DEFAULTS in .*workload.py names 'grad_clip', which is not a setting of the platform's loop "
+                           r"\(did you mean 'grad_clip_norm'\?\)"),
+    ('{"batch_size": "8"}', r"LOOP_DEFAULTS in .*: batch_size='8' is not an integer, as the setting is \(default 32\)"),
+    ('{"compile": 1}', r"LOOP_DEFAULTS in .*: compile=1 is not a bool"),
+    ('{"steps": True}', r"LOOP_DEFAULTS in .*: steps=True is not an integer"),
+    ('[("steps", 4)]', r"LOOP_DEFAULTS in .* must be a dict"),
+])
+def test_loop_defaults_off_the_loops_settings_are_refused_by_name(tmp_path, defaults, words):
+    with pytest.raises(WorkloadError, match=words):
+        load_workload(module_dir(tmp_path, GOOD + f"\nLOOP_DEFAULTS = {defaults}\n"), "workload")
     sys.modules.pop("workload", None)
 
 

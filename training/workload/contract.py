@@ -183,7 +183,8 @@ def _loop_defaults(loaded: types.ModuleType, where: str) -> dict[str, Any]:
         expected = type(settings[key])
         kinds = (int, float) if expected is float else (expected,)  # an int is a fine float
         if not isinstance(value, kinds) or (isinstance(value, bool) and expected is not bool):
-            raise WorkloadError(f"LOOP_DEFAULTS in {where}: {key}={value!r} is not a {expected.__name__}")
+            kind = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}[expected]
+            raise WorkloadError(f"LOOP_DEFAULTS in {where}: {key}={value!r} is not {kind}, as the setting is (default {settings[key]!r})")
     return dict(declared)
 
 
