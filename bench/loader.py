@@ -76,11 +76,11 @@ def data_host(channel: str, augment: AugmentConfig, workers: int, cpus: set[int]
     listing = host_listing(vision, "train", Path(channel), hyperparameters, {"train": Path(channel)})
     recipe = recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=0)
     settings = ServerSettings(
-        host="bench", bind_address="127.0.92.2", port=port, channel="train", batch_size=BATCH_SIZE, augment=augment,
+        host="bench", bind_address="127.0.92.2", port=port, channel="train", batch_size=BATCH_SIZE,
         shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=120, workers=workers, features=wire_features(recipe.features),
     )
     producer = WorkloadBatchProducer(listing, recipe, batch_size=BATCH_SIZE, workers=workers, seed=0, queue_depth=settings.queue_depth)
-    serve(settings, listing, 0, threading.Event(), source=producer)
+    serve(settings, listing, threading.Event(), source=producer)
 
 
 def measure_data_host(channel: Path, augment: AugmentConfig, workers: int, cpus: set[int], count: int) -> list[float]:

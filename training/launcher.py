@@ -66,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from training.cluster import Cluster, ClusterConfigError, address_of, base_dir, host_addresses, load_cluster
-from training.data_service.augmentation import AugmentConfig
 from training.data_service.dataset import (
     ChannelError,
     EmptyChannelError,
@@ -250,16 +249,21 @@ def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
                     log.error("data host %s refused the job's token", target)
                     return
                 if attempt == 2:
-                    log.info("data host %s did not answer the shutdown (%s): already gone", target, error.code().name)
+                    log.info("data host %s did not answer the shutdown (%s): gone, or not serving yet (it ends at its start deadline)",
+                             target, error.code().name)
 
     with futures.ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
         list(pool.map(one, targets))
 
 
 def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, config: Any, stop: threading.Event) -> int:
-    """Serve the channel until stopped. The control server (Describe, keep-alive, Shutdown) is ours for
-    every variant; the batches come from our gRPC pipeline or from tf.data.service."""
+    """Serve a tf.data.service variant's channel (the tensorflow one's) until stopped: the batches go from
+    tf.data.service's workers to the trainers, and our server answers the control calls (Describe,
+    keep-alive, Shutdown). Every other variant's data hosts serve a workload (run_workload_data_host)."""
+    if variant.data_service != "tf.data.service":  # the launcher gives every other variant a workload
+        raise HyperparameterError(f"variant {variant.name!r} has no workload for its data hosts to serve")
     from training.data_service.server import ServerSettings, default_workers, serve
+    from training.data_service.tf_service import TfDataService, TfServiceSettings
 
     root = channel_dir(settings.data_channel)
     sharded = channel_is_sharded(settings.data_channel)
@@ -280,7 +284,6 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         port=settings.data_service_port,
         channel=settings.data_channel,
         batch_size=config.batch_size,
-        augment=config.augment_config,
         shutdown_token=settings.shutdown_token,
         idle_timeout_s=settings.data_idle_timeout_s,
         start_deadline_s=settings.data_start_deadline_s,
@@ -289,26 +292,22 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         # The data hosts split a replicated channel's epochs between them; a sharded one, each serves its own.
         hosts=len(data_hosts),
         sharded=sharded,
+        sample_shape=config.augment_config.sample_shape,  # what the trainer checks its tf.data.service elements against
     )
-    source = None
-    if variant.data_service == "tf.data.service":
-        from training.data_service.tf_service import TfDataService, TfServiceSettings
-
-        dispatcher, workers = settings.tf_data_service_addresses(cluster, addresses)
-        source = TfDataService(
-            TfServiceSettings(
-                dispatcher_address=dispatcher,
-                worker_address=workers[host_index],
-                channel_dir=root,
-                dispatcher=host_index == 0,
-                batch_size=config.batch_size,
-                image_size=config.image_size,
-                augment=config.augment,
-                seed=data_seed(config.seed, settings.shutdown_token) + host_index,
-            )
+    dispatcher, workers = settings.tf_data_service_addresses(cluster, addresses)
+    source = TfDataService(
+        TfServiceSettings(
+            dispatcher_address=dispatcher,
+            worker_address=workers[host_index],
+            channel_dir=root,
+            dispatcher=host_index == 0,
+            batch_size=config.batch_size,
+            image_size=config.image_size,
+            augment=config.augment,
+            seed=data_seed(config.seed, settings.shutdown_token) + host_index,
         )
-    reason = serve(server_settings, folder, host_index, stop, source=source)
-    return reason.exit_code
+    )
+    return serve(server_settings, folder, stop, source=source).exit_code
 
 
 def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: threading.Event, packages_dir: Path | None) -> int:
@@ -328,14 +327,14 @@ def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: t
     workers = default_workers()
     server_settings = ServerSettings(
         host=cluster.current_host, bind_address=addresses.get(cluster.current_host, "0.0.0.0"), port=settings.data_service_port,
-        channel=settings.data_channel, batch_size=config.batch_size, augment=AugmentConfig(image_size=8),
+        channel=settings.data_channel, batch_size=config.batch_size,
         shutdown_token=settings.shutdown_token, idle_timeout_s=settings.data_idle_timeout_s, start_deadline_s=settings.data_start_deadline_s,
         workers=workers, seed=data_seed(config.seed, settings.shutdown_token), hosts=len(data_hosts), sharded=sharded,
         features=wire_features(recipe.features),
     )
     producer = WorkloadBatchProducer(listing, recipe, batch_size=config.batch_size, workers=workers, seed=server_settings.seed,
                                      host_index=host_index, queue_depth=server_settings.queue_depth, hosts=len(data_hosts), sharded=sharded)
-    return serve(server_settings, listing, host_index, stop, source=producer).exit_code
+    return serve(server_settings, listing, stop, source=producer).exit_code
 
 
 def data_seed(seed: int, token: str) -> int:
@@ -397,16 +396,28 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
     addresses = host_addresses()
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)
-    if workload is not None:
-        # The hooks run on this host's own samples before any trainer starts: the validation channel
-        # always, the training channel when no data group preprocesses it.
-        if workload.config.eval_channel:
-            workload.features(workload.list(workload.config.eval_channel, training=False), training=False)
-        if not data_targets:
-            workload.features(workload.list(settings.data_channel, training=True), training=True)
-    elif not data_targets:
-        # Homogeneous: the channel must be here; fail now rather than after the trainer started.
-        CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+    try:
+        if workload is not None and not data_targets:
+            # The hooks run on this host's own samples before any trainer starts: the training channel,
+            # then the validation channel, listed with the training channel's classes as the trainer lists
+            # it. (With data hosts, the classes are theirs: the trainer lists the validation channel once
+            # they have described them, before its first step.)
+            samples = workload.list(settings.data_channel, training=True)
+            workload.features(samples, training=True)
+            if workload.config.eval_channel:
+                from training.workload.samples import check_evaluation_classes, classes_of
+
+                evaluation = workload.list(workload.config.eval_channel, training=False, classes=classes_of(samples))
+                check_evaluation_classes(workload.config.eval_channel, evaluation, classes_of(samples))
+                workload.features(evaluation, training=False)
+        elif not data_targets:
+            # Homogeneous: the channel must be here; fail now rather than after the trainer started.
+            CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+    except Exception:
+        # No trainer will ask the data hosts for anything: end them now rather than at their start deadline.
+        if data_targets:
+            shutdown_data_hosts(data_targets, settings.shutdown_token, requester=cluster.current_host)
+        raise
     node_rank = dnn_hosts.index(cluster.current_host)
     processes_per_host = settings.processes_per_host or max(1, gpu_count())
     master_address = address_of(dnn_hosts[0], addresses)
@@ -428,7 +439,12 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
             RANK_FAILURE_ENV: str(rank_failure_file),
         } | dict(trainer_env or {})
         if precompile_steps:
-            status = _precompile(command, environment, stop, cluster.current_host)
+            status = None
+            try:
+                status = _precompile(command, environment, stop, cluster.current_host)
+            finally:
+                if status != 0 and data_targets:  # no trainer follows: end the data hosts now
+                    shutdown_data_hosts(data_targets, settings.shutdown_token, requester=cluster.current_host)
             if status != 0:
                 return status
         data_watch, reports = None, None
@@ -1110,6 +1126,9 @@ def main() -> int:
         else:
             settings, config = load_settings(variant.config, hyperparameters=hyperparameters)
         settings.check_cluster(cluster)
+        if getattr(config, "precompile_steps", 0) and variant.name != "neuron":
+            # Refused on every host alike, so that no data host is left serving a trainer that never starts.
+            raise HyperparameterError(f"precompile_steps pre-compiles a Trainium job's Neuron graphs: variant {variant.name!r} has none")
         if settings.distribution not in variant.distributions:
             raise HyperparameterError(
                 f"variant {variant.name!r} runs with distribution {list(variant.distributions)}, not {settings.distribution!r}"
@@ -1135,6 +1154,12 @@ def main() -> int:
                 code = CONFIG_ERROR_EXIT if isinstance(error, ChannelError) else StopReason.FAILED.exit_code
                 message = str(error) if isinstance(error, DataHostError) else f"{type(error).__name__}: {error}"
                 return fail_data_host(cluster, settings, message, code, stop)
+            except Exception as error:
+                # An error nobody named (a bug): the DNN hosts still hear why now, rather than at their batch
+                # deadline; then it propagates, with its traceback, as the host's failure.
+                fail_data_host(cluster, settings, f"data host {cluster.current_host} failed: {type(error).__name__}: {error}",
+                               StopReason.FAILED.exit_code, stop)
+                raise
         return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0), workload=workload,
                             trainer_env=trainer_env)
     except (HyperparameterError, ChannelError, PortInUseError, WorkloadError) as error:

@@ -1,5 +1,6 @@
-"""A user workload's batches of named features, from real data-host servers on loopback to the trainer's
-client: what a host describes, what the trainer checks, and what it yields (dicts of tensors)."""
+"""A workload's batches of named features (here a tokenising workload's), from real data-host servers on
+loopback to the trainer's client: what a host describes, what the trainer checks, and what it yields
+(dicts of tensors)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from training.data_service.control import DataServiceRefusedError, DataServiceUn
 from training.data_service.dataset import ImageDataset
 from training.data_service.server import ReadyBatch, ServerSettings, StopReason, put_until_stopped, serve
 from training.local.cluster import free_port
-from training.trainers.config import AugmentConfig
 
 BATCH = 4
 TEXT = (codec.FeatureSpec("input_ids", "int32", (128,)), codec.FeatureSpec("attention_mask", "int8", (128,)), codec.FeatureSpec("label", "int64"))
@@ -62,11 +62,11 @@ class Payloads:
 def feature_host(make, features: tuple[codec.FeatureSpec, ...] = TEXT) -> Iterator[str]:
     """A real data host (server.serve) whose Describe announces ``features`` and whose batches are ``make(step)``."""
     settings = ServerSettings(host=f"features-{next(_addresses)}", bind_address=f"127.0.81.{next(_addresses)}", port=free_port(), channel="train",
-                              batch_size=BATCH, augment=AugmentConfig(32), shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=30,
+                              batch_size=BATCH, shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=30,
                               workers=1, stop_grace_s=0, features=features)
     folder = ImageDataset(Path("."), (), (("unused", 0),))
     stop, result = threading.Event(), {}
-    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, 0, stop, source=Payloads(make))), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, stop, source=Payloads(make))), daemon=True)
     thread.start()
     try:
         yield f"{settings.bind_address}:{settings.port}"
@@ -126,9 +126,9 @@ def test_a_stream_of_feature_batches_reaches_the_trainer_as_dicts_of_tensors_cou
         info = describe([target], TOKEN, timeout_s=10)
         assert [codec.FeatureSpec(f.name, f.dtype, tuple(f.shape)) for f in info.features] == list(TEXT)  # the server's hook
         dataset = DataServiceDataset([target], BATCH, TOKEN, "test")
-        assert dataset.features is None and dataset.yields_features is None  # not described yet
+        assert dataset.features is None  # not described yet
         batches = list(itertools.islice(iter(dataset), 5))
-    assert dataset.features == TEXT and dataset.yields_features is True
+    assert dataset.features == TEXT
     for step, batch in enumerate(batches):
         assert isinstance(batch, dict) and list(batch) == ["input_ids", "attention_mask", "label"]
         assert batch["input_ids"].dtype == torch.int32 and tuple(batch["input_ids"].shape) == (BATCH, 128)
@@ -183,8 +183,6 @@ def test_a_host_that_describes_other_batches_than_the_others_is_refused_by_name(
 @pytest.mark.parametrize(
     ("make", "seen"),
     [
-        # The image batches of a built-in workload, from a host that announced features.
-        (lambda step: codec.encode_batch(np.zeros((BATCH, 3, 8, 8), np.uint8), np.zeros(BATCH, np.int64)), "got images and labels too"),
         (lambda step: codec.encode_features({"input_ids": np.zeros((BATCH, 128), np.int32), "label": np.zeros(BATCH, np.int64)}),
          "got no feature 'attention_mask'"),
         # More bytes than the batch it described: gRPC does not read it (the stream's receive limit).
@@ -197,6 +195,14 @@ def test_a_host_sending_other_features_than_it_described_is_lost_by_name(make, s
         with pytest.raises(DataServiceUnavailableError, match=f"all 1 data hosts are gone .*MalformedBatchError: expected .*{re.escape(seen)}"):
             next(iter(dataset))
     assert dataset.stats.lost_hosts == [target]
+
+
+def test_a_host_that_describes_no_features_is_refused_by_name() -> None:
+    """A tf.data.service host's control server (its batches go through tf.data.service), or an earlier
+    release's image host: nothing this trainer could read comes from it."""
+    with feature_host(text_batch, features=()) as target:
+        with pytest.raises(DataServiceRefusedError, match="describes no features: it streams no batches this trainer reads"):
+            next(iter(DataServiceDataset([target], BATCH, TOKEN, "test")))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")

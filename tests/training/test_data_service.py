@@ -1,9 +1,14 @@
-"""The gRPC data service: real servers with real worker processes on loopback, and the merging client."""
+"""The gRPC data service: real servers with real worker processes on loopback, and the merging client.
+
+The hosts serve the built-in vision workload (training/workloads/vision.py) as its jobs do: batches of
+its features {"image": uint8 [B, 3, 32, 32], "label": int64 [B]}, made by its preprocess in the
+producer's worker processes (training/workload/serving.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import re
 import threading
 import time
@@ -15,21 +20,54 @@ import numpy as np
 import pytest
 
 from tests.conftest import TOKEN
+from tests.training.test_codec import image_batch_of_earlier_releases
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceRefusedError, DataServiceUnavailableError, describe, request_shutdown
-from training.data_service.dataset import scan_images
-from training.data_service.server import Activity, ServerSettings, StopReason, sample_order, serve, stop_verdict
+from training.data_service.dataset import ImageDataset
+from training.data_service.server import (
+    Activity,
+    ReadyBatch,
+    ServerSettings,
+    StopReason,
+    put_until_stopped,
+    sample_order,
+    serve,
+    stop_verdict,
+)
 from training.local.cluster import free_port
-from training.trainers.config import AugmentConfig
+from training.variants import BUILTIN_WORKLOADS_DIR
+from training.workload.contract import load_workload, resolve_hyperparameters
+from training.workload.samples import BatchRecipe
+from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features
 
 _addresses = itertools.count(2)
+# What the vision workload's hosts below announce, and every batch of theirs holds.
+VISION = (codec.FeatureSpec("image", "uint8", (3, 32, 32)), codec.FeatureSpec("label", "int64"))
+
+
+def vision_host(images: Path, seed: int = 0) -> tuple[ImageDataset, BatchRecipe]:
+    """The vision workload's listing of ``images`` and its workers' recipe (32² crops), as a data host sets them up."""
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    hyperparameters = resolve_hyperparameters(vision, {"image_size": "32"})
+    listing = host_listing(vision, "train", images, hyperparameters, {"train": images})
+    return listing, recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=seed)
 
 
 class RunningHost:
-    def __init__(self, settings: ServerSettings, thread: threading.Thread, stop: threading.Event, result: dict) -> None:
-        self.settings, self.thread, self.stop, self._result = settings, thread, stop, result
+    def __init__(self, settings: ServerSettings, thread: threading.Thread, stop: threading.Event, result: dict,
+                 source: WorkloadBatchProducer) -> None:
+        self.settings, self.thread, self.stop, self._result, self.source = settings, thread, stop, result, source
+
+    def warm(self, timeout: float = 60.0) -> RunningHost:
+        """Wait until a batch is ready: the spawned workers import the workload (and torch) first, which
+        can take longer than the short idle timeouts some tests set."""
+        give_up = time.monotonic() + timeout
+        while self.source.batches.empty():
+            assert time.monotonic() < give_up and self.thread.is_alive(), "the data host made no batch"
+            time.sleep(0.05)
+        return self
 
     @property
     def target(self) -> str:
@@ -43,13 +81,13 @@ class RunningHost:
 
 @contextlib.contextmanager
 def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
+    """A data host of the vision workload over ``images``, set up as the launcher's run_workload_data_host sets one up."""
     settings = ServerSettings(
         host=f"test-host-{next(_addresses)}",
         bind_address=f"127.0.77.{next(_addresses)}",
         port=free_port(),
         channel="train",
         batch_size=8,
-        augment=AugmentConfig(32),
         shutdown_token=TOKEN,
         idle_timeout_s=30,
         start_deadline_s=60,
@@ -57,25 +95,15 @@ def data_host(images: Path, **overrides) -> Iterator[RunningHost]:
         stop_grace_s=0,  # `stop` stands for a host that goes away
     )
     host_index = overrides.pop("host_index", 0)
-    workload = overrides.pop("workload", False)  # the built-in vision workload's batches (named features), as its jobs serve
     settings = ServerSettings(**{**settings.__dict__, **overrides})
-    folder, source = scan_images(images, "train", "data_group"), None
-    if workload:
-        from training.variants import BUILTIN_WORKLOADS_DIR
-        from training.workload.contract import load_workload, resolve_hyperparameters
-        from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features
-
-        vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
-        hyperparameters = resolve_hyperparameters(vision, {"image_size": "32"})
-        folder = host_listing(vision, "train", images, hyperparameters, {"train": images})
-        recipe = recipe_for(vision, folder, packages_dir=None, hyperparameters=hyperparameters, seed=settings.seed)
-        settings = ServerSettings(**{**settings.__dict__, "features": wire_features(recipe.features)})
-        source = WorkloadBatchProducer(folder, recipe, batch_size=settings.batch_size, workers=1, seed=settings.seed, host_index=host_index,
-                                       queue_depth=settings.queue_depth, hosts=settings.hosts)
+    folder, recipe = vision_host(images, seed=settings.seed)
+    settings = ServerSettings(**{**settings.__dict__, "features": wire_features(recipe.features)})
+    source = WorkloadBatchProducer(folder, recipe, batch_size=settings.batch_size, workers=settings.workers, seed=settings.seed,
+                                   host_index=host_index, queue_depth=settings.queue_depth, hosts=settings.hosts, sharded=settings.sharded)
     stop, result = threading.Event(), {}
-    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, host_index, stop, source=source)), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, stop, source=source)), daemon=True)
     thread.start()
-    host = RunningHost(settings, thread, stop, result)
+    host = RunningHost(settings, thread, stop, result, source)
     try:
         yield host
     finally:
@@ -91,17 +119,21 @@ def test_batches_are_raw_uint8_tensors_and_describe_tells_the_dataset(images: Pa
     with data_host(images) as host:
         info = describe([host.target], TOKEN, timeout_s=10)
         assert list(info.classes) == ["class_00", "class_01", "class_02", "class_03"]
-        assert (info.num_samples, tuple(info.sample_shape), info.batch_size) == (96, (3, 32, 32), 8)
-        batches = take(DataServiceDataset([host.target], 8, TOKEN, "test"), 5)
-    for images_batch, labels in batches:
-        assert images_batch.dtype.is_floating_point is False and str(images_batch.dtype) == "torch.uint8"
-        assert tuple(images_batch.shape) == (8, 3, 32, 32)
-        assert labels.dtype.is_floating_point is False and set(labels.tolist()) <= {0, 1, 2, 3}
+        assert (info.num_samples, info.batch_size, list(info.sample_shape)) == (96, 8, [])
+        assert tuple(codec.FeatureSpec(feature.name, feature.dtype, tuple(feature.shape)) for feature in info.features) == VISION
+        dataset = DataServiceDataset([host.target], 8, TOKEN, "test")
+        batches = take(dataset, 5)
+    assert dataset.features == VISION
+    for batch in batches:
+        assert list(batch) == ["image", "label"]
+        assert batch["image"].dtype.is_floating_point is False and str(batch["image"].dtype) == "torch.uint8"
+        assert tuple(batch["image"].shape) == (8, 3, 32, 32)
+        assert str(batch["label"].dtype) == "torch.int64" and set(batch["label"].tolist()) <= {0, 1, 2, 3}
 
 
 def test_bytes_on_the_wire_per_sample_are_the_uint8_sample_size() -> None:
     images = np.zeros((64, 3, 96, 96), dtype=np.uint8)
-    message = pb.Batch.FromString(codec.encode_batch(images, np.zeros(64, dtype=np.int64)))
+    message = pb.Batch.FromString(codec.encode_features({"image": images, "label": np.zeros(64, dtype=np.int64)}))
     per_sample = message.ByteSize() / 64
     assert 3 * 96 * 96 <= per_sample <= 3 * 96 * 96 * 1.001  # the image bytes, 8 label bytes, and framing
 
@@ -143,7 +175,7 @@ def test_no_client_before_the_start_deadline_stops_the_host_with_an_error(images
 
 def test_the_host_stops_after_its_clients_left_and_stayed_away(images: Path) -> None:
     with data_host(images, idle_timeout_s=1.0) as host:
-        take(DataServiceDataset([host.target], 8, TOKEN, "test"), 2)
+        take(DataServiceDataset([host.warm().target], 8, TOKEN, "test"), 2)
         started = time.monotonic()
         assert host.reason() == StopReason.IDLE
         assert time.monotonic() - started < 6
@@ -186,7 +218,7 @@ def test_a_trainer_of_a_replicated_channel_starts_without_waiting_for_every_data
     from training.local.single_host import trainer_environment
     from training.trainers.pytorch_runtime import build_trainer
 
-    with data_host(images, hosts=2, workload=True) as live:
+    with data_host(images, hosts=2) as live:
         hyperparameters = platform_hyperparameters(data_service_port=live.settings.port, data_connect_timeout_s=3, model="cnn",
                                                    cnn_width=8, image_size=32, batch_size=8, steps=10)
         base = write_host_tree(tmp_path / "algo-3", hetero_resource_config("algo-3"), hyperparameters)
@@ -281,17 +313,17 @@ def test_a_sharded_channels_host_serves_all_of_its_own_shard_in_its_own_order() 
 
 
 def test_fewer_samples_than_data_hosts_is_refused_before_anything_starts(images: Path) -> None:
-    from training.data_service.dataset import ImageDataset
-    from training.data_service.server import BatchProducer, DataHostError
+    from training.data_service.server import DataHostError
 
-    folder = scan_images(images, "train", "data_group")
+    folder, recipe = vision_host(images)
     tiny = ImageDataset(folder.root, folder.classes, folder.samples[:2])
     with pytest.raises(DataHostError, match="fewer than its 3 data hosts"):
-        BatchProducer(tiny, batch_size=1, augment=AugmentConfig(16), workers=1, hosts=3)
+        WorkloadBatchProducer(tiny, recipe, batch_size=1, workers=1, hosts=3)
 
 
 # What the fake hosts below describe: the batches of data_host's (8 × 3 × 32², four classes).
-FAKE_INFO = pb.DatasetInfo(channel="train", classes=[f"class_0{index}" for index in range(4)], sample_shape=[3, 32, 32], batch_size=8, host="fake")
+FAKE_INFO = pb.DatasetInfo(channel="train", classes=[f"class_0{index}" for index in range(4)], batch_size=8, host="fake",
+                           features=[pb.FeatureSpec(name=feature.name, dtype=feature.dtype, shape=list(feature.shape)) for feature in VISION])
 
 
 @contextlib.contextmanager
@@ -323,19 +355,28 @@ def fake_data_host(stream_batches, address: str, info: pb.DatasetInfo = FAKE_INF
 def _malformed(images: np.ndarray | pb.Tensor, labels: np.ndarray) -> bytes:
     """A Batch a faulty or hostile data host might send (protobuf's writer: any shape goes)."""
     tensor = images if isinstance(images, pb.Tensor) else codec.encode(images)
-    return pb.Batch(images=tensor, labels=codec.encode(labels)).SerializeToString()
+    return pb.Batch(features=[pb.Feature(name="image", tensor=tensor), pb.Feature(name="label", tensor=codec.encode(labels))]).SerializeToString()
+
+
+def _good(images: np.ndarray | None = None, labels: np.ndarray | None = None) -> bytes:
+    """A batch of the vision workload's, as its data host's workers write it."""
+    return codec.encode_features({"image": GOOD_IMAGES if images is None else images, "label": GOOD_LABELS if labels is None else labels})
 
 
 GOOD_IMAGES, GOOD_LABELS = np.zeros((8, 3, 32, 32), np.uint8), np.zeros(8, np.int64)
 MALFORMED = {
-    "truncated": (b"\x12\x05abc", "a well-formed Batch, got field 2 runs past"),  # field 2 (images) claims 5 bytes, 3 follow
+    "truncated": (b"\x4a\x05abc", "a well-formed Batch, got field 9 runs past"),  # field 9 (a feature) claims 5 bytes, 3 follow
     # numpy's product of these dimensions is 0: today's reader raised ValueError in reshape, uncaught.
     "overflowing shape": (_malformed(pb.Tensor(dtype="uint8", shape=[2**62, 4]), GOOD_LABELS), "exceeds"),
-    "labels out of range": (_malformed(GOOD_IMAGES, np.full(8, 4, np.int64)), "labels in [0, 4), got labels in [4, 4]"),
-    "fewer labels than images": (_malformed(GOOD_IMAGES, np.zeros(7, np.int64)), "labels of int64 [8], got int64 [7]"),
-    "images of another rank": (_malformed(np.zeros((8, 3072), np.uint8), GOOD_LABELS), "images of uint8 [8, 3, 32, 32], got uint8 [8, 3072]"),
+    "labels of another dtype": (_good(labels=np.zeros(8, np.int32)), "feature 'label' of int64 [8], got int32 [8]"),
+    "fewer labels than images": (_malformed(GOOD_IMAGES, np.zeros(7, np.int64)), "feature 'label' of int64 [8], got int64 [7]"),
+    "images of another rank": (_good(images=np.zeros((8, 3072), np.uint8)),
+                               "feature 'image' of uint8 [8, 3, 32, 32], got uint8 [8, 3072]"),
+    "a feature missing": (codec.encode_features({"image": GOOD_IMAGES}), "got no feature 'label'"),
+    # The image batches of earlier releases (Batch fields 2 and 3, now reserved): no features at all.
+    "an image batch of an earlier release": (image_batch_of_earlier_releases(GOOD_IMAGES, GOOD_LABELS), "got no feature 'image'"),
     # More bytes than the batch it described: gRPC does not read it (the stream's receive limit).
-    "larger than described": (codec.encode_batch(np.zeros((8, 3, 64, 64), np.uint8), GOOD_LABELS), "larger than max"),
+    "larger than described": (_good(images=np.zeros((8, 3, 64, 64), np.uint8)), "larger than max"),
 }
 
 
@@ -355,10 +396,10 @@ def test_a_host_sending_a_malformed_batch_is_lost_by_name_not_an_ended_input(fau
 
 
 def test_training_goes_on_with_the_other_hosts_when_one_sends_a_malformed_batch(images: Path) -> None:
-    payload, _ = MALFORMED["labels out of range"]
+    payload, _ = MALFORMED["fewer labels than images"]
 
     def faulty(request, context):
-        yield codec.encode_batch(GOOD_IMAGES, GOOD_LABELS)  # one good batch first: trained on, as it should be
+        yield _good()  # one good batch first: trained on, as it should be
         yield payload
 
     with fake_data_host(faulty, "127.0.78.12") as bad, data_host(images) as healthy:
@@ -366,10 +407,10 @@ def test_training_goes_on_with_the_other_hosts_when_one_sends_a_malformed_batch(
         iterator = iter(dataset)
         take_until(iterator, lambda: dataset.stats.lost_hosts and dataset.stats.hosts[healthy.target].batches, timeout_s=60)
         assert dataset.stats.lost_hosts == [bad] and dataset.stats.hosts[bad].batches == 1
-        assert dataset.stats.lost_reasons[bad] == "MalformedBatchError: expected labels in [0, 4), got labels in [4, 4]"
+        assert dataset.stats.lost_reasons[bad] == "MalformedBatchError: expected feature 'label' of int64 [8], got int64 [7]"
         assert bad in dataset.stats.unavailable_hosts  # the summary's lost_data_hosts
-        labels = [batch[1] for batch in itertools.islice(iterator, 10)]
-        assert len(labels) == 10 and all(int(batch.max()) < 4 for batch in labels)
+        labels = [batch["label"] for batch in itertools.islice(iterator, 10)]
+        assert len(labels) == 10 and all(tuple(batch.shape) == (8,) and int(batch.max()) < 4 for batch in labels)
 
 
 # The job's token on every call ------------------------------------------------------------------------
@@ -403,7 +444,7 @@ def test_an_open_stream_that_takes_no_batches_does_not_keep_the_host_alive(image
     from training.data_service import data_service_pb2_grpc as pb_grpc
     from training.data_service.auth import call_metadata
 
-    with data_host(images, idle_timeout_s=1.0) as host, grpc.insecure_channel(host.target) as channel:
+    with data_host(images, idle_timeout_s=1.0) as host, grpc.insecure_channel(host.warm().target) as channel:
         stream = pb_grpc.DataServiceStub(channel).StreamBatches(pb.StreamRequest(batch_size=8), metadata=call_metadata(TOKEN), wait_for_ready=True)
         next(iter(stream))  # one batch, then the stream stays open and nothing more is read
         started = time.monotonic()
@@ -459,15 +500,34 @@ def test_a_slow_trainer_is_not_a_hung_host(images: Path) -> None:
         assert dataset.stats.lost_hosts == [] and dataset.stats.hosts[host.target].ended is None
 
 
+class FixedBatches:
+    """A BatchSource (server.BatchSource) of one pre-made batch, again and again, until stopped."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.batches: queue.Queue = queue.Queue(maxsize=2)
+        self.failure, self.serves_batches, self._stop = None, True, threading.Event()
+        self._payload = payload
+
+    def start(self) -> None:
+        threading.Thread(target=self._fill, daemon=True).start()
+
+    def _fill(self) -> None:
+        while put_until_stopped(self.batches, ReadyBatch(self._payload), self._stop):
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 def test_a_taken_port_is_a_named_error_not_a_shared_port(images: Path) -> None:
     from training.data_service.server import PortInUseError
 
     with data_host(images) as first:
         describe([first.target], TOKEN, timeout_s=10)  # the first host holds its port
         settings = ServerSettings(**{**first.settings.__dict__, "host": "second"})
-        folder = scan_images(images, "train", "data_group")
+        folder, _ = vision_host(images)
         with pytest.raises(PortInUseError, match="another process on this host holds the port"):
-            serve(settings, folder, 0, threading.Event())
+            serve(settings, folder, threading.Event(), source=FixedBatches(_good()))
 
 
 def test_after_sigterm_a_data_host_serves_on_until_the_dnn_hosts_shut_it_down(images: Path) -> None:
@@ -488,7 +548,7 @@ def test_after_sigterm_a_data_host_serves_on_until_the_dnn_hosts_shut_it_down(im
 
 def test_a_host_slow_to_send_its_first_batch_is_not_dropped_by_the_batch_deadline() -> None:
     """Its preprocessing workers may still be starting: until a first batch, the start bound governs."""
-    batch = codec.encode_batch(np.zeros((8, 3, 32, 32), dtype=np.uint8), np.zeros(8, dtype=np.int64))
+    batch = _good()
 
     def slow_start(request, context):
         time.sleep(2.0)
@@ -500,16 +560,14 @@ def test_a_host_slow_to_send_its_first_batch_is_not_dropped_by_the_batch_deadlin
         assert len(take(dataset, 5)) == 5 and dataset.stats.lost_hosts == []
 
 
-def test_an_unexpected_error_in_preprocessing_stops_the_host_by_name(tmp_path: Path) -> None:
+def test_an_unexpected_error_in_preprocessing_stops_the_host_by_name(images: Path) -> None:
     """Not a decode error (those are skipped and counted): anything else a worker raises ends the
     producer, and the host stops at once with the error's name, not silently at its idle timeout."""
-    from training.data_service.dataset import ImageDataset
-    from training.data_service.server import BatchProducer
-    from training.local.images import write_dataset
+    from dataclasses import replace
 
-    root = write_dataset(tmp_path, classes=1, per_class=4, size=32)
-    samples = tuple((str(path), "not a class index") for path in sorted(root.glob("class_00/*.jpg")))
-    producer = BatchProducer(ImageDataset(root, ("class_00",), samples), batch_size=2, augment=AugmentConfig(16), workers=1)
+    folder, recipe = vision_host(images)
+    samples = tuple((source, "not a class index") for source, _ in folder.samples[:4])  # the label's np.int64 raises ValueError
+    producer = WorkloadBatchProducer(ImageDataset(folder.root, folder.classes, samples), replace(recipe, samples=samples), batch_size=2, workers=1)
     producer.start()
     try:
         deadline = time.monotonic() + 120
@@ -517,4 +575,4 @@ def test_an_unexpected_error_in_preprocessing_stops_the_host_by_name(tmp_path: P
             time.sleep(0.05)
     finally:
         producer.stop()
-    assert producer.failure is not None and producer.failure.startswith("preprocessing stopped: ValueError")
+    assert producer.failure is not None and producer.failure.startswith("preprocessing stopped: HookError: preprocess raised ValueError"), producer.failure

@@ -39,22 +39,27 @@ from training.data_service.server import (
     serve,
 )
 from training.local.cluster import free_port
-from training.trainers.config import AugmentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # Each unauthenticated request: far beyond any request, as the issue's were (two of 512 MiB).
 LARGE = 48 << 20
 
+# A data host of the built-in vision workload, set up as the launcher's run_workload_data_host sets one up.
 DATA_HOST = """
 import sys, threading
 from pathlib import Path
-from training.data_service.dataset import scan_images
 from training.data_service.server import ServerSettings, serve
-from training.trainers.config import AugmentConfig
-address, port, token, images = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-settings = ServerSettings(host="limits", bind_address=address, port=port, channel="train", batch_size=8, augment=AugmentConfig(32),
-                          shutdown_token=token, idle_timeout_s=120, start_deadline_s=120, workers=1)
-serve(settings, scan_images(Path(images), "train", "data_group"), 0, threading.Event())
+from training.variants import BUILTIN_WORKLOADS_DIR
+from training.workload.contract import load_workload, resolve_hyperparameters
+from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features
+address, port, token, images = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+hyperparameters = resolve_hyperparameters(vision, {"image_size": "32"})
+listing = host_listing(vision, "train", images, hyperparameters, {"train": images})
+recipe = recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=0)
+settings = ServerSettings(host="limits", bind_address=address, port=port, channel="train", batch_size=8, shutdown_token=token,
+                          idle_timeout_s=120, start_deadline_s=120, workers=1, features=wire_features(recipe.features))
+serve(settings, listing, threading.Event(), source=WorkloadBatchProducer(listing, recipe, batch_size=8, workers=1))
 """
 
 FAILURE_REPORTS = """
@@ -146,19 +151,28 @@ def test_the_request_limit_holds_every_request_our_clients_send() -> None:
     assert pb.StreamRequest(client_id="algo-64/rank7" * 20, batch_size=2**32 - 1, max_batches=2**64 - 1).ByteSize() < MAX_REQUEST_BYTES
 
 
+def vision_info(image_size: int, **fields) -> pb.DatasetInfo:
+    """What a data host of the vision workload describes: its features at ``image_size``."""
+    features = [pb.FeatureSpec(name="image", dtype="uint8", shape=[3, image_size, image_size]), pb.FeatureSpec(name="label", dtype="int64")]
+    return pb.DatasetInfo(features=features, **fields)
+
+
 def test_the_reply_limit_holds_the_largest_describe() -> None:
-    info = pb.DatasetInfo(channel="train", classes=["c" * 255] * MAX_CLASSES, sample_shape=[3, 224, 224], host="algo-1")
+    # Every class name at its longest; the vision workload's features (a tf.data.service host's sample shape instead).
+    info = vision_info(224, channel="train", classes=["c" * 255] * MAX_CLASSES, sample_shape=[3, 224, 224], host="algo-1")
     assert info.ByteSize() < MAX_REPLY_BYTES
 
 
 @pytest.mark.parametrize(("batch_size", "image_size"), [(1, 1), (8, 32), (256, 224)])
 def test_a_streams_receive_limit_holds_its_largest_batch(batch_size: int, image_size: int) -> None:
-    """Every slot tagged twice (its sample, and a due one that did not decode), every count at its widest."""
-    spec = stream_spec(batch_size, pb.DatasetInfo(sample_shape=[3, image_size, image_size], classes=["a"] * MAX_CLASSES))
-    images = np.zeros(spec.image_shape, dtype=np.uint8)
+    """The vision workload's batches: every slot tagged twice (its sample, and a due one that was
+    skipped), every count at its widest."""
+    spec = stream_spec(batch_size, vision_info(image_size, classes=["a"] * MAX_CLASSES))
+    images = np.zeros((batch_size, 3, image_size, image_size), dtype=np.uint8)
     labels = np.full(batch_size, 2**63 - 1, dtype=np.int64)
     tags = np.full(2 * batch_size, 2**64 - 1, dtype=np.uint64)
-    payload = codec.encode_batch(images, labels, 2**32 - 1, tags, np.full(2 * batch_size, 2**32 - 1, dtype=np.uint32))
+    payload = codec.encode_features({"image": images, "label": labels}, 2**32 - 1, tags, np.full(2 * batch_size, 2**32 - 1, dtype=np.uint32))
+    codec.check_batch(codec.decode_batch(payload), spec)
     assert len(payload) <= spec.max_message_bytes < len(payload) + 2048
     assert ("grpc.max_receive_message_length", spec.max_message_bytes) in stream_options(spec.max_message_bytes)
 
@@ -167,9 +181,13 @@ def test_batches_no_grpc_message_can_carry_are_refused_by_name() -> None:
     from training.data_service.control import DataServiceRefusedError
 
     with pytest.raises(DataServiceRefusedError, match="more than one gRPC message can carry"):
-        stream_spec(4096, pb.DatasetInfo(sample_shape=[3, 512, 512]))
-    with pytest.raises(DataServiceRefusedError, match="describes samples of shape"):
-        stream_spec(8, pb.DatasetInfo(sample_shape=[3, -1, 32]))
+        stream_spec(4096, vision_info(512))
+    with pytest.raises(DataServiceRefusedError, match="describes feature 'image' of sample shape"):
+        stream_spec(8, vision_info(0))
+    with pytest.raises(DataServiceRefusedError, match="negative dimension"):
+        stream_spec(8, vision_info(-1))
+    with pytest.raises(DataServiceRefusedError, match="describes no features"):  # a tf.data.service host's, or an earlier release's
+        stream_spec(8, pb.DatasetInfo(host="algo-1", sample_shape=[3, 32, 32]))
 
 
 class FixedBatches:
@@ -197,14 +215,15 @@ def test_a_data_host_streams_batches_beyond_grpcs_default_and_its_own_request_li
     from training.data_service.client import DataServiceDataset
     from training.data_service.dataset import ImageDataset
 
-    batch = codec.encode_batch(np.full((128, 3, 128, 128), 7, np.uint8), np.ones(128, np.int64), 0, np.arange(128), np.zeros(128, int))
+    features = {"image": np.full((128, 3, 128, 128), 7, np.uint8), "label": np.ones(128, np.int64)}
+    batch = codec.encode_features(features, 0, np.arange(128), np.zeros(128, int))
     assert len(batch) > max(4 << 20, 96 * MAX_REQUEST_BYTES)
     settings = ServerSettings(host="big", bind_address="127.0.79.4", port=free_port(), channel="train", batch_size=128,
-                              augment=AugmentConfig(128), shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=30, workers=1,
-                              stop_grace_s=0)
+                              shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=30, workers=1, stop_grace_s=0,
+                              features=(codec.FeatureSpec("image", "uint8", (3, 128, 128)), codec.FeatureSpec("label", "int64")))
     folder = ImageDataset(Path("."), ("a", "b"), (("unused", 0),))
     stop, result = threading.Event(), {}
-    host = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, 0, stop, source=FixedBatches(batch))), daemon=True)
+    host = threading.Thread(target=lambda: result.setdefault("reason", serve(settings, folder, stop, source=FixedBatches(batch))), daemon=True)
     host.start()
     try:
         dataset = DataServiceDataset([f"{settings.bind_address}:{settings.port}"], 128, TOKEN, "test")
@@ -212,5 +231,5 @@ def test_a_data_host_streams_batches_beyond_grpcs_default_and_its_own_request_li
     finally:
         stop.set()
         host.join(20)
-    assert len(received) == 3 and tuple(received[0][0].shape) == (128, 3, 128, 128) and int(received[0][0][5, 1, 2, 3]) == 7
+    assert len(received) == 3 and tuple(received[0]["image"].shape) == (128, 3, 128, 128) and int(received[0]["image"][5, 1, 2, 3]) == 7
     assert dataset.stats.lost_hosts == [] and result["reason"] == StopReason.SIGNAL

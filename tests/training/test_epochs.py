@@ -1,5 +1,5 @@
-"""Epoch accounting from receipts: the data host's own tagging (BatchProducer's tasks, slot_tags) split
-over trainer ranks, and receipts broken on purpose."""
+"""Epoch accounting from receipts: the data host's own tagging (BatchProducer's tasks, slot_tags, the
+vision workload's producer) split over trainer ranks, and receipts broken on purpose."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.data_service.augmentation import AugmentConfig
 from training.data_service.dataset import ImageDataset
 from training.data_service.epochs import SPARE_EPOCH, EpochLedger, epoch_report, hash_sum, merge
-from training.data_service.server import BatchProducer, epoch_share, slot_tags
+from training.data_service.server import epoch_share, slot_tags
+from training.variants import BUILTIN_WORKLOADS_DIR
+from training.workload.samples import BatchRecipe
+from training.workload.serving import WorkloadBatchProducer
 
 
 def host_tasks(samples: int, host: int, hosts: int, batch: int, sharded: bool = False):
     """The (indices, epochs) of a data host's batches, as its producer makes them."""
     listing = ImageDataset(Path("."), ("a",), tuple((f"{index}.jpg", 0) for index in range(samples)))
-    producer = BatchProducer(listing, batch_size=batch, augment=AugmentConfig(16), workers=1, seed=3, host_index=host,
-                             hosts=hosts, sharded=sharded)
+    recipe = BatchRecipe(BUILTIN_WORKLOADS_DIR, "vision", None, listing.samples, {}, 3, ())  # for workers that never start
+    producer = WorkloadBatchProducer(listing, recipe, batch_size=batch, workers=1, seed=3, host_index=host, hosts=hosts, sharded=sharded)
     producer._pool.shutdown()  # never started: only its tasks are read
     for indices, _spares, _seed, epochs in producer._tasks():
         yield indices, epochs
@@ -80,14 +82,20 @@ def test_batches_without_tags_are_counted_apart_and_the_sum_is_modulo_two_to_the
 
 
 def test_a_data_hosts_worker_tags_what_it_put_in_each_slot_after_a_decode_error(images: Path, tmp_path: Path) -> None:
-    from training.data_service import codec, server
+    """The vision workload's worker, as a data host's worker process runs it (here in this process)."""
+    from training.data_service import codec
     from training.data_service.dataset import scan_images
+    from training.workload import serving
+    from training.workload.contract import load_workload, resolve_hyperparameters
 
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"\xff\xd8 not a jpeg")
-    samples = list(scan_images(images, "train", "g").samples[:8]) + [(str(broken), 0)]
-    server._init_worker(samples, AugmentConfig(16))
-    payload, skipped = server._make_batch_in_worker([0, 8, 2], [5, 6, 7], [1, 2], [3, 3, 4])
+    folder = scan_images(images, "train", "g")
+    listing = ImageDataset(folder.root, folder.classes, (*folder.samples[:8], (str(broken), 0)))
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    hyperparameters = resolve_hyperparameters(vision, {"image_size": "16"})
+    serving._init_workload_worker(serving.recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=1))
+    payload, skipped = serving._make_workload_batch([0, 8, 2], [5, 6, 7], [1, 2], [3, 3, 4])
     batch = codec.decode_batch(payload)
-    assert skipped == 1 and batch.images.shape[0] == 3
+    assert skipped == 1 and batch.features["image"].shape == (3, 3, 16, 16) and batch.skipped_samples == 1
     assert batch.sample_ids.tolist() == [0, 2, 5, 8] and batch.epochs.tolist() == [3, 4, SPARE_EPOCH, 3]

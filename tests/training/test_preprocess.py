@@ -10,7 +10,9 @@ import io
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,10 +20,13 @@ from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
 from training.data_service import preprocess
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.dataset import CorruptDatasetError, EmptyChannelError, MissingChannelError, scan_images
+from training.data_service.dataset import EmptyChannelError, MissingChannelError, scan_images
 from training.data_service.pil_reference import load_and_augment_pil
-from training.data_service.preprocess import DECODE_ERRORS, crop_box, draft_reduction, jpeg_size, load_and_augment, make_batch
+from training.data_service.preprocess import DECODE_ERRORS, crop_box, draft_reduction, jpeg_size, load_and_augment
 from training.local.images import write_dataset
+from training.variants import BUILTIN_WORKLOADS_DIR
+from training.workload.contract import Workload, load_workload, resolve_hyperparameters
+from training.workload.samples import AllSkippedError, BatchRecipe, FeatureSpec, make_batch
 
 
 def test_image_folder_lists_classes_and_samples_in_a_stable_order(images: Path) -> None:
@@ -95,26 +100,38 @@ def test_a_draft_decode_draws_the_same_parameters_and_keeps_the_image(tmp_path: 
         assert np.abs(drafted.astype(int) - full.astype(int)).mean() < 6  # of 255: stripes near the output's Nyquist
 
 
+# What the vision workload's batches of 16² crops hold (training/workloads/vision.py).
+VISION_16 = (FeatureSpec("image", "uint8", (3, 16, 16)), FeatureSpec("label", "int64", ()))
+
+
+def vision_recipe(samples: Sequence[Any]) -> tuple[Workload, BatchRecipe]:
+    """The vision workload (16² crops) and a data host's recipe for ``samples``."""
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    hyperparameters = resolve_hyperparameters(vision, {"image_size": "16"})
+    return vision, BatchRecipe(vision.code_dir, vision.name, None, samples, hyperparameters, 1, VISION_16)
+
+
 def test_corrupt_files_are_skipped_counted_and_replaced(tmp_path: Path) -> None:
+    """In a batch of the vision workload's, made as a data host's worker makes it."""
     root = write_dataset(tmp_path, classes=2, per_class=4, size=40)
     broken = root / "class_00" / "00000.jpg"
     broken.write_bytes(b"\xff\xd8 this is not a jpeg")
     (root / "class_01" / "00000.jpg").write_bytes(broken.read_bytes()[:10])
-    folder = scan_images(root, "train", "g")
-    images, labels, skipped = make_batch(folder.samples, [0, 4, 1, 2], spares=[5, 6, 7], config=AugmentConfig(16), seed=1)
+    vision, recipe = vision_recipe(scan_images(root, "train", "g").samples)
+    batch, skipped = make_batch(vision, recipe, [0, 4, 1, 2], spares=[5, 6, 7], epochs=[0] * 4)
     assert skipped == 2
-    assert images.shape == (4, 3, 16, 16) and labels.dtype == np.int64
+    assert batch["image"].shape == (4, 3, 16, 16) and batch["label"].dtype == np.int64
     # Candidates are taken in order: 0 and 4 are broken, so the batch is samples 1, 2 (class 0), spares 5, 6 (class 1).
-    assert labels.tolist() == [0, 0, 1, 1]
+    assert batch["label"].tolist() == [0, 0, 1, 1]
 
 
 def test_a_batch_that_cannot_be_filled_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     for index in range(3):
         (tmp_path / "a" / f"{index}.png").write_bytes(b"garbage")
-    folder = scan_images(tmp_path, "train", "g")
-    with pytest.raises(CorruptDatasetError, match="3 of 3 files"):
-        make_batch(folder.samples, [0, 1], spares=[2], config=AugmentConfig(16), seed=0)
+    vision, recipe = vision_recipe(scan_images(tmp_path, "train", "g").samples)
+    with pytest.raises(AllSkippedError, match="skipped 3 of the 3 samples"):
+        make_batch(vision, recipe, [0, 1], spares=[2], epochs=[0, 0])
 
 
 def photo(width: int = 320, height: int = 240, seed: int = 0) -> np.ndarray:

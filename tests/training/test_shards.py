@@ -1,6 +1,6 @@
 """Tar-shard channels (WebDataset layout): listing, reading a member at its offset, what a damaged shard
-leaves usable, the streaming order, and the readers that take them (the data host's batches, the
-homogeneous DataLoader) or refuse them (TensorFlow's)."""
+leaves usable, the streaming order, and the readers that take them (the vision workload's batches, on a
+data host or in the homogeneous DataLoader) or refuse them (TensorFlow's)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.data_service.augmentation import AugmentConfig
 from training.data_service.dataset import (
     ChannelError,
     EmptyChannelError,
@@ -27,10 +26,13 @@ from training.data_service.dataset import (
     scan_images,
     shard_stream_order,
 )
-from training.data_service.preprocess import make_batch
 from training.data_service.server import sample_order
 from training.local.images import add_member, write_shards
 from training.trainers.sampling import EndlessSampler
+from training.variants import BUILTIN_WORKLOADS_DIR
+from training.workload.contract import load_workload, resolve_hyperparameters
+from training.workload.samples import make_batch
+from training.workload.serving import recipe_for
 
 
 def contents(dataset) -> list[tuple[bytes, int]]:
@@ -147,8 +149,11 @@ def test_a_corrupt_image_member_is_skipped_and_counted_like_a_damaged_file(image
     dataset = scan_images(tmp_path, "train", "g")
     bad = next(i for i, (source, _) in enumerate(dataset.samples) if source.size == len(b"\xff\xd8 not a jpeg"))
     good = 1 - bad
-    batch, labels, skipped = make_batch(dataset.samples, [bad, good], [good, good], AugmentConfig(image_size=16), seed=0)
-    assert skipped == 1 and labels.tolist() == [0, 0] and batch.shape == (2, 3, 16, 16)
+    vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
+    hyperparameters = resolve_hyperparameters(vision, {"image_size": "16"})
+    recipe = recipe_for(vision, dataset, packages_dir=None, hyperparameters=hyperparameters, seed=0)
+    batch, skipped = make_batch(vision, recipe, [bad, good], [good, good], [0, 0])  # as a data host's worker makes it
+    assert skipped == 1 and batch["label"].tolist() == [0, 0] and batch["image"].shape == (2, 3, 16, 16)
 
 
 def test_shard_layouts_a_reader_cannot_take_are_refused_by_name(images: Path, tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ retried for ``reconnect_timeout_s`` and then dropped; training carries on with t
 no host is left does iteration fail, with DataServiceUnavailableError naming every host and why.
 
 Nothing a host sends is trusted. Each connection first asks the host's Describe what its batches are (the
-sample shape, the classes): the stream then reads no message larger than such a batch, and one that is not
-such a batch (wrong dtype, shape or counts, a label outside the classes, bytes that do not read: codec's
-check_batch) reaches no trainer; the host is dropped at once, as lost, with MalformedBatchError and what
-was expected and seen.
+workload's named features, DatasetInfo.features): the stream then reads no message larger than such a
+batch, and one that is not such a batch (a feature missing, extra or misnamed, a wrong dtype, shape or
+count, bytes that do not read: codec's check_batch) reaches no trainer; the host is dropped at once, as
+lost, with MalformedBatchError and what was expected and seen.
 
 A host that hangs (a stopped process keeps its connections open) is noticed two ways: a stream that
 brings no batch for ``batch_timeout_s`` while this side waits for one is cancelled, and, as a backstop,
@@ -18,15 +18,11 @@ gRPC keep-alive pings that go unanswered break the connection (measured here: wi
 gRPC's own limits on ping rates included). Either way the host is retried, then dropped, like a dead one.
 
     dataset = DataServiceDataset(["10.0.0.5:6000", "10.0.0.6:6000"], batch_size=256, token=token, client_id="algo-3/rank0")
-    for images_uint8, labels in dataset: ...
+    for batch in dataset: ...  # the vision workload's: {"image": uint8 [256, 3, S, S], "label": int64 [256]}
 
-A user workload's hosts describe named features instead (DatasetInfo.features): the dataset then yields
-one dict of tensors per batch, {name: [B, *sample shape]}, in the order of ``dataset.features`` (those the
-trainer passed, or else those the first host described), with every guarantee above (checked against the
-description, the same epoch accounting, stalls and limits).
-``dataset.features`` says which kind it yields once known: () for (images, labels), else the features.
-Every host of a dataset must describe the same kind (and the same features): one that does not is
-refused by name, and the others go on.
+The dataset yields one dict of tensors per batch, {name: [B, *sample shape]}, in the order of
+``dataset.features`` (those the trainer passed, or else those the first host described). Every host of a
+dataset must describe the same features: one that does not is refused by name, and the others go on.
 """
 
 from __future__ import annotations
@@ -87,29 +83,16 @@ def stream_options(max_message_bytes: int) -> list[tuple[str, object]]:
 
 
 def stream_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
-    """The batches to expect from the host that sent ``info``: the batch size this trainer asks for, the
-    host's sample shape and its number of classes (labels are indices into its classes). Refused
-    (DataServiceRefusedError) when no such batch fits one gRPC message. Pure.
-
-    A host that describes features (a user workload's) gets a spec of those features; refused, naming the
-    feature, when one has a bad name, a dtype that cannot travel, a dimension that is not positive, comes
-    twice, or when a batch of them does not fit one gRPC message."""
-    if info.features:
-        return _feature_spec(batch_size, info)
-    spec = codec.BatchSpec(batch_size, tuple(info.sample_shape), len(info.classes) or None)
-    if not spec.sample_shape or min(spec.sample_shape) <= 0 or batch_size <= 0:
-        raise DataServiceRefusedError(f"data host {info.host} describes samples of shape {list(spec.sample_shape)}")
-    if spec.max_message_bytes > codec.MAX_GRPC_MESSAGE_BYTES:
-        raise DataServiceRefusedError(
-            f"batches of {batch_size} × {list(spec.sample_shape)} take {spec.max_message_bytes / 2**30:.1f} GiB, more than "
-            f"one gRPC message can carry (2 GiB): use a smaller batch_size or image_size"
-        )
-    return spec
-
-
-def _feature_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
+    """The batches to expect from the host that sent ``info``: the batch size this trainer asks for, of
+    the features the host describes. Refused (DataServiceRefusedError), naming the feature, when the host
+    describes none, or one has a bad name, a dtype that cannot travel, a dimension that is not positive,
+    comes twice, or when a batch of them does not fit one gRPC message. Pure."""
     if batch_size <= 0:
         raise DataServiceRefusedError(f"a trainer cannot ask for batches of {batch_size} samples")
+    if not info.features:
+        # Its batches are not streamed by this service (a tf.data.service host's), or are of a format
+        # this release no longer reads (the image batches of Batch fields 2 and 3).
+        raise DataServiceRefusedError(f"data host {info.host} describes no features: it streams no batches this trainer reads")
     features = []
     for described in info.features:
         try:
@@ -120,7 +103,7 @@ def _feature_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
             raise DataServiceRefusedError(f"data host {info.host} describes feature {feature.name!r} of sample shape {list(feature.shape)}")
         features.append(feature)
     try:
-        spec = codec.BatchSpec(batch_size, (), None, tuple(features))
+        spec = codec.BatchSpec(batch_size, tuple(features))
     except codec.TensorFormatError as error:  # a name twice
         raise DataServiceRefusedError(f"data host {info.host} describes features that cannot travel: {error}") from None
     if spec.max_message_bytes > codec.MAX_GRPC_MESSAGE_BYTES:
@@ -136,8 +119,6 @@ def _feature_spec(batch_size: int, info: pb.DatasetInfo) -> codec.BatchSpec:
 
 def _describes(features: tuple[codec.FeatureSpec, ...]) -> str:
     """What a host's batches are, in words, for a refusal. Pure."""
-    if not features:
-        return "image batches (images and labels)"
     return "features " + ", ".join(f"{feature.name!r} {feature.dtype} {list(feature.shape)}" for feature in features)
 
 
@@ -202,8 +183,7 @@ class StreamStats:
 
 
 class DataServiceDataset(IterableDataset):
-    """Batches of (uint8 images [B, C, H, W], int64 labels [B]) from every data host; from a user workload's
-    hosts, dicts of named feature tensors {name: [B, *sample shape]} (see ``features``)."""
+    """Batches from every data host: dicts of named feature tensors {name: [B, *sample shape]} (see ``features``)."""
 
     def __init__(
         self,
@@ -231,17 +211,12 @@ class DataServiceDataset(IterableDataset):
         # For a CUDA trainer: each stream's thread copies its batches into page-locked memory, so that the
         # trainer's copy to the device is a non-blocking DMA, and the copy costs the trainer's thread nothing.
         self.pin_memory = pin_memory
-        # Which kind of batch this dataset yields: None until the first host's Describe has been read (or
-        # as the caller says); () for (images, labels) tuples; else the features of the dicts it yields, in
-        # this order. Every host must describe the same (codec.FeatureSpec compared by name, any order).
+        # The features of the dicts this dataset yields, in this order: None until the first host's Describe
+        # has been read (or as the caller says). Every host must describe the same (codec.FeatureSpec
+        # compared by name, any order).
         self.features: tuple[codec.FeatureSpec, ...] | None = None if features is None else tuple(features)
         self._features_lock = threading.Lock()
         self.stats = StreamStats()
-
-    @property
-    def yields_features(self) -> bool | None:
-        """True: dicts of feature tensors; False: (images, labels); None: no host has described yet."""
-        return None if self.features is None else bool(self.features)
 
     def _agree(self, spec: codec.BatchSpec, host: str) -> tuple[codec.FeatureSpec, ...]:
         """The dataset's features once this host's agree with them (the first host's set them); refused
@@ -253,10 +228,8 @@ class DataServiceDataset(IterableDataset):
             raise DataServiceRefusedError(f"data host {host} describes {_describes(spec.features)}; this trainer reads {_describes(self.features)}")
         return self.features
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]]:
-        merged: queue.Queue[tuple[tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor], str, np.ndarray, np.ndarray]] = queue.Queue(
-            maxsize=self.queue_depth
-        )
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        merged: queue.Queue[tuple[dict[str, torch.Tensor], str, np.ndarray, np.ndarray]] = queue.Queue(maxsize=self.queue_depth)
         stop = threading.Event()
         self.stats = StreamStats({address: HostState(address) for address in self.addresses})
         ledger = self.stats.ledger
@@ -340,10 +313,7 @@ class DataServiceDataset(IterableDataset):
                         state.lost = batch.end_reason not in CLEAN_ENDS
                         return
                     codec.check_batch(batch, spec)
-                    if features:
-                        tensors = {feature.name: _to_tensor(batch.features[feature.name], self.pin_memory) for feature in features}
-                    else:
-                        tensors = (_to_tensor(batch.images, self.pin_memory), _to_tensor(batch.labels, self.pin_memory))
+                    tensors = {feature.name: _to_tensor(batch.features[feature.name], self.pin_memory) for feature in features}
                     item = (tensors, state.address, batch.sample_ids, batch.epochs)
                     state.streaming = True
                     state.batches += 1

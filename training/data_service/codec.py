@@ -3,19 +3,18 @@
 No pickle crosses the wire: a peer can only send bytes that are read as the dtype it names, and a tensor
 whose byte count disagrees with its shape is refused. Nothing a peer sends is trusted: ``decode_batch``
 refuses any message it cannot read exactly (TensorFormatError), and ``check_batch`` refuses a readable batch
-that is not the one the trainer asked for (MalformedBatchError: dtype, shape, counts, label range).
+that is not the one the trainer asked for (MalformedBatchError: names, dtypes, shapes, counts).
 
-Batches are the hot path. A data host's worker processes serialise each Batch once (``encode_batch``), the
-gRPC handler sends those bytes as they are, and the trainer side reads them with ``decode_batch``, which
-walks the protobuf wire format of Batch and Tensor itself and returns numpy views on the received bytes:
-the image bytes are never copied after gRPC hands them over (protobuf's own parser would copy them once
-more, which measurably slows a stream of multi-megabyte batches). ``decode_batch`` agrees with protobuf's
-parser on every message (tests/training/test_codec.py).
+A batch is a workload's (a user's or a built-in's): named features, each [B, *its sample shape] of any
+allowed dtype (the vision workload's: uint8 "image" [B, 3, S, S] and int64 "label" [B]), announced by the
+data host's Describe (DatasetInfo.features, read as FeatureSpec) and checked against that announcement.
 
-Two kinds of batch travel. A built-in image workload's: uint8 images [B, C, H, W] and int64 labels [B]
-(``encode_batch``). A user workload's: named features, each [B, *its sample shape] of any allowed dtype
-(``encode_features``), announced by the data host's Describe (DatasetInfo.features, read as FeatureSpec)
-and checked against that announcement as images are against theirs. A batch is one kind, never both.
+Batches are the hot path. A data host's worker processes serialise each Batch once (``encode_features``),
+the gRPC handler sends those bytes as they are, and the trainer side reads them with ``decode_batch``,
+which walks the protobuf wire format of Batch and Tensor itself and returns numpy views on the received
+bytes: the tensor bytes are never copied after gRPC hands them over (protobuf's own parser would copy them
+once more, which measurably slows a stream of multi-megabyte batches). ``decode_batch`` agrees with
+protobuf's parser on every message (tests/training/test_codec.py).
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def check_feature_name(name: object) -> None:
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """One named feature of a user workload's batches: its dtype, and the shape of ONE sample (empty: a
+    """One named feature of a workload's batches: its dtype, and the shape of ONE sample (empty: a
     scalar per sample). A batch of ``batch_size`` holds it as dtype [batch_size, *shape]. Refuses
     (TensorFormatError) a bad name, a dtype that cannot travel, a negative dimension or too many of them."""
 
@@ -101,77 +100,50 @@ class FeatureSpec:
 
 @dataclass(frozen=True)
 class DecodedBatch:
-    images: np.ndarray | None
-    labels: np.ndarray | None
+    # The batch's features by name, in the order they came (views on the payload); none in an end of stream.
+    features: dict[str, np.ndarray] = field(default_factory=dict)
     skipped_samples: int = 0
     end_of_stream: bool = False
     end_reason: str = ""
     # Per slot: the sample whose turn it was, and its data-host epoch (empty from a host that sends none).
     sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
-    # A user workload's batch: its features by name, in the order they came (views on the payload).
-    features: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """The batches a trainer asked a data host for: its StreamRequest's batch size, and the host's own
-    Describe (sample shape, classes). Images are uint8 [batch_size, *sample_shape] (the data host's
-    layout: NCHW), labels int64 [batch_size] in [0, num_classes) (None: not known, not checked).
-
-    With ``features`` (a user workload's host), the batches hold exactly those features, each
-    dtype [batch_size, *shape], and no images or labels; sample_shape and num_classes are then unused."""
+    """The batches a trainer asked a data host for: its StreamRequest's batch size, and the features the
+    host's Describe announced. Each batch holds exactly those features, each dtype [batch_size, *shape].
+    Refuses (TensorFormatError) no features, or a name twice."""
 
     batch_size: int
-    sample_shape: tuple[int, ...]
-    num_classes: int | None = None
-    features: tuple[FeatureSpec, ...] = ()
+    features: tuple[FeatureSpec, ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", tuple(self.features))
+        if not self.features:
+            raise TensorFormatError("a batch holds at least one feature")
         names = [feature.name for feature in self.features]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise TensorFormatError(f"feature {duplicates[0]!r} is named more than once")
 
     @property
-    def image_shape(self) -> tuple[int, ...]:
-        return (self.batch_size, *self.sample_shape)
-
-    @property
     def max_message_bytes(self) -> int:
-        """The most bytes a Batch of this spec can take on the wire: the image bytes; per slot 8 label
-        bytes and at most two 12-byte slot tags (its sample, and one due sample that did not decode: see
-        check_batch); and 1 KiB for the field keys, lengths, dtype names and shapes (a 4-d shape's packed
-        varints are at most 40 bytes). The trainer's receive limit: nothing larger is read.
-
-        For features: each feature's bytes, plus per feature FEATURE_OVERHEAD_BYTES and 10 bytes per
-        dimension of its batch shape (a varint each); the two slot tags per slot; and the same 1 KiB."""
-        if self.features:
-            per_feature = sum(
-                feature.batch_bytes(self.batch_size) + FEATURE_OVERHEAD_BYTES + 10 * (1 + len(feature.shape)) for feature in self.features
-            )
-            return per_feature + self.batch_size * 2 * 12 + 1024
-        return math.prod(self.image_shape) + self.batch_size * (8 + 2 * 12) + 1024
+        """The most bytes a Batch of this spec can take on the wire: each feature's bytes, plus per feature
+        FEATURE_OVERHEAD_BYTES and 10 bytes per dimension of its batch shape (a varint each); per slot at
+        most two 12-byte slot tags (its sample, and one due sample that was skipped: see check_batch); and
+        1 KiB for the counts' keys and lengths. The trainer's receive limit: nothing larger is read."""
+        per_feature = sum(
+            feature.batch_bytes(self.batch_size) + FEATURE_OVERHEAD_BYTES + 10 * (1 + len(feature.shape)) for feature in self.features
+        )
+        return per_feature + self.batch_size * 2 * 12 + 1024
 
 
 def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
     """Refuse (MalformedBatchError) a decoded batch that is not one of ``spec``'s: a peer's bytes reach
     training only as the arrays the trainer expects. Pure."""
-    if spec.features:
-        _check_features(batch, spec)
-    else:
-        if batch.images is None or batch.labels is None:
-            present = [name for name in ("images", "labels") if getattr(batch, name) is not None]
-            raise MalformedBatchError("a batch with images and labels", f"{' and '.join(present) or 'neither'} only")
-        if batch.features:
-            raise MalformedBatchError("a batch with images and labels", f"features {list(batch.features)} too")
-        _expect("images", batch.images, "uint8", spec.image_shape)
-        _expect("labels", batch.labels, "int64", (spec.batch_size,))
-        if spec.num_classes is not None and batch.labels.size:
-            low, high = int(batch.labels.min()), int(batch.labels.max())
-            if low < 0 or high >= spec.num_classes:
-                raise MalformedBatchError(f"labels in [0, {spec.num_classes})", f"labels in [{low}, {high}]")
+    _check_features(batch, spec)
     if batch.skipped_samples > MAX_UINT32:
         raise MalformedBatchError("skipped_samples within a uint32", str(batch.skipped_samples))
     # Slot tags (server.slot_tags): none, from a host that sends none; else one per slot, then one per due
@@ -186,9 +158,6 @@ def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
 def _check_features(batch: DecodedBatch, spec: BatchSpec) -> None:
     expected = [feature.name for feature in spec.features]
     wanted = f"a batch of features {expected} only"
-    present = [name for name in ("images", "labels") if getattr(batch, name) is not None]
-    if present:
-        raise MalformedBatchError(wanted, f"{' and '.join(present)} too")
     for name in batch.features:
         if not FEATURE_NAME.fullmatch(name):
             raise MalformedBatchError(f"{wanted} (names of 1 to 64 [A-Za-z0-9_])", f"a feature named {name!r}")
@@ -216,22 +185,13 @@ def decode(message: pb.Tensor) -> np.ndarray:
     return _tensor_view(message.dtype, tuple(message.shape), message.data, 0, len(message.data))
 
 
-def encode_batch(
-    images: np.ndarray, labels: np.ndarray, skipped_samples: int = 0, sample_ids: Sequence[int] = (), epochs: Sequence[int] = ()
-) -> bytes:
-    """A serialised Batch, byte for byte what protobuf's serializer writes (tests/training/test_codec.py),
-    written here with one copy of the image bytes: protobuf's Python API copies them into the message and
-    again into the serialised string, which took 18 ms of a 32 × 224² batch's ~90 ms on a data-host core."""
-    counts = _counts_and_tags(skipped_samples, sample_ids, epochs)
-    return b"".join([*_length_delimited(2, _tensor_parts(images)), *_length_delimited(3, _tensor_parts(labels)), *counts])
-
-
 def encode_features(
     features: Mapping[str, np.ndarray], skipped_samples: int = 0, sample_ids: Sequence[int] = (), epochs: Sequence[int] = ()
 ) -> bytes:
-    """A user workload's serialised Batch: ``features`` (each [batch, *sample shape]) in the mapping's order,
-    no images or labels. Byte for byte what protobuf's serializer writes, with one copy of the tensor bytes,
-    as encode_batch. Refuses (TensorFormatError) no features, a bad name, a dtype that cannot travel, a
+    """A workload's serialised Batch: ``features`` (each [batch, *sample shape]) in the mapping's order.
+    Byte for byte what protobuf's serializer writes (tests/training/test_codec.py), written here with one
+    copy of the tensor bytes: protobuf's Python API copies them into the message and again into the
+    serialised string, which took 18 ms of a 32 × 224² batch's ~90 ms on a data-host core. Refuses (TensorFormatError) no features, a bad name, a dtype that cannot travel, a
     0-d array, or features whose batch dimensions differ."""
     if not features:
         raise TensorFormatError("a batch of features needs at least one feature")
@@ -303,8 +263,10 @@ def end_of_stream(reason: str) -> bytes:
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
-    """Read a serialised Batch; its tensors (images, labels, features) are views on ``payload``. Refuses
-    (TensorFormatError) a feature named twice, one without a tensor, and any tensor that does not read."""
+    """Read a serialised Batch; its features' tensors are views on ``payload``. Refuses (TensorFormatError)
+    a feature named twice, one without a tensor, and any tensor that does not read. Fields it does not know
+    (the reserved 2 and 3 of the image batches of earlier releases too) are skipped, as protobuf's parser
+    skips them: a batch of them alone holds no features, which check_batch refuses."""
     fields: dict[str, object] = {}
     features: dict[str, np.ndarray] = {}
     for number, wire_type, value in _fields(payload, 0, len(payload)):
@@ -313,9 +275,6 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             if name in features:
                 raise TensorFormatError(f"feature {name!r} comes twice in one batch")
             features[name] = array
-        elif number in (2, 3) and wire_type == LENGTH_DELIMITED:
-            start, end = value
-            fields["images" if number == 2 else "labels"] = _decode_tensor(payload, start, end)
         elif number == 4 and wire_type == VARINT:
             fields["skipped_samples"] = value
         elif number == 5 and wire_type == VARINT:
@@ -326,14 +285,12 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             # Packed (one span of values) or unpacked (one value per field), which parsers must accept too.
             fields.setdefault(number, []).append(_fixed_array(payload, *value, "<u8" if number == 7 else "<u4"))
     return DecodedBatch(
-        images=fields.get("images"),
-        labels=fields.get("labels"),
+        features=features,
         skipped_samples=int(fields.get("skipped_samples", 0)),
         end_of_stream=bool(fields.get("end_of_stream", False)),
         end_reason=str(fields.get("end_reason", "")),
         sample_ids=_joined(fields.get(7), np.uint64),
         epochs=_joined(fields.get(8), np.uint32),
-        features=features,
     )
 
 

@@ -57,10 +57,6 @@ class EmptyChannelError(ChannelError):
     pass
 
 
-class CorruptDatasetError(RuntimeError):
-    """So many files failed to decode that a batch could not be filled."""
-
-
 @dataclass(frozen=True)
 class TarMember:
     """A file inside a tar shard: ``size`` bytes from ``offset`` of ``shard``."""

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import NamedTuple
 
 import cv2
@@ -37,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from training.data_service.augmentation import AugmentConfig
-from training.data_service.dataset import CorruptDatasetError, SampleSource, read_sample
+from training.data_service.dataset import SampleSource, read_sample
 
 # One worker process per vCPU does the parallelism: OpenCV's own thread pool would only oversubscribe
 # the cores (and its threads do not survive a fork).
@@ -394,52 +393,3 @@ def _autocontrast_table(histogram: np.ndarray, cutoff: float) -> np.ndarray:
         return np.arange(256, dtype=np.uint8)
     scale = 255.0 / (high - low)
     return np.clip(np.trunc(np.arange(256) * scale - low * scale), 0, 255).astype(np.uint8)
-
-
-@dataclass
-class BatchTrace:
-    """Where make_batch's candidates went, by position in indices + spares."""
-
-    slots: list[int] = field(default_factory=list)  # the candidate in each slot, in slot order
-    failed: list[int] = field(default_factory=list)  # candidates that did not decode
-
-
-def make_batch(
-    samples: Sequence[tuple[SampleSource, int]],
-    indices: Sequence[int],
-    spares: Sequence[int],
-    config: AugmentConfig,
-    seed: int | Sequence[int],
-    trace: BatchTrace | None = None,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """A full batch of ``len(indices)`` samples. A file that fails to decode is skipped, counted and
-    replaced: the slots take the next candidates, the indices first, then the spares; CorruptDatasetError
-    when the spares run out too. ``trace`` records which candidate went where (epoch accounting).
-
-    Returns (images uint8 [N, 3, S, S], labels int64 [N], skipped count).
-    """
-    rng = np.random.default_rng(seed)
-    images = np.empty((len(indices), *config.sample_shape), dtype=np.uint8)
-    labels = np.empty(len(indices), dtype=np.int64)
-    candidates = enumerate(list(indices) + list(spares))
-    skipped = 0
-    for slot in range(len(indices)):
-        for position, index in candidates:
-            path, label = samples[index]
-            try:
-                images[slot] = load_and_augment(path, rng, config)
-            except DECODE_ERRORS:
-                skipped += 1
-                if trace is not None:
-                    trace.failed.append(position)
-                continue
-            labels[slot] = label
-            if trace is not None:
-                trace.slots.append(position)
-            break
-        else:
-            raise CorruptDatasetError(
-                f"{skipped} of {len(indices) + len(spares)} files tried for one batch could not be decoded "
-                f"as images (last: {path}); check the channel's contents"
-            )
-    return images, labels, skipped

@@ -1,5 +1,7 @@
-"""The data host: decodes and augments its channel's images in worker processes and streams the batches
-to every DNN process over gRPC.
+"""The data host: makes its channel's batches in worker processes (a workload's preprocess:
+training/workload/serving.py) and streams them to every DNN process over gRPC; or, for the tensorflow
+variant, answers the control calls (Describe, keep-alive, Shutdown) while tf.data.service sends its
+batches (training/data_service/tf_service.py).
 
 Worker processes are sized to the host's CPUs (its CPU affinity, which the emulated cluster sets per
 host). Finished batches wait in a bounded queue: when the trainers fall behind, the workers stop, so
@@ -14,7 +16,7 @@ memory stays flat. The host stops, and its process exits, on the first of:
   which they save; they send Shutdown when done, which usually comes first.
 
 Every call must carry the job's token (training/data_service/auth.py). A host that cannot serve raises
-PortInUseError (its port is taken) or DataHostError (its channel cannot be decoded); the launcher writes
+PortInUseError (its port is taken) or DataHostError (its batches cannot be made); the launcher writes
 the reason to the failure file and reports it to the DNN hosts.
 
 Run through the launcher; ``serve`` is the entry point.
@@ -42,9 +44,8 @@ import numpy as np
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
-from training.data_service.augmentation import AugmentConfig
 from training.data_service.auth import TokenAuth
-from training.data_service.dataset import CorruptDatasetError, ImageDataset, SampleSource, shard_stream_order
+from training.data_service.dataset import ImageDataset, shard_stream_order
 from training.data_service.epochs import SPARE_EPOCH
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,6 @@ class ServerSettings:
     port: int
     channel: str
     batch_size: int
-    augment: AugmentConfig
     shutdown_token: str
     idle_timeout_s: float
     start_deadline_s: float
@@ -120,9 +120,12 @@ class ServerSettings:
     sharded: bool = False
     # After SIGTERM, serve on this long at most (SageMaker sends SIGKILL 120 s after its SIGTERM).
     stop_grace_s: float = 110.0
-    # A user workload's batches (codec.encode_features): what Describe announces in DatasetInfo.features,
-    # and what the trainers then check every batch against. Empty: the built-in image batches.
+    # The workload's batches (codec.encode_features): what Describe announces in DatasetInfo.features, and
+    # what the trainers then check every batch against. Empty where tf.data.service sends the batches.
     features: tuple[codec.FeatureSpec, ...] = ()
+    # tf.data.service's batches (channels, height, width), for the tensorflow trainer's check; empty on a
+    # workload's host, whose features say what its batches hold.
+    sample_shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -198,7 +201,7 @@ class BatchSource(Protocol):
     """Where a data host's finished batches come from (the producer below; a benchmark's fixed batches;
     tf.data.service, whose batches go to the trainers without passing through this server)."""
 
-    # Serialised Batch messages (codec.encode_batch), ready for the wire.
+    # Serialised Batch messages (codec.encode_features), ready for the wire.
     batches: queue.Queue[ReadyBatch]
     failure: str | None
     # False when the batches bypass this server, which then cannot count what it served.
@@ -209,15 +212,27 @@ class BatchSource(Protocol):
     def stop(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a producer's worker processes run: ``initializer(*initargs)`` once in each, then per batch
+    ``make_batch(indices, spares, seed, epochs) -> (payload, skipped)``, the wire bytes made there, off
+    the gRPC process's CPU. Module-level functions: the spawned workers import them by name."""
+
+    initializer: Callable[..., None]
+    initargs: tuple[object, ...]
+    make_batch: Callable[[list[int], list[int], list[int], list[int]], tuple[bytes, int]]
+
+
 class BatchProducer:
-    """Keeps ``workers`` batches in flight on a process pool and finished ones in a bounded queue."""
+    """Keeps ``workers`` batches in flight on a process pool and finished ones in a bounded queue; what the
+    workers run is ``setup``'s (a workload's: training/workload/serving.WorkloadBatchProducer)."""
 
     def __init__(
         self,
         folder: ImageDataset,
+        setup: WorkerSetup,
         *,
         batch_size: int,
-        augment: AugmentConfig,
         workers: int,
         seed: int = 0,
         host_index: int = 0,
@@ -237,23 +252,15 @@ class BatchProducer:
         self.skipped_samples = 0  # in every batch made, served or not (the log's running count)
         self.serves_batches = True
         self._stop = threading.Event()
+        self._make_batch = setup.make_batch
         # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
-        initializer, initargs = self.worker_setup(folder, augment)
         self._pool = futures.ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=initializer,
-            initargs=initargs,
+            initializer=setup.initializer,
+            initargs=setup.initargs,
         )
         self._thread = threading.Thread(target=self._run, name="batch-producer", daemon=True)
-
-    def worker_setup(self, folder: ImageDataset, augment: AugmentConfig) -> tuple[Callable[..., None], tuple[object, ...]]:
-        """How each worker process is set up (a user workload's producer imports its module there)."""
-        return _init_worker, (folder.samples, augment)
-
-    def worker_function(self) -> Callable[..., tuple[bytes, int]]:
-        """The module-level function a worker runs per batch: (indices, spares, seed, epochs) → (payload, skipped)."""
-        return _make_batch_in_worker
 
     def start(self) -> None:
         self._thread.start()
@@ -286,7 +293,7 @@ class BatchProducer:
     def _run(self) -> None:
         in_flight: collections.deque[futures.Future] = collections.deque()
         tasks = self._tasks()
-        make = self.worker_function()
+        make = self._make_batch
         try:
             while not self._stop.is_set():
                 while len(in_flight) < self._workers:
@@ -296,8 +303,6 @@ class BatchProducer:
                 if skipped:
                     log.warning("skipped %d undecodable files (%d so far)", skipped, self.skipped_samples)
                 put_until_stopped(self.batches, ReadyBatch(payload, skipped), self._stop)
-        except CorruptDatasetError as error:
-            self.failure = f"{type(error).__name__}: {error}"
         except (futures.BrokenExecutor, RuntimeError) as error:
             # RuntimeError: the pool was shut down under us while stopping.
             if not self._stop.is_set():
@@ -305,28 +310,6 @@ class BatchProducer:
         except Exception as error:  # noqa: BLE001 — any other error must stop the host by name: a producer
             # thread that died quietly would leave the host serving nothing until its idle timeout.
             self.failure = f"preprocessing stopped: {type(error).__name__}: {error}"
-
-
-_worker_samples: Sequence[tuple[SampleSource, int]] = ()
-_worker_augment: AugmentConfig | None = None
-
-
-def _init_worker(samples: Sequence[tuple[SampleSource, int]], augment: AugmentConfig) -> None:
-    global _worker_samples, _worker_augment
-    _worker_samples, _worker_augment = samples, augment
-
-
-def _make_batch_in_worker(indices: list[int], spares: list[int], seed: list[int], epochs: list[int]) -> tuple[bytes, int]:
-    """Decode, augment and serialise one batch: the wire bytes are made here, off the gRPC process's CPU."""
-    # Imported here, in the worker: the preprocessing needs OpenCV, which only the PyTorch image has, and
-    # the launcher imports this module in every image.
-    from training.data_service.preprocess import BatchTrace, make_batch
-
-    assert _worker_augment is not None, "worker not initialised"
-    trace = BatchTrace()
-    images, labels, skipped = make_batch(_worker_samples, indices, spares, _worker_augment, seed, trace)
-    sample_ids, sample_epochs = slot_tags(indices, spares, epochs, trace.slots, trace.failed)
-    return codec.encode_batch(images, labels, skipped, sample_ids=sample_ids, epochs=sample_epochs), skipped
 
 
 def slot_tags(indices: list[int], spares: list[int], epochs: list[int], slots: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
@@ -368,7 +351,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             channel=self._settings.channel,
             num_samples=len(self._folder),
             classes=list(self._folder.classes),
-            sample_shape=list(self._settings.augment.sample_shape),
+            sample_shape=list(self._settings.sample_shape),
             batch_size=self._settings.batch_size,
             host=self._settings.host,
             workers=self._settings.workers,
@@ -444,27 +427,10 @@ def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def serve(
-    settings: ServerSettings,
-    folder: ImageDataset,
-    host_index: int,
-    stop_signal: threading.Event,
-    source: BatchSource | None = None,
-) -> StopReason:
-    """Run the data service until it should stop; return why. ``source`` replaces the preprocessing
-    pipeline (the transport benchmark serves fixed batches through it)."""
-    producer = source or BatchProducer(
-        folder,
-        batch_size=settings.batch_size,
-        augment=settings.augment,
-        workers=settings.workers,
-        seed=settings.seed,
-        host_index=host_index,
-        queue_depth=settings.queue_depth,
-        hosts=settings.hosts,
-        sharded=settings.sharded,
-    )
-    servicer = DataServiceServicer(settings, folder, producer)
+def serve(settings: ServerSettings, folder: ImageDataset, stop_signal: threading.Event, source: BatchSource) -> StopReason:
+    """Run the data service until it should stop; return why. ``source`` makes the batches (a workload's
+    WorkloadBatchProducer; tf.data.service; a benchmark's fixed batches), ``folder`` is what Describe tells."""
+    servicer = DataServiceServicer(settings, folder, source)
     server = grpc.server(
         # One thread per open stream (every trainer process of every DNN host holds one), plus the
         # control calls: a stream beyond the pool would wait for a thread and never get a batch.
@@ -475,10 +441,10 @@ def serve(
     add_to_server(servicer, server)
     target = f"{settings.bind_address}:{settings.port}"
     bind_port(server, target)
-    producer.start()
+    source.start()
     server.start()
     log.info(
-        "data host %s serving channel %r (%d images in %s, %d classes) on %s with %d workers, batch %d",
+        "data host %s serving channel %r (%d samples in %s, %d classes) on %s with %d workers, batch %d",
         settings.host, settings.channel, len(folder), folder.layout, len(folder.classes), target, settings.workers, settings.batch_size,
     )
     reason = None
@@ -491,16 +457,16 @@ def serve(
             reason = StopReason.SHUTDOWN
         elif signalled_at is not None and time.monotonic() - signalled_at >= settings.stop_grace_s:
             reason = StopReason.SIGNAL
-        elif producer.failure:
-            log.error("%s", producer.failure)
+        elif source.failure:
+            log.error("%s", source.failure)
             reason = StopReason.FAILED
         else:
             reason = servicer.stop_verdict(settings.idle_timeout_s, settings.start_deadline_s)
     servicer.stopping = reason
     # Give open streams a moment to send their end-of-stream marker, then stop everything.
     server.stop(grace=2.0).wait(timeout=5)
-    producer.stop()
-    if producer.serves_batches:
+    source.stop()
+    if source.serves_batches:
         log.info(
             "data host %s stopping (%s) after serving %d batches (%d undecodable files replaced in them)",
             settings.host, reason.value, servicer.batches_served, servicer.skipped_served,
@@ -508,7 +474,7 @@ def serve(
     else:  # tf.data.service: the batches went from its workers straight to the trainers
         log.info("data host %s stopping (%s); its batches went through tf.data.service", settings.host, reason.value)
     if reason is StopReason.FAILED:
-        raise DataHostError(producer.failure or "preprocessing failed")
+        raise DataHostError(source.failure or "preprocessing failed")
     return reason
 
 

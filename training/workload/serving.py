@@ -1,5 +1,6 @@
-"""A data host serving a user workload: the same server, stream, epochs and lifecycle as the built-in
-images (training/data_service/server.py), with the workload's preprocess making the batches.
+"""A data host serving a workload (a user's, or a built-in's: training/workloads/): the data service's
+server, stream, epochs and lifecycle (training/data_service/server.py), with the workload's preprocess
+making the batches.
 
 Its worker processes (spawned: the gRPC process runs threads) import the workload's module by name from
 the unpacked code folder, once each, and make whole batches there: the user's function, the stacking
@@ -11,14 +12,13 @@ run fails the host, by name, before anything waits on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from training.data_service import codec
-from training.data_service.augmentation import AugmentConfig
 from training.data_service.dataset import ImageDataset
-from training.data_service.server import BatchProducer, slot_tags
+from training.data_service.server import BatchProducer, WorkerSetup, slot_tags
 from training.workload.contexts import ChannelContext
 from training.workload.contract import Workload, load_workload
 from training.workload.samples import BatchRecipe, BatchTrace, FeatureSpec, classes_of, list_channel, make_batch, probe_features
@@ -46,17 +46,11 @@ def wire_features(features: tuple[FeatureSpec, ...]) -> tuple[codec.FeatureSpec,
 
 
 class WorkloadBatchProducer(BatchProducer):
-    """BatchProducer whose workers run the workload's preprocess."""
+    """BatchProducer whose workers run the workload's preprocess; ``options`` are BatchProducer's."""
 
     def __init__(self, listing: ImageDataset, recipe: BatchRecipe, **options: Any) -> None:
         self.recipe = recipe
-        super().__init__(listing, augment=AugmentConfig(image_size=8), **options)  # unused: the workload preprocesses
-
-    def worker_setup(self, folder: ImageDataset, augment: AugmentConfig) -> tuple[Callable[..., None], tuple[object, ...]]:
-        return _init_workload_worker, (self.recipe,)
-
-    def worker_function(self) -> Callable[..., tuple[bytes, int]]:
-        return _make_workload_batch
+        super().__init__(listing, WorkerSetup(_init_workload_worker, (recipe,), _make_workload_batch), **options)
 
 
 _recipe: BatchRecipe | None = None
