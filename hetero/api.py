@@ -582,6 +582,7 @@ def runs(platform: Platform | None = None, limit: int = 20) -> list[dict[str, An
             "started": execution["startDate"].isoformat(timespec="seconds"),
             "job_status": outcome.get("job_status"),
             "step_time_ms": (outcome.get("step_time_ms") or {}).get("p50"),
+            "billed_ms_per_step": outcome.get("billed_ms_per_step"),
             "cost_per_1k_steps_usd": outcome.get("cost_per_1k_steps_usd"),
         })
     return rows

@@ -157,7 +157,7 @@ class BenchmarkSweep(Construct):
 
         dashboard = cloudwatch.Dashboard(self, "Dashboard", dashboard_name=f"{prefix}-benchmarks")
         dashboard.add_widgets(
-            cloudwatch.GraphWidget(title="Step time p50 per configuration (ms)", left=[search("StepTimeMs", "")], width=12),
+            cloudwatch.GraphWidget(title="Billed ms per step per configuration (evaluation and checkpoints included)", left=[search("BilledMsPerStep", "")], width=12),
             cloudwatch.GraphWidget(title="Cost per 1k steps per configuration ($)", left=[search("CostPer1kStepsUsd", "")], width=12),
         )
         dashboard.add_widgets(

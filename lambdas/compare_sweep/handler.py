@@ -104,7 +104,7 @@ def _publish_metrics(sweep_name: str, report: dict[str, Any]) -> None:
     for row in report["configurations"]:
         dimensions = [{"Name": "Sweep", "Value": sweep_name}, {"Name": "Configuration", "Value": row["name"]}]
         if row["step_time_ms"] is not None:
-            data.append({"MetricName": "StepTimeMs", "Dimensions": dimensions, "Value": row["step_time_ms"], "Unit": "Milliseconds"})
+            data.append({"MetricName": "BilledMsPerStep", "Dimensions": dimensions, "Value": row["step_time_ms"], "Unit": "Milliseconds"})
         if row["cost_per_1k_steps_usd"] is not None:
             data.append({"MetricName": "CostPer1kStepsUsd", "Dimensions": dimensions, "Value": row["cost_per_1k_steps_usd"], "Unit": "None"})
     data.append({"MetricName": "FailedConfigurations", "Dimensions": [{"Name": "Sweep", "Value": sweep_name}],

@@ -121,7 +121,7 @@ def render_chart(report: Mapping[str, Any], title: str) -> bytes:
     canvas = Canvas(width, 480)
     canvas.text(20, 16, title, scale=3)
     panel_width = (width - 100) // 2
-    _panel(canvas, 30, 70, panel_width, 400, "STEP TIME (MS, P50)", rows, "step_time_ms", "", report.get("recommended"))
+    _panel(canvas, 30, 70, panel_width, 400, "MS PER STEP (BILLED)", rows, "step_time_ms", "", report.get("recommended"))
     _panel(canvas, 70 + panel_width, 70, panel_width, 400, "$ PER 1K STEPS", rows, "cost_per_1k_steps_usd", "", report.get("recommended"))
     prices = report["prices"]
     line = f"PRICES: {prices['source']} ({prices['date']})"

@@ -103,7 +103,7 @@ def test_allowed_input_buckets_are_the_ones_jobs_can_read(scheduled) -> None:
 def test_the_dashboard_and_the_alarm(scheduled) -> None:
     (dashboard,) = resources(scheduled, "AWS::CloudWatch::Dashboard").values()
     body = json.dumps(dashboard["Properties"]["DashboardBody"])
-    for metric in ("StepTimeMs", "CostPer1kStepsUsd", "FailedConfigurations"):
+    for metric in ("BilledMsPerStep", "CostPer1kStepsUsd", "FailedConfigurations"):
         assert metric in body
     assert METRIC_NAMESPACE in body
     (alarm,) = [alarm for logical_id, alarm in resources(scheduled, "AWS::CloudWatch::Alarm").items() if logical_id.startswith("BenchmarkSweepFailedSweeps")]

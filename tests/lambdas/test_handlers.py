@@ -218,14 +218,17 @@ def test_collect_writes_the_result_once(aws, context) -> None:
     name = launch({"spec": spec(), "execution_arn": EXECUTION, "execution_start": STARTED}, context)["job_name"]
     job = aws.training_job(name)
     job.billable_time_in_seconds = 1800
-    summary = {"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "samples_per_s": 347.8}
+    # A median of 184 ms, and 230 ms per step over the timed steps with their evaluations and checkpoints.
+    summary = {"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 185.0}, "wall_ms_per_step": 230.0,
+               "samples_per_s": 347.8}
     aws.s3.put_object(Bucket=RESULTS_BUCKET, Key=f"artifacts/{name}/output/output.tar.gz", Body=output_archive(summary))
     reply = collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context)
     assert reply["result_uri"] == f"s3://{RESULTS_BUCKET}/results/run-0001/result.json"
     result = json.loads(aws.s3.get_object(Bucket=RESULTS_BUCKET, Key="results/run-0001/result.json")["Body"].read())
     assert result["status"] == "Completed" and result["step_time_ms"]["p50"] == 184.0
     assert result["usd_per_hour"] == pytest.approx(5.661)  # 1× ml.c5.9xlarge + 1× ml.p3.2xlarge
-    assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.184 / 3.6, rel=1e-4)
+    assert result["billed_ms_per_step"] == 230.0  # what a step is billed for: not the median
+    assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.230 / 3.6, rel=1e-4)
     assert result["run_cost_usd"] == pytest.approx(5.661 / 2, rel=1e-3)
     assert result["prices"]["source"].startswith("fallback table") and result["prices"]["date"]
     # A retried collect of the same execution (its reply lost) finds its own result and returns it...

@@ -101,13 +101,20 @@ def test_each_configuration_meets_the_deployments_policy() -> None:
     assert refused.value.field == "configurations[1].inputs.train.s3_uri"
 
 
-def outcomes(steps: dict[int, float | None]) -> list[dict[str, Any]]:
+def result_of(billed: float, p50: float | None = None) -> dict[str, Any]:
+    """result.json's step figures: the billed wall time per step, and the step-time distribution."""
+    median = billed if p50 is None else p50
+    return {"billed_ms_per_step": billed, "step_time_ms": {"p50": median, "p90": median, "mean": median}}
+
+
+def outcomes(steps: dict[int, float | None], medians: dict[int, float] | None = None) -> list[dict[str, Any]]:
     rows = []
     for count, step in steps.items():
         spec = with_data_hosts(TF, count, "ml.c5.18xlarge")
         rows.append({
             "name": spec["run_name"], "spec": spec, "status": "SUCCEEDED" if step else "FAILED",
-            "error": None if step else "TrainingJobFailed: AlgorithmError", "result": {"step_time_ms": {"p50": step}} if step else None,
+            "error": None if step else "TrainingJobFailed: AlgorithmError",
+            "result": result_of(step, (medians or {}).get(count)) if step else None,
         })
     return rows
 
@@ -133,8 +140,26 @@ def test_a_step_time_target_can_exclude_the_cheapest() -> None:
     assert too_strict["recommended"] is None and "No recommendation" in render_markdown(too_strict, "t")
 
 
+def test_a_faster_median_with_periodic_stalls_is_not_recommended() -> None:
+    """d2's median step is the fastest (70 ms: $0.875 per 1k steps against d1's $0.919), but it stalls every
+    N steps (a slow data host's epoch turn, an evaluation): billed 95 ms per step over its timed steps."""
+    report = compare(outcomes({0: 192.0, 1: 80.0, 2: 95.0}, medians={2: 70.0}), FALLBACK_PRICES, None)
+    rows = {row["name"]: row for row in report["configurations"]}
+    assert report["recommended"] == "resnet50-hetero-d1"
+    assert rows["resnet50-hetero-d2"]["step_p50_ms"] == 70.0 and rows["resnet50-hetero-d2"]["billed_ms_per_step"] == 95.0
+    assert rows["resnet50-hetero-d2"]["cost_per_1k_steps_usd"] == pytest.approx(45.03 * 0.095 / 3.6, rel=1e-3)
+    by_median = compare(outcomes({0: 192.0, 1: 80.0, 2: 70.0}), FALLBACK_PRICES, None)
+    assert by_median["recommended"] == "resnet50-hetero-d2"  # what ranking by the median would have said
+    markdown = render_markdown(report, "stalls")
+    assert "| resnet50-hetero-d2 | " in markdown and "| 95.0 | 70.0 / 70.0 |" in markdown and "ms per step (billed)" in markdown
+    # A result written before the billed figure was recorded: its mean step (stalls inside steps) prices it.
+    legacy = outcomes({0: 192.0})
+    legacy[0]["result"] = {"step_time_ms": {"p50": 150.0, "p90": 200.0, "mean": 192.0}}
+    assert compare(legacy, FALLBACK_PRICES, None)["configurations"][0]["billed_ms_per_step"] == 192.0
+
+
 def test_unpriced_configurations_are_reported_but_not_recommended() -> None:
-    trainium = {"name": "bert-trn1", "spec": TRAINIUM, "status": "SUCCEEDED", "result": {"step_time_ms": {"p50": 10.0}}}
+    trainium = {"name": "bert-trn1", "spec": TRAINIUM, "status": "SUCCEEDED", "result": result_of(10.0)}
     report = compare([*outcomes({0: 192.0}), trainium], FALLBACK_PRICES, None)
     (row,) = [r for r in report["configurations"] if r["name"] == "bert-trn1"]
     assert row["cost_per_1k_steps_usd"] is None and "ml.trn1.2xlarge" in row["price_note"]
@@ -174,7 +199,7 @@ def test_the_report_shows_each_configurations_billed_time_to_first_batch() -> No
     report = compare(rows, FALLBACK_PRICES, None)
     assert [row["first_batch_s"] for row in report["configurations"]] == [212.5, None, None]  # one measure, or none
     markdown = render_markdown(report, "t")
-    assert "| first batch (s) |" in markdown and "| 192.0 | 212.5 |" in markdown and "| 86.0 | – |" in markdown
+    assert "| first batch (s) |" in markdown and "| 192.0 / 192.0 | 212.5 |" in markdown and "| 86.0 / 86.0 | – |" in markdown
 
 
 def test_a_long_base_run_name_is_cut_before_its_size_so_configurations_keep_distinct_names() -> None:

@@ -4,6 +4,7 @@ no training step (evaluation, checkpoints, the model's save), with a loop whose 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,26 @@ def test_outside_a_launcher_no_mark_is_written(tmp_path: Path, monkeypatch: pyte
     loop = RecordingLoop(LoopConfig(steps=2, warmup_steps=0), OutputPaths.under(tmp_path), tmp_path / "rank-0")
     loop.mark_progress("evaluate")
     assert not (tmp_path / "rank-0").exists()
+
+
+class StallingLoop(RecordingLoop):
+    """Steps of ~5 ms, and a 60 ms evaluation after every fifth: a median step that leaves the stalls out."""
+
+    def _saw(self, phase: str) -> None:
+        pass
+
+    def train_step(self, batch: int) -> float:
+        time.sleep(0.005)
+        return 0.0
+
+    def after_step(self, step: int) -> None:
+        if step % 5 == 0:
+            time.sleep(0.06)
+
+
+def test_the_wall_time_per_step_holds_the_evaluations_the_step_times_leave_out(tmp_path: Path) -> None:
+    summary = StallingLoop(LoopConfig(steps=21, warmup_steps=1), OutputPaths.under(tmp_path), tmp_path / "mark").run()
+    stats, wall = summary["step_time_ms"], summary["wall_ms_per_step"]
+    # 20 timed steps (2..21) with the evaluations after steps 5, 10, 15 and 20 between them: 4 × 60 ms.
+    assert stats["p50"] < 30 and wall >= stats["mean"] + 4 * 60 / 20 * 0.9, (stats, wall)
+    assert summary["timed_steps"] == 20

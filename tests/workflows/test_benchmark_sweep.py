@@ -91,7 +91,7 @@ def test_a_sweep_over_data_group_sizes_recommends_the_cheapest_and_publishes_it(
     assert {harness.result(f"sweep-ok-{index}")["status"] for index in (0, 1)} == {"Completed"}
     metrics = harness.cloudwatch.list_metrics(Namespace="HeterogeneousTraining/Sweeps")["Metrics"]
     assert {(m["MetricName"], d["Value"]) for m in metrics for d in m["Dimensions"] if d["Name"] == "Configuration"} >= {
-        ("StepTimeMs", "vision-hetero-d0"), ("CostPer1kStepsUsd", "vision-hetero-d1"),
+        ("BilledMsPerStep", "vision-hetero-d0"), ("CostPer1kStepsUsd", "vision-hetero-d1"),
     }
 
 

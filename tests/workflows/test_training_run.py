@@ -64,14 +64,16 @@ def test_a_job_that_never_starts_training_is_stopped_at_the_end_of_the_start_win
 
 
 def test_a_run_that_completes_writes_its_result(run) -> None:
-    harness = run(Scenario(summary={"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "samples_per_s": 347.8}))
+    harness = run(Scenario(summary={"timed_steps": 100, "step_time_ms": {"p50": 184.0, "p90": 190.0, "mean": 186.0}, "wall_ms_per_step": 201.0,
+                                    "samples_per_s": 347.8}))
     execution = harness.wait(harness.start(SPEC, "run-ok"))
     assert execution["status"] == "SUCCEEDED", execution
     output = json.loads(execution["output"])
     assert output["job"]["status"] == "Completed"
     result = harness.result("run-ok")
     assert result["status"] == "Completed" and result["step_time_ms"]["p50"] == 184.0
-    assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.184 / 3.6, rel=1e-4)
+    assert result["billed_ms_per_step"] == 201.0  # the wall per step, beside the p50
+    assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.201 / 3.6, rel=1e-4)
 
 
 def test_a_failed_job_fails_the_execution_and_records_why(run) -> None:

@@ -5,7 +5,9 @@ where batches come from, one optimizer step, and how its state is saved. The loo
 must look the same across variants:
 
 * step time = wall time from the end of one step to the end of the next, data wait included (an input-
-  bound job is slow because of that wait); the first ``warmup_steps`` of each run are left out;
+  bound job is slow because of that wait); the first ``warmup_steps`` of each run are left out; its
+  p50/p90/mean describe the steps, and ``wall_ms_per_step`` (the timed steps' whole wall time, with the
+  evaluations, checkpoints and stalls between them, per step) is what a step costs;
 * time to first batch = from the container's start (the launcher's stamp in
   ``TRAINING_CONTAINER_STARTED_AT``) to the moment the last rank had its first batch: imports, the data
   hosts' listing and start, connecting, a FastFile channel's first reads (a File channel's copy happens
@@ -306,6 +308,10 @@ class TrainingLoop(ABC, Generic[BatchT]):
         last = time.perf_counter()
         step = start_step
         stopped = False
+        # The wall time the timed steps took together, from the first one's start to the last one's end:
+        # with the evaluations, checkpoints and stalls between them, which step times leave out and the
+        # job is billed for (the cost per step is computed from it: lambdas/core/results.py).
+        timed_from = timed_to = None
         for step in range(start_step + 1, config.steps + 1):
             try:
                 batch = next(batches)
@@ -324,6 +330,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
             (step_ms if timed else warmup_ms).append(elapsed)
             if timed:
                 wait_ms.append(waited)
+                timed_from, timed_to = last if timed_from is None else timed_from, now
             # Every rank reaches this line at every step: the one collective of the loop's own, two host
             # floats. All ranks stop after the same step (a rank that stopped alone would leave the others
             # waiting in the next gradient all-reduce), and as soon as any of them was told to.
@@ -358,6 +365,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
         first_batches = [first for _, first in ranks if first == first]
         self.mark_progress("summary")  # the variant's part may evaluate (which marks each batch) or gather
         summary = self._summary(start_step, step_ms, wait_ms, warmup_ms, loss, time.perf_counter() - started)
+        summary["wall_ms_per_step"] = round((timed_to - timed_from) * 1000 / len(step_ms), 3) if step_ms else None
         summary["time_to_first_batch_s"] = round(max(first_batches), 3) if first_batches else None
         # The instants too (wall clock, NTP-synced on SageMaker): results.py counts from the job's billing start.
         summary["container_started_at"] = round(container_started, 3)

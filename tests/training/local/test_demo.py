@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -40,7 +41,11 @@ def test_comparison_figures_and_table() -> None:
     table = render(comparison)
     assert "homogeneous: 1× ml.p3.2xlarge" in table and "1× ml.c5.9xlarge + 1× ml.p3.2xlarge" in table
     assert "7% lower cost per step" in table and "EMULATED" in table
-    assert "heterogeneous step / ideal step = 1.050" in table
+    assert "heterogeneous median step / ideal step = 1.050" in table
+    # Priced by the billed step (evaluations and checkpoints in it), compared with the ideal by its median.
+    stalling = Comparison(Profile(60, 40), comparison.homogeneous, dataclasses.replace(comparison.heterogeneous, step_ms=70, p50_ms=61.5))
+    assert stalling.offload_efficiency == pytest.approx(61.5 / 60)
+    assert stalling.heterogeneous.cost_per_1k_steps > comparison.heterogeneous.cost_per_1k_steps
     # 60 ms for the example's batch of 64: what the sizing advisor takes as images_per_s_per_vcpu.
     assert "(1067 images/s per vCPU" in table
 
