@@ -3,7 +3,7 @@
     hetero validate examples/*.json                         # the platform's checks, offline
     hetero run examples/pytorch-heterogeneous.json --follow # start, watch, print the result
     hetero run examples/pytorch-heterogeneous.json --direct # one job without the state machine (SageMaker SDK)
-    hetero runs                                             # recent runs: status, step time, $ per 1k steps
+    hetero runs                                             # recent runs: status, billed ms per step, $ per 1k steps
     hetero show RUN | hetero follow RUN | hetero stop RUN | hetero logs RUN --host algo-2 --group data_group
     hetero sweep examples/sweep.json --follow ; hetero report SWEEP_ID --open
     hetero prices ml.p4d.24xlarge ml.c5.18xlarge
@@ -80,7 +80,7 @@ def emit_json(value: Any) -> None:
 @app.command()
 def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a sweep's when it has sweep_name).")],
              channel: Annotated[list[str] | None, typer.Option(
-                 "--channel", metavar="NAME=DIR", help="A local folder for a channel: a user workload's hooks then run on its first samples.")] = None,
+                 "--channel", metavar="NAME=DIR", help="A local folder for a channel: the workload's hooks (a user's, or a PyTorch built-in's) then run on its first samples.")] = None,
              code: Annotated[Path | None, typer.Option(help="A user workload's code folder, in place of the spec's.")] = None,
              install: Annotated[bool, typer.Option(help="Check that the workload's requirements resolve (pip --dry-run).")] = True,
              as_json: AsJson = False) -> None:
@@ -125,13 +125,22 @@ def key_value(text: str) -> tuple[str, Path]:
 
 
 def workload_check(path: Path, raw: Any, code: Path | None, channels: dict[str, Path], install: bool) -> dict[str, Any] | None:
-    """A user workload spec's dry run (training/workload/dry_run.py); None for a built-in workload or a
-    sweep. Its refusals are the spec's, under the field ``workload``."""
-    if not isinstance(raw, dict) or "sweep_name" in raw or not isinstance(raw.get("workload"), dict):
+    """A workload spec's dry run (training/workload/dry_run.py): a user workload's, or with --channel a
+    PyTorch built-in's; None for a sweep, or the tensorflow variant's built-in. Its refusals are the
+    spec's, under the field ``workload``."""
+    if not isinstance(raw, dict) or "sweep_name" in raw:
         return None
     from lambdas.core.job_spec import validate_job_spec
+    from training.variants import VARIANTS
 
     spec = validate_job_spec(raw)
+    if not isinstance(raw.get("workload"), dict):
+        if not channels or not VARIANTS[spec.variant].user_workloads:
+            return None
+        try:
+            return _dry_run_module().dry_run_builtin(spec, channels)
+        except (ValueError, LookupError) as error:
+            raise api.SpecRefused(str(path), "workload", f"{type(error).__name__}: {error}") from None
     if code is None and not spec.code.is_local:
         return None  # uploaded already: its folder is not here (give it with --code to check it)
     folder = code or api.code_folder(spec.code.source, api.spec_folder(path))
@@ -152,7 +161,10 @@ def _dry_run_module():
 
 
 def workload_line(report: dict[str, Any]) -> str:
-    parts = [f"workload {report['module']} ({report['files']} files, sha256 {report['sha256'][:12]}): hooks {', '.join(report['hooks'])}"]
+    if report.get("builtin"):
+        parts = [f"built-in workload {report['module']}: hooks {', '.join(report['hooks'])}"]
+    else:
+        parts = [f"workload {report['module']} ({report['files']} files, sha256 {report['sha256'][:12]}): hooks {', '.join(report['hooks'])}"]
     if "features" in report:
         features = ", ".join(f"{name} {spec}" for name, spec in report["features"].items())
         parts.append(f"{report['samples']} samples → {features}; trial step loss {report['trial_loss']:.4g}")
@@ -237,14 +249,14 @@ def sweep(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The swe
 @app.command()
 def runs(ctx: typer.Context, limit: Annotated[int, typer.Option(min=1, max=1000)] = 20,
          stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
-    """Recent runs, newest first: status, step time, cost per 1k steps."""
+    """Recent runs, newest first: status, billed ms per step, cost per 1k steps."""
     rows = guarded(lambda: api.runs(platform(ctx, stack, region, profile), limit))
     if as_json:
         emit_json(rows)
         return
-    headers = ("run", "status", "started", "job", "step p50 (ms)", "$ per 1k steps")
+    headers = ("run", "status", "started", "job", "ms per step (billed)", "$ per 1k steps")
     cells = [(row["run"], row["status"], row["started"][:16].replace("T", " "), row["job_status"] or "–",
-              number(row["step_time_ms"], 1), number(row["cost_per_1k_steps_usd"], 4)) for row in rows]
+              number(row["billed_ms_per_step"], 1), number(row["cost_per_1k_steps_usd"], 4)) for row in rows]
     if not out.is_terminal:  # a pipe: tab-separated lines, every id whole (as gh prints for scripts)
         sys.stdout.write("".join("\t".join(line) + "\n" for line in [headers, *cells]))
         return
@@ -507,6 +519,9 @@ def result_table(outcome: dict[str, Any]) -> Table:
         ("status", coloured(outcome.get("status") or "–")),
         ("job", escape(f"{outcome.get('job_name') or '–'} ({outcome.get('job_status')})")),
         ("failure", escape(outcome.get("failure_reason") or "–")),
+        # What the cost is computed from (the wall per timed step, evaluations and checkpoints included), and the
+        # step-time distribution beside it.
+        ("ms per step (billed)", number(outcome.get("billed_ms_per_step"), 1)),
         ("step time p50 / p90", f"{number(step.get('p50'), 1)} / {number(step.get('p90'), 1)} ms"),
         ("samples/s", number(outcome.get("samples_per_s"), 1)),
         ("$/hour", number(outcome.get("usd_per_hour"), 3)),

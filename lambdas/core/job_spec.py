@@ -603,6 +603,11 @@ def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
     data_groups = {group.name for group in spec.data_groups}
     # A PyTorch workload validates on the DNN group: its eval channel goes there, data groups need not read it.
     evaluated = eval_channel_of(spec)
+    if evaluated == DATA_CHANNEL:
+        # Routing the training channel to the DNN group for validation would leave the data groups
+        # without it, and a score on the samples it trained on says nothing of held-out ones.
+        raise JobSpecError("hyperparameters.eval_channel", f"{DATA_CHANNEL!r} is the channel the job trains on: validate on "
+                                                           "held-out samples in a channel of their own")
     for channel in spec.inputs:
         if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:
             raise JobSpecError(f"inputs.{channel.name}.s3_uri", f"bucket {bucket_of(channel.s3_uri)!r} is not one the platform's "
@@ -667,3 +672,15 @@ def _check_hyperparameters(spec: JobSpec) -> None:
         name = getattr(trainer, setting, "")
         if name and name not in channels:
             raise JobSpecError(f"hyperparameters.{setting}", f"{name!r} is not a channel of this job's inputs {channels}")
+    _check_trainer_settings(spec, trainer)
+
+
+def _check_trainer_settings(spec: JobSpec, trainer: Any) -> None:
+    """Settings a host would refuse only after the instances were billed, or that would quietly do harm."""
+    trainium = VARIANTS[spec.variant].accelerator == "trainium"
+    if getattr(trainer, "precompile_steps", 0) and not trainium:
+        raise JobSpecError("hyperparameters.precompile_steps", "pre-compiles the Neuron graphs of a Trainium job (neuron_parallel_compile): "
+                                                               f"variant {spec.variant!r} has none to compile; leave it out")
+    if trainium and getattr(trainer, "precision", "") == "fp16":
+        raise JobSpecError("hyperparameters.precision", "Trainium computes in bf16 (or fp32), and PyTorch/XLA has no fp16 loss scaling "
+                                                        "there: use bf16 or auto")

@@ -234,6 +234,11 @@ INVALID: list[tuple[str, Any, str]] = [
     ("user workload: a sagemaker_ name", user(hetero(), hyperparameters={"sagemaker_program": "x.py"}), "hyperparameters.sagemaker_program"),
     ("user workload: a channel the data group lacks", changed(with_eval(hetero(), ["dnn_group"]), "inputs.extra",
                                                               {"s3_uri": "s3://datasets-bucket/e/", "groups": ["dnn_group"]}), "inputs.extra.groups"),
+    ("eval channel is the training channel", changed(hetero(), "hyperparameters.eval_channel", "train"), "hyperparameters.eval_channel"),
+    ("user workload: eval channel is the training channel", user(hetero(), hyperparameters={"eval_channel": "train"}), "hyperparameters.eval_channel"),
+    ("precompile_steps on a GPU", changed(hetero(), "hyperparameters.precompile_steps", 2), "hyperparameters.precompile_steps"),
+    ("user workload: precompile_steps on a GPU", user(hetero(), hyperparameters={"precompile_steps": 2}), "hyperparameters.precompile_steps"),
+    ("fp16 on Trainium", changed(neuron(), "hyperparameters.precision", "fp16"), "hyperparameters.precision"),
     ("built-in text workload with a data group", changed(neuron(), "instance_groups", [GROUP, *neuron()["instance_groups"]]), "instance_groups"),
 ]
 

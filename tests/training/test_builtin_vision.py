@@ -10,7 +10,7 @@ import importlib.util
 import itertools
 import json
 import shutil
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +42,17 @@ def metric_lines(text: str) -> list[dict[str, float]]:
     return [parse_metric_line(line) for line in text.splitlines() if line.startswith("step=")]
 
 
+def held_out(images: Path, folder: Path, classes: list[str]) -> Path:
+    for name in classes:
+        shutil.copytree(images / name, folder / name)
+    return folder
+
+
 def test_training_learns_validates_and_logs_one_metric_line_per_step(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    summary = trainer(images, tmp_path, {"train": images, "validation": images}, steps=40, warmup_steps=3, eval_channel="validation",
+    # The held-out folder has 3 of the 4 classes: its labels must still name the training channel's
+    # classes (by its own sorted folders, class_01 would be label 0 and the accuracy near nothing).
+    validation = held_out(images, tmp_path / "validation", ["class_01", "class_02", "class_03"])
+    summary = trainer(images, tmp_path, {"train": images, "validation": validation}, steps=40, warmup_steps=3, eval_channel="validation",
                       eval_every=20).run()
     out = capsys.readouterr().out
     lines = [line for line in metric_lines(out) if "loss" in line]
@@ -54,11 +63,21 @@ def test_training_learns_validates_and_logs_one_metric_line_per_step(images: Pat
     assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8, losses
     assert summary["timed_steps"] == 37 and summary["warmup_steps"] == 3
     assert summary["data_source"] == "local" and summary["skipped_samples"] == 0 and summary["workload"] == "vision"
-    # Validated at step 20 and at the end, over every one of the 96 images (centre crops), well above chance (0.25).
+    # Validated at step 20 and at the end, over every one of the 72 images (centre crops), well above chance (0.25).
     evaluations = [line for line in metric_lines(out) if "eval_accuracy" in line]
     assert len(evaluations) == 2
-    assert summary["validation"]["step"] == 40 and summary["validation"]["samples"] == 96
+    assert summary["validation"]["step"] == 40 and summary["validation"]["samples"] == 72
     assert summary["validation"]["metrics"]["accuracy"] > 0.6, summary["validation"]
+
+
+def test_a_held_out_class_the_training_channel_lacks_is_refused_by_name_before_training(images: Path, tmp_path: Path) -> None:
+    from training.workload.contract import WorkloadError
+
+    validation = held_out(images, tmp_path / "validation", ["class_00"])
+    (validation / "class_99").mkdir()
+    shutil.copy(next((images / "class_01").iterdir()), validation / "class_99" / "extra.jpg")
+    with pytest.raises(WorkloadError, match=r"list_samples raised ChannelError on channel 'validation' .*class folders \['class_99'\] are not among"):
+        trainer(images, tmp_path / "run", {"train": images, "validation": validation}, steps=2, warmup_steps=1, eval_channel="validation")
 
 
 def test_outputs_land_in_the_sagemaker_folders_and_the_model_loads_without_the_platform(images: Path, tmp_path: Path) -> None:
@@ -80,15 +99,32 @@ def test_a_second_run_resumes_from_the_checkpoint(images: Path, tmp_path: Path, 
     first.run()
     weights = {name: value.clone() for name, value in first.module.state_dict().items()}
     capsys.readouterr()
-    resumed = trainer(images, tmp_path, steps=10, warmup_steps=1)
+    # Resumed with another rate and weight decay: the optimizer's moments continue, its settings are this run's.
+    resumed = trainer(images, tmp_path, steps=10, warmup_steps=1, learning_rate=0.1, weight_decay=0.002)
     assert resumed.load_checkpoint(resumed.checkpoint_path)["step"] == 6
     assert resumed.scheduler.last_epoch == 6
+    assert resumed.scheduler.base_lrs == [0.1, 0.1]
+    factor = vision_module().schedule_factor(7, 10, resumed.prepared.hyperparameters["lr_warmup_fraction"])
+    assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx([0.1 * factor] * 2)
+    assert [group["weight_decay"] for group in resumed.optimizer.param_groups] == [0.002, 0.0]
+    assert resumed.optimizer.state_dict()["state"], "the first run's momentum buffers"
     assert all(torch.equal(weights[name], value) for name, value in resumed.module.state_dict().items())
     summary = resumed.run()
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step=")]
     assert summary["start_step"] == 6 and summary["timed_steps"] == 3
     assert steps[0].startswith("step=7/10") and steps[-1].startswith("step=10/10")
     assert resumed.resume_samples == 6 * 16
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name(images: Path, tmp_path: Path) -> None:
+    from training.trainers.pytorch_runtime import CheckpointFormatError
+
+    run = trainer(images, tmp_path, steps=2, warmup_steps=1)
+    run.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = {"model": run.module.state_dict(), "optimizer": {}, "lr_scheduler": {}, "scaler": {}, "loop": {"step": 1}}
+    torch.save(earlier, run.checkpoint_path)
+    with pytest.raises(CheckpointFormatError, match=r"not written by this release's PyTorch runtime \(its keys: loop, lr_scheduler, "):
+        run.load_checkpoint(run.checkpoint_path)
 
 
 def test_the_rate_warms_up_to_the_per_worker_rate_then_decays_to_zero_by_a_cosine(images: Path, tmp_path: Path) -> None:
@@ -101,8 +137,10 @@ def test_the_rate_warms_up_to_the_per_worker_rate_then_decays_to_zero_by_a_cosin
     assert rates[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])  # warm-up over 4 steps, then the peak
     assert all(later < earlier for earlier, later in itertools.pairwise(rates[4:]))  # never constant after the warm-up
     assert rates[-1] == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 15 / 16)))  # the last step's, near zero
-    factor = vision_module().schedule_factor
-    assert factor(10, 20, 0.2) * 8 == pytest.approx(8 * rates[9] / 0.1)  # eight workers: eight times the rate (scale_lr)
+    # Eight workers: eight times the rate (scale_lr), by the module's own optimizer.
+    eight = replace(run.ctx, world_size=8)
+    _, schedule = vision_module().build_optimizer(torch.nn.Linear(2, 2), eight)
+    assert schedule.base_lrs == pytest.approx([0.8, 0.8])
 
 
 def test_weight_decay_applies_to_convolution_and_linear_weights_only(images: Path, tmp_path: Path) -> None:

@@ -166,6 +166,10 @@ CASES = {
         ),
         "MissingChannelError: channel 'train' is not on this host",
     ),
+    "precompile_steps on a GPU job's data host": (
+        lambda tmp, images: (hetero_resource_config("algo-1"), platform_hyperparameters(precompile_steps=2), {"train": images}),
+        "precompile_steps pre-compiles a Trainium job's Neuron graphs: variant 'pytorch' has none",
+    ),
     "a ResNet18 asked of the Keras trainer": (
         lambda tmp, images: (hetero_resource_config("algo-3"), platform_hyperparameters(variant="tensorflow", distribution="horovod", model="resnet18"), {}),
         "model must be one of ('cnn', 'resnet50'), got 'resnet18'",

@@ -27,6 +27,7 @@ from training.trainers.pytorch_runtime import (
     build_trainer,
     step_output,
 )
+from training.workload.contract import WorkloadError
 from training.workload.host import WORKLOAD_DIR_ENV, prepared_workload
 from training.workload.samples import BatchRecipe, make_batch
 
@@ -141,6 +142,34 @@ def test_on_xla_a_step_is_one_executed_graph_and_compiles_nothing_after_warm_up(
     assert executed == [1, 1, 1, 1] and compiled == [0, 0, 0, 0]
 
 
+def test_on_xla_validating_mid_run_compiles_no_training_graph_again(tmp_path, tmp_path_factory):
+    """eval_every switches the model to eval and back on the device: the training step after it must find
+    its graph in the cache (a recompile costs minutes on Trainium), at every validation."""
+    import importlib.util
+
+    import torch_xla.debug.metrics as met
+
+    make = importlib.util.spec_from_file_location("make_reviews", TEXT_EXAMPLE / "make_data.py")
+    module = importlib.util.module_from_spec(make)
+    make.loader.exec_module(module)
+    reviews = module.write(tmp_path_factory.mktemp("reviews"), train=128, validation=32)
+    environ = host(tmp_path, TEXT_EXAMPLE, xla=True, channels={"train": reviews / "train", "validation": reviews / "validation"},
+                   steps=16, batch_size=8, eval_channel="validation", eval_every=5, checkpoint_every=0)
+    trainer = build_trainer(environ)
+    step, compiles = trainer.train_step, []
+
+    def compiles_of_each_step(batch):  # the real step, with the compilations it caused counted
+        before = (met.metric_data("CompileTime") or (0,))[0]
+        output = step(batch)
+        compiles.append((met.metric_data("CompileTime") or (0,))[0] - before)
+        return output
+
+    trainer.train_step = compiles_of_each_step
+    summary = trainer.run()
+    assert summary["validation"]["step"] == 16 and len(compiles) == 16
+    assert sum(compiles[2:]) == 0, compiles  # the first two steps compile (fresh, then with optimizer state); none after
+
+
 def test_on_xla_a_batch_whose_shapes_change_is_refused_naming_the_feature(tmp_path):
     environ = host(tmp_path, linear_code(tmp_path), xla=True, steps=10, crop_at=0, batch_size=4)
     trainer = build_trainer(environ)
@@ -175,10 +204,14 @@ def test_the_saved_model_loads_without_the_platform(tmp_path):
              "sys.meta_path = [finder for finder in sys.meta_path if 'editable' not in getattr(finder, '__module__', repr(finder))]\n" \
              "assert importlib.util.find_spec('training') is None, 'the platform is importable'\n" \
              f"from load_model import load\nmodel, card = load({str(model)!r})\nimport torch\n" \
-             "print(card['module'], type(model).__name__, float(model(torch.zeros(1, 4)).detach().reshape(())) == float(model.bias))"
+             "print(card['module'], type(model).__name__, float(model(torch.zeros(1, 4)).detach().reshape(())) == float(model.bias))\n" \
+             "ctx = card['ctx']  # the module's own preprocess and device_transform, as validation ran them\n" \
+             "sample = card['workload'].preprocess(5, ctx)\n" \
+             "batch = card['workload'].device_transform({'x': torch.from_numpy(sample['x'])[None]}, ctx)\n" \
+             "print(ctx.training, tuple(batch['x'].shape))"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["workload", "Linear", "True"]
+    assert result.stdout.split() == ["workload", "Linear", "True", "False", "(1,", "4)"]
     card = json.loads((model / "workload.json").read_text())
     assert card["features"] == [{"name": "x", "dtype": "float32", "shape": [4]}, {"name": "y", "dtype": "float32", "shape": []}]
 
@@ -245,3 +278,66 @@ def test_each_rank_draws_its_own_augmentations_and_workers_never_restart(tmp_pat
     assert sorted(index for half in halves for _, index in half) == list(range(8))  # the two ranks' halves: the epoch, once
     uninterrupted = list(itertools.islice(tagged_order(8, rank=0, world_size=2, seed=0, start=0), 12))
     assert list(itertools.islice(tagged_order(8, rank=0, world_size=2, seed=0, start=5), 7)) == uninterrupted[5:]
+
+
+def test_an_evaluation_listing_with_classes_of_its_own_is_refused_by_name(tmp_path):
+    """Labels index the classes: a user's eval listing that names other classes than the training
+    channel's would score against the wrong outputs, so the trainer refuses it before step 1."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "workload.py").write_text(textwrap.dedent('''
+        import numpy as np
+        import torch
+
+        class Listing(list):
+            classes = ()
+
+        def listing(items, classes):
+            samples = Listing(items)
+            samples.classes = tuple(classes)
+            return samples
+
+        def list_samples(ctx):
+            if ctx.training:
+                return listing([(0, 0), (1, 1), (2, 2)] * 4, ["ant", "bee", "cat"])
+            assert ctx.classes == ("ant", "bee", "cat")  # the training channel's, while listing another
+            return listing([(1, 0), (2, 1)], ["bee", "cat"])  # its own: a subset, relabelled
+
+        def preprocess(sample, ctx):
+            return {"x": np.full(2, sample[0], dtype=np.float32), "y": np.int64(sample[1])}
+
+        def build_model(ctx):
+            return torch.nn.Linear(2, len(ctx.classes))
+
+        def train_step(model, batch, ctx):
+            return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+        def eval_step(model, batch, ctx):
+            return {"accuracy": (model(batch["x"]).argmax(1) == batch["y"]).float().mean()}
+    '''))
+    environ = host(tmp_path, code, channels={"train": tmp_path / "channel", "validation": tmp_path / "channel"},
+                   steps=2, batch_size=2, eval_channel="validation")
+    with pytest.raises(WorkloadError, match=r"channel 'validation' lists classes \['bee', 'cat'\], but the training channel's are \['ant', 'bee', 'cat'\]"):
+        build_trainer(environ)
+
+
+def test_a_resumed_run_trains_at_its_own_rate_with_the_first_runs_moments(tmp_path):
+    """Without a scheduler, the rate is the resumed job's learning_rate (a retry with a lower rate must get
+    it), while AdamW's moments and step counts continue from the checkpoint."""
+    import shutil
+
+    code = linear_code(tmp_path)
+    source = (code / "workload.py").read_text()
+    (code / "workload.py").write_text(source.replace('HYPERPARAMETERS = {"explode_at": 0, "crop_at": 0}',
+                                                     'HYPERPARAMETERS = {"explode_at": 0, "crop_at": 0, "learning_rate": 0.001}'))
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+    first = host(tmp_path / "first", code, steps=4, batch_size=4, checkpoint_every=2, learning_rate=0.1)
+    build_trainer(first).run()
+    second = host(tmp_path / "second", code, steps=8, batch_size=4, learning_rate=0.5)
+    (Path(second[BASE_DIR_ENV]) / "checkpoints").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(first[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", Path(second[BASE_DIR_ENV]) / "checkpoints")
+    resumed = build_trainer(second)
+    assert resumed.load_checkpoint(resumed.checkpoint_path)["step"] == 4
+    assert [group["lr"] for group in resumed.optimizer.param_groups] == [0.5]
+    assert all(int(state["step"]) == 4 for state in resumed.optimizer.state_dict()["state"].values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import sys
 import tarfile
 import textwrap
@@ -388,3 +389,28 @@ def test_the_client_reads_the_hooks_from_the_source_without_importing_it():
         GOOD.replace("def preprocess(sample, ctx)", "def preprocess(sample)"), "w.py")
     assert source_problem("def list_samples(ctx:\n", "w.py") == "w.py line 1: '(' was never closed"
     assert source_problem("from helpers import *\n", "w.py") is None  # left to the hosts' full check
+
+
+def test_hetero_validate_runs_a_builtins_hooks_on_local_folders(images, tmp_path):
+    """`hetero validate SPEC --channel train=DIR` on a built-in PyTorch workload: its hyperparameters split
+    as the hosts split them, its listing, preprocessing and one step on the folder; a folder that is no
+    dataset is refused under the field ``workload`` before anything is billed."""
+    from typer.testing import CliRunner
+
+    from hetero.cli import app
+
+    repo = Path(__file__).resolve().parents[2]
+    raw = json.loads((repo / "examples" / "pytorch-heterogeneous.json").read_text())
+    raw["hyperparameters"] |= {"model": "cnn", "image_size": 32}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(raw))
+    checked = CliRunner().invoke(app, ["validate", str(spec), "--channel", f"train={images}", "--json"])
+    verdict = json.loads(checked.stdout)[0]
+    assert checked.exit_code == 0 and verdict["ok"], checked.stdout
+    assert verdict["workload"]["builtin"] and verdict["workload"]["module"] == "vision"
+    assert verdict["workload"]["features"] == {"image": "uint8 [3, 32, 32]", "label": "int64 []"}
+    assert verdict["workload"]["samples"] == 96 and np.isfinite(verdict["workload"]["trial_loss"])
+    (tmp_path / "empty" / "class_00").mkdir(parents=True)
+    refused = CliRunner().invoke(app, ["validate", str(spec), "--channel", f"train={tmp_path / 'empty'}", "--json"])
+    verdict = json.loads(refused.stdout)[0]
+    assert refused.exit_code == 2 and verdict["field"] == "workload" and "holds no images" in verdict["error"]

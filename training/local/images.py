@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=4)
     parser.add_argument("--per-class", type=int, default=64)
     parser.add_argument("--size", type=int, default=160)
+    parser.add_argument("--seed", type=int, default=0, help="another seed, other images: a held-out set (e.g. --seed 1)")
     parser.add_argument("--tar", action="store_true", help="write tar shards (WebDataset layout) instead of class folders")
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per tar shard")
     parser.add_argument("--from", dest="source", type=Path, help="with --tar: shard this ImageFolder tree instead of generated images")
@@ -132,14 +133,14 @@ def main() -> None:
     if args.per_shard < 1:
         parser.error(f"--per-shard must be at least 1, got {args.per_shard}")
     if args.tar:
-        samples = folder_samples(args.source) if args.source else generated_samples(args.classes, args.per_class, args.size, seed=0)
+        samples = folder_samples(args.source) if args.source else generated_samples(args.classes, args.per_class, args.size, seed=args.seed)
         try:
             shards = write_shards(args.out_dir, samples, args.per_shard)
         except (ValueError, ChannelError) as error:
             parser.error(str(error))
         print(f"wrote {len(shards)} tar shards under {args.out_dir}")
         return
-    root = write_dataset(args.out_dir, args.classes, args.per_class, args.size)
+    root = write_dataset(args.out_dir, args.classes, args.per_class, args.size, seed=args.seed)
     print(f"wrote {args.classes * args.per_class} JPEG files under {root}")
 
 

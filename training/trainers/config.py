@@ -175,7 +175,7 @@ class VisionConfig(WorkloadConfig):
     image_size: int = 128  # side of the square crops fed to the model
     augment: str = "standard"  # "standard" or "heavy"
     # SGD with momentum, per worker: with W workers the peak is W × learning_rate (linear scaling), reached
-    # by a linear warm-up over lr_warmup_fraction of the steps, then a cosine decay to zero at the last step.
+    # by a linear warm-up over lr_warmup_fraction of the steps, then a cosine decay towards zero (reached one step after the last).
     learning_rate: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 1e-4  # SGD's (coupled, torchvision's recipe), on convolution and linear weights only: not on norms or biases

@@ -82,6 +82,7 @@ from training.workload.samples import (
     SPARE_EPOCH,
     AllSkippedError,
     FeatureSpec,
+    check_evaluation_classes,
     check_features,
     classes_of,
     preprocess_one,
@@ -523,10 +524,28 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         saved = torch.load(path, map_location="cpu", weights_only=True)
-        self.module.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+        check_checkpoint_format(saved, path)
+        changed = ("resume it with the code that wrote it, or train afresh with another checkpoint_s3_uri")
+        try:
+            self.module.load_state_dict(saved["model"])
+        except RuntimeError as error:  # torch: missing, unexpected or differently shaped weights
+            raise CheckpointFormatError(f"checkpoint {path} does not fit this run's model: {str(error).splitlines()[0]} …; {changed}") from None
+        # The optimizer's state (moments, step counts) continues; its settings are this run's: a resumed
+        # job with another learning_rate, weight decay or world size (the rate scales with the workers)
+        # trains with what it was given, not with what the first job was. Written into the saved groups
+        # before loading, so that torch places the state as this run's flags (capturable, fused) say.
+        optimizer_state = with_this_runs_settings(saved["optimizer"], self.optimizer, keep_saved_lr=not isinstance(
+            self.scheduler, torch.optim.lr_scheduler.LambdaLR) and self.scheduler is not None)
+        try:
+            self.optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError) as error:  # torch: another number or size of parameter groups
+            raise CheckpointFormatError(f"checkpoint {path} does not fit this run's optimizer ({error}): the model or the "
+                                        f"optimizer's parameter groups changed since it was written; {changed}") from None
         if self.scheduler is not None and saved.get("scheduler") is not None:
+            base_lrs = list(getattr(self.scheduler, "base_lrs", []))
             self.scheduler.load_state_dict(saved["scheduler"])
+            if base_lrs:
+                self.scheduler.base_lrs = base_lrs  # this run's peak rates, not the first job's
             resumed_rate(self.scheduler)
         self.scaler.load_state_dict(saved["scaler"])
         self.ctx.state.clear()
@@ -575,6 +594,39 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         }
         return extra | self.input_summary(self.service, self.skipped_samples, self.epoch_samples, sharded=self.sharded,
                                           epochs=not self.runtime.cached_input_batches)
+
+
+class CheckpointFormatError(RuntimeError):
+    """A checkpoint this runtime cannot resume: another release's layout, or another optimizer's."""
+
+
+CHECKPOINT_KEYS = frozenset({"model", "optimizer", "scheduler", "scaler", "workload_state", "loop"})
+
+
+def check_checkpoint_format(saved: Any, path: Path) -> None:
+    """Refuse (CheckpointFormatError) a checkpoint not written by this runtime (save_checkpoint): an
+    earlier release's trainers kept the schedule under ``lr_scheduler`` and one parameter group, which
+    would resume with the schedule restarted or fail deep inside torch. Pure."""
+    keys = set(saved) if isinstance(saved, Mapping) else set()
+    if keys != CHECKPOINT_KEYS:
+        found = ", ".join(sorted(map(str, keys))) or "none"
+        raise CheckpointFormatError(f"checkpoint {path} was not written by this release's PyTorch runtime (its keys: {found}; "
+                                    f"expected {', '.join(sorted(CHECKPOINT_KEYS))}): it cannot be resumed; train afresh "
+                                    "with another checkpoint_s3_uri, or resume it with the release that wrote it")
+
+
+def with_this_runs_settings(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, *, keep_saved_lr: bool) -> dict[str, Any]:
+    """A saved optimizer state whose parameter groups carry this run's settings (everything but the
+    parameter ids; the rate too unless ``keep_saved_lr``: a scheduler other than LambdaLR continues from
+    the saved rate) and the saved moments. Groups that do not pair up are left for torch to refuse. Pure."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return dict(saved) if isinstance(saved, Mapping) else saved
+    merged = []
+    for kept, mine in zip(groups, optimizer.param_groups, strict=True):
+        settings = {key: value for key, value in mine.items() if key != "params" and not (keep_saved_lr and key == "lr")}
+        merged.append({**kept, **settings})
+    return {**saved, "param_groups": merged}
 
 
 def resumed_rate(scheduler: Any) -> None:
@@ -701,16 +753,11 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
         config, paths = graph_extraction_run(config, base_dir(environ) / "precompile")
     common: dict[str, Any] = dict(prepared=prepared, rank=rank, world_size=world_size, local_rank=local_rank, cpus=cpus, xla=xla,
                                   host_group=host_group)
-    eval_samples, eval_features = None, ()
-    if config.eval_channel:
-        eval_samples = prepared.list(config.eval_channel, training=False)
-        eval_features = prepared.features(eval_samples, training=False)
-    common |= dict(eval_samples=eval_samples, eval_features=eval_features)
     addresses = settings.data_service_targets(cluster, host_addresses(environ))
     if addresses:
         info = describe(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
         if not info.features:
-            raise DataServiceError(f"data host {info.host} serves images, not this workload's features: its job runs another workload")
+            raise DataServiceError(f"data host {info.host} describes no workload features (a tf.data.service host's): its job runs another variant")
         features = tuple(FeatureSpec(spec.name, spec.dtype, tuple(spec.shape)) for spec in info.features)
         try:
             wire = [codec.FeatureSpec(spec.name, spec.dtype, spec.shape) for spec in features]
@@ -730,15 +777,29 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
                                      pin_memory=torch.cuda.is_available() and not xla,
                                      # Every host must serve these (the first host's word): another is refused by name.
                                      features=wire)
+        common |= evaluation(prepared, config, classes)
         trainer = WorkloadTrainer(config, paths, classes=classes, features=features, num_samples=int(info.num_samples),
                                   source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
     else:
         samples = prepared.list(settings.data_channel, training=True)
         features = prepared.features(samples, training=True)
+        common |= evaluation(prepared, config, classes_of(samples))
         trainer = WorkloadTrainer(config, paths, classes=classes_of(samples), features=features, num_samples=len(samples), source="local",
                                   samples=samples, **common)
     trainer.report_metrics = not extracting  # a graph extraction's step times are not the job's
     return trainer
+
+
+def evaluation(prepared: PreparedWorkload, config: WorkloadConfig, classes: Sequence[str]) -> dict[str, Any]:
+    """The evaluation channel's samples and features (none without an eval_channel), listed with the
+    training channel's ``classes``. A listing whose classes are not those (an ImageFolder of a subset of
+    the classes, labelled by its own sorted folders) is refused: its labels would name other classes than
+    the model's outputs, and its accuracy would be wrong without a word."""
+    if not config.eval_channel:
+        return dict(eval_samples=None, eval_features=())
+    samples = prepared.list(config.eval_channel, training=False, classes=classes)
+    check_evaluation_classes(config.eval_channel, samples, classes)
+    return dict(eval_samples=samples, eval_features=prepared.features(samples, training=False))
 
 
 def main() -> int:
@@ -747,7 +808,7 @@ def main() -> int:
         trainer = build_trainer(dict(os.environ))
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, WorkloadError, DataServiceError, DataExhaustedError,
-            CheckpointWriteError) as error:
+            CheckpointWriteError, CheckpointFormatError) as error:
         reason = f"{type(error).__name__}: {worker_error_text(error)}"
         log.error("training failed: %s", reason)
         write_failure(reason)

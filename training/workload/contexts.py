@@ -70,20 +70,33 @@ class ShardListing(Sequence):
 
 
 class Readers:
-    """The platform's readers, for ``list_samples`` to call (``ctx.readers.image_folder(ctx.path)``)."""
+    """The platform's readers, for ``list_samples`` to call (``ctx.readers.image_folder(ctx.path)``).
+    ``classes``: the training channel's, while another channel is listed (ChannelContext.classes), which
+    image_folder's labels then index by default."""
 
-    @staticmethod
-    def image_folder(path: Path) -> Samples:
+    def __init__(self, classes: Sequence[str] = ()) -> None:
+        self.classes = tuple(classes)
+
+    def image_folder(self, path: Path, classes: Sequence[str] | None = None) -> Samples:
         """(source, class index) for every image of an ImageFolder (``<class>/<file>``) or of WebDataset
         tar shards (``*.tar`` with ``<key>.jpg`` + ``<key>.cls``); read a source with ``read_bytes`` or
         ``decode_image``. Tar sources are (shard, offset, size) records: a listing of millions pickles
-        fast."""
+        fast.
+
+        ``classes`` (by default, while an evaluation channel is listed, the training channel's): the labels
+        are indices into these, by folder name, so that a held-out folder holding some of the classes
+        scores against the classes the model learnt; a class folder (or a shard label) they do not have is
+        refused (ChannelError), by name. ``classes=()``: the folder's own."""
         from training.data_service.dataset import scan_images
 
         folder = scan_images(Path(path), Path(path).name, "this host")
+        samples, names = folder.samples, folder.classes
+        classes = self.classes if classes is None else tuple(classes)
+        if classes:
+            samples, names = _relabelled(folder.samples, folder.classes, tuple(classes), Path(path), tar=bool(folder.shard_ends))
         if folder.shard_ends:  # tar shards: streamed shard by shard (see Samples)
-            return ShardListing(folder.samples, folder.classes, folder.shard_ends)  # type: ignore[return-value]
-        return Samples(folder.samples, folder.classes)
+            return ShardListing(samples, names, folder.shard_ends)  # type: ignore[return-value]
+        return Samples(samples, names)
 
     webdataset = image_folder
 
@@ -126,6 +139,26 @@ class Readers:
         return rows
 
 
+def _relabelled(samples: Sequence[Any], found: tuple[str, ...], classes: tuple[str, ...], path: Path, *, tar: bool) -> tuple[Sequence[Any], tuple[str, ...]]:
+    """An image listing's (samples, classes) with its labels as indices into ``classes``. Pure.
+
+    An ImageFolder's labels index its own sorted folders, so they are mapped by name; a tar shard's
+    labels are class indices written in the data, which mean the same in every channel, so they are
+    only checked to be within ``classes``."""
+    from training.data_service.dataset import ChannelError
+
+    if tar:
+        if len(found) > len(classes):
+            raise ChannelError(f"{path} holds shard labels up to {len(found) - 1}, but the training channel has {len(classes)} classes")
+        return samples, classes
+    unknown = sorted(set(found) - set(classes))
+    if unknown:
+        raise ChannelError(f"class folders {unknown} are not among the training channel's classes "
+                           f"(it has {len(classes)}: {list(classes)[:8]}{' …' if len(classes) > 8 else ''}): the model cannot predict them")
+    index = {name: classes.index(name) for name in found}
+    return tuple((source, index[found[label]]) for source, label in samples), classes
+
+
 def _files(path: Path, suffix: str) -> list[Path]:
     path = Path(path)
     return [path] if path.is_file() else sorted(file for file in path.rglob(f"*{suffix}") if file.is_file())
@@ -144,6 +177,14 @@ class ChannelContext:
     channels: Mapping[str, Path] = field(default_factory=dict)
     # The job's training channel (an evaluation channel's labels may need its classes).
     training_channel: str = "train"
+    # While listing another channel than the training one (an evaluation channel): the training channel's
+    # classes, which its labels must index (ctx.readers.image_folder maps an ImageFolder's onto them). Empty
+    # while listing the training channel, or where the training channel's listing has no classes.
+    classes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.classes and self.readers is READERS:
+            object.__setattr__(self, "readers", Readers(self.classes))
     readers: Readers = READERS
 
     def channel_path(self, name: str) -> Path:

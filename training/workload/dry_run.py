@@ -31,7 +31,7 @@ from training.workload.code import CodeError, install_requirements, pack_code, u
 from training.workload.contexts import ChannelContext, TrainContext
 from training.workload.contract import WorkloadError, batch_keys_hint, load_workload, user_frame
 from training.workload.host import split_settings
-from training.workload.samples import BatchRecipe, classes_of, list_channel, make_batch, probe_features
+from training.workload.samples import BatchRecipe, check_evaluation_classes, classes_of, list_channel, make_batch, probe_features
 
 DRY_RUN_SAMPLES = 4
 
@@ -42,10 +42,8 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
     was checked, or a WorkloadError / CodeError / HyperparameterError naming what is wrong."""
     code = spec.code
     packed = pack_code(code_dir)
-    report: dict[str, Any] = {"module": code.module, "sha256": packed.sha256, "files": len(packed.files), "not_checked": []}
-    unknown = sorted(set(channels) - {channel.name for channel in spec.inputs})
-    if unknown:
-        raise ChannelError(f"--channel {unknown[0]}: the spec has no such input (it has {sorted(channel.name for channel in spec.inputs)})")
+    report: dict[str, Any] = {"module": code.module, "sha256": packed.sha256, "files": len(packed.files)}
+    _check_channel_names(spec, channels)
     with tempfile.TemporaryDirectory(prefix="workload-dry-run-") as scratch:
         archive = Path(scratch) / "sourcedir.tar.gz"
         archive.write_bytes(packed.archive)
@@ -58,22 +56,46 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
                 packages = install_requirements(unpacked, code.requirements, Path(scratch) / "environment")
                 report["requirements"] = "installed"
             workload = load_workload(unpacked, code.module, packages)
-            report["hooks"] = sorted(workload.hooks)
-            raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
-            raw |= {"role_map": '{"dry-run": "dnn"}', "workload_module": code.module, "workload_sha256": packed.sha256}
-            _, config, hyperparameters = split_settings(raw, workload, "dry-run-token-of-sixteen")
-            report["hyperparameters"] = dict(hyperparameters)
-            if "train" in channels:
-                report |= _dry_run_data(workload, config, hyperparameters, channels, samples)
-                if config.eval_channel and config.eval_channel not in channels:
-                    report["not_checked"].append(f"eval_step on {config.eval_channel!r} (no --channel {config.eval_channel}=DIR)")
-            else:
-                report["not_checked"].append("the hooks on samples (no --channel train=DIR)")
+            report |= _check_loaded(workload, spec, packed.sha256, channels, samples)
         except (WorkloadError, CodeError) as error:
             # Name the user's own files, not the dry run's copy of them.
             raise type(error)(str(error).replace(str(unpacked.resolve()), str(code_dir)).replace(str(unpacked), str(code_dir))) from None
         finally:
             _forget(unpacked)
+    return report
+
+
+def dry_run_builtin(spec: Any, channels: Mapping[str, Path], *, samples: int = DRY_RUN_SAMPLES) -> dict[str, Any]:
+    """The same check of a PyTorch variant's built-in workload (training/workloads/) on local channels:
+    its hyperparameters as the hosts split them, its listing, preprocessing and a training step."""
+    from training.variants import VARIANTS
+    from training.workload.host import builtin_workload
+
+    code_dir, module = builtin_workload(VARIANTS[spec.variant])
+    report: dict[str, Any] = {"module": module, "builtin": True, "not_checked": []}
+    _check_channel_names(spec, channels)
+    return report | _check_loaded(load_workload(code_dir, module, None), spec, "", channels, samples)
+
+
+def _check_channel_names(spec: Any, channels: Mapping[str, Path]) -> None:
+    unknown = sorted(set(channels) - {channel.name for channel in spec.inputs})
+    if unknown:
+        raise ChannelError(f"--channel {unknown[0]}: the spec has no such input (it has {sorted(channel.name for channel in spec.inputs)})")
+
+
+def _check_loaded(workload: Any, spec: Any, sha256: str, channels: Mapping[str, Path], samples: int) -> dict[str, Any]:
+    """Steps 3 and 4 of the module docstring for a loaded workload."""
+    report: dict[str, Any] = {"hooks": sorted(workload.hooks), "not_checked": []}
+    raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
+    raw |= {"role_map": '{"dry-run": "dnn"}', "workload_module": workload.name, "workload_sha256": sha256 or "0" * 64}
+    _, config, hyperparameters = split_settings(raw, workload, "dry-run-token-of-sixteen")
+    report["hyperparameters"] = dict(hyperparameters)
+    if "train" in channels:
+        report |= _dry_run_data(workload, config, hyperparameters, channels, samples)
+        if config.eval_channel and config.eval_channel not in channels:
+            report["not_checked"].append(f"eval_step on {config.eval_channel!r} (no --channel {config.eval_channel}=DIR)")
+    else:
+        report["not_checked"].append("the hooks on samples (no --channel train=DIR)")
     return report
 
 
@@ -90,7 +112,7 @@ def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any]
     report: dict[str, Any] = {"samples": len(listed), "classes": list(classes_of(listed)), "skipped": skipped,
                               "features": {spec.name: str(spec) for spec in features}}
     ctx = TrainContext(hyperparameters=hyperparameters, device=torch.device("cpu"), steps=config.steps, classes=classes_of(listed),
-                       num_samples=len(listed), step=1)
+                       num_samples=len(listed), step=1, channels=dict(channels))
     torch.manual_seed(config.seed)
     model = _call("build_model", workload.build_model, ctx)
     if not isinstance(model, torch.nn.Module):
@@ -110,7 +132,9 @@ def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any]
         if not workload.has("eval_step"):
             raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
         if config.eval_channel in channels:
-            evaluation = list_channel(workload, ChannelContext(config.eval_channel, channels[config.eval_channel], False, hyperparameters, channels))
+            evaluation = list_channel(workload, ChannelContext(config.eval_channel, channels[config.eval_channel], False, hyperparameters, channels,
+                                                                  classes=classes_of(listed)))
+            check_evaluation_classes(config.eval_channel, evaluation, classes_of(listed))
             eval_features = probe_features(workload, evaluation, seed=config.seed, hyperparameters=hyperparameters, training=False)
             eval_recipe = BatchRecipe(workload.code_dir, workload.name, None, evaluation, hyperparameters, config.seed, eval_features, training=False)
             eval_count = min(samples, len(evaluation))

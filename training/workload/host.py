@@ -94,9 +94,10 @@ class PreparedWorkload:
     sha256: str
     channels: Mapping[str, Path]
 
-    def list(self, channel: str, *, training: bool) -> Sequence[Any]:
+    def list(self, channel: str, *, training: bool, classes: Sequence[str] = ()) -> Sequence[Any]:
+        """The channel as the workload lists it; ``classes``: the training channel's, for another channel."""
         ctx = ChannelContext(channel=channel, path=self.channel(channel), training=training, hyperparameters=self.hyperparameters,
-                             channels=self.channels, training_channel=self.settings.data_channel)
+                             channels=self.channels, training_channel=self.settings.data_channel, classes=tuple(classes))
         return list_channel(self.workload, ctx)
 
     def channel(self, name: str) -> Path:

@@ -108,6 +108,19 @@ def classes_of(samples: Sequence[Any]) -> tuple[str, ...]:
     return tuple(getattr(samples, "classes", ()) or ())
 
 
+def check_evaluation_classes(channel: str, samples: Sequence[Any], classes: Sequence[str]) -> None:
+    """Refuse (WorkloadError) an evaluation listing whose classes are not the training channel's (an
+    ImageFolder of some of the classes, labelled by its own sorted folders): its labels would name other
+    classes than the model's outputs, and its accuracy would be wrong without a word. Pure."""
+    listed = classes_of(samples)
+    if listed and classes and tuple(listed) != tuple(classes):
+        raise WorkloadError(
+            f"channel {channel!r} lists classes {list(listed)[:8]}, but the training channel's are {list(classes)[:8]}: "
+            "its labels must index the training channel's classes (ctx.classes while listing it; "
+            "ctx.readers.image_folder maps an ImageFolder's by name)"
+        )
+
+
 def as_features(output: Any, *, sample: Any, index: int) -> dict[str, np.ndarray]:
     """``preprocess``'s output as named arrays (NumPy scalars and Python numbers become 0-d arrays), or
     PreprocessOutputError naming what is wrong. Pure."""

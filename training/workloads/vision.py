@@ -13,7 +13,7 @@
 * ``build_optimizer``: SGD with momentum, weight decay on convolution and linear weights only (decaying
   batch norm's scales and shifts, and biases, only fights the normalisation: torchvision's recipe sets
   them apart), the rate per worker (× the workers: the linear scaling rule), a linear warm-up, then a
-  cosine decay to zero at the last step (a rate that never decays leaves the last steps' loss spikes in
+  cosine decay towards zero, which it would reach one step after the last (a rate that never decays leaves the last steps' loss spikes in
   the saved model).
 * ``train_step``/``eval_step``: cross-entropy (optionally label-smoothed); validation reports per-sample
   loss and accuracy.
@@ -48,6 +48,7 @@ STD = (0.229, 0.224, 0.225)
 
 
 def list_samples(ctx):
+    # While the validation channel is listed, its labels index the training channel's classes (ctx.classes).
     return ctx.readers.image_folder(ctx.path)
 
 
