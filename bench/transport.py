@@ -4,10 +4,13 @@
 
 Every server runs in a process pinned to one CPU and sends the same pre-made uint8 batches (no
 preprocessing: this times the wire alone); the client, pinned to another CPU, takes every batch as its
-trainer does. The gRPC side is the real DataService server and DataServiceDataset client (torch tensors);
+trainer does. The gRPC side is the real DataService server and DataServiceDataset client (torch tensors),
+its batches the built-in vision workload's ({"image": uint8 [B, 3, S, S], "label": int64 [B]}, written by
+codec.encode_features as its data hosts' workers write them, and announced by Describe as they announce them);
 the tf.data.service side is a real dispatcher and worker serving the batches as a registered dataset,
-read with ``from_dataset_id`` as the tensorflow variant's trainer reads it (compression left to
-tf.data.service, as in the real job); the socket side sends a small JSON header (dtype, shape) and the
+registered and read as the tensorflow variant's job does (training/data_service/tf_pipeline.py:
+uncompressed, dynamic sharding, one shared job; a reader that comes before the registration waits for
+it); the socket side sends a small JSON header (dtype, shape) and the
 raw bytes, and its client has the same structure as ours (a reader thread, a bounded queue to the
 trainer). Rounds are interleaved; reports MB/s of each, the ratios to the socket (goal for ours ≥ 0.8)
 and between the two services, and the bytes per sample on our wire against the uint8 sample.
@@ -36,7 +39,6 @@ import torch  # noqa: E402
 
 from training.data_service import codec  # noqa: E402
 from training.data_service import data_service_pb2 as pb  # noqa: E402
-from training.data_service.augmentation import AugmentConfig  # noqa: E402
 from training.data_service.client import DataServiceDataset  # noqa: E402
 from training.data_service.dataset import ImageDataset  # noqa: E402
 from training.data_service.server import ReadyBatch, ServerSettings, put_until_stopped, serve  # noqa: E402
@@ -44,6 +46,16 @@ from training.local.cluster import free_port  # noqa: E402
 
 TOKEN = "transport-benchmark-token"
 HEADER = struct.Struct("!I")
+
+
+def vision_features(size: int) -> tuple[codec.FeatureSpec, ...]:
+    """What the vision workload's data hosts announce (training/workloads/vision.py's preprocess). Pure."""
+    return (codec.FeatureSpec("image", "uint8", (3, size, size)), codec.FeatureSpec("label", "int64"))
+
+
+def encode(images: np.ndarray, labels: np.ndarray) -> bytes:
+    """One batch as the vision workload's data host sends it (slot tags left out: there are no epochs here)."""
+    return codec.encode_features({"image": images, "label": labels})
 
 
 def make_batches(batch_size: int, size: int, count: int = 8) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -61,7 +73,7 @@ class FixedBatches:
         self.batches: queue.Queue = queue.Queue(maxsize=8)
         self.failure = None
         self.serves_batches = True
-        self._source = [ReadyBatch(codec.encode_batch(images, labels)) for images, labels in batches]
+        self._source = [ReadyBatch(encode(images, labels)) for images, labels in batches]
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -79,12 +91,12 @@ class FixedBatches:
 def grpc_server(address: str, port: int, batch_size: int, size: int, cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
     settings = ServerSettings(
-        host="bench", bind_address=address, port=port, channel="bench", batch_size=batch_size, augment=AugmentConfig(size),
-        shutdown_token=TOKEN, idle_timeout_s=5, start_deadline_s=60, workers=1,
+        host="bench", bind_address=address, port=port, channel="bench", batch_size=batch_size,
+        shutdown_token=TOKEN, idle_timeout_s=5, start_deadline_s=60, workers=1, features=vision_features(size),
     )
-    # As many classes as make_batches draws labels from: the trainer refuses a label past its classes.
+    # As many classes as make_batches draws labels from (what Describe tells the trainer's model).
     folder = ImageDataset(Path("."), tuple(map(str, range(1000))), (("bench", 0),))
-    serve(settings, folder, 0, threading.Event(), source=FixedBatches(make_batches(batch_size, size)))
+    serve(settings, folder, threading.Event(), source=FixedBatches(make_batches(batch_size, size)))
 
 
 def socket_server(address: str, port: int, batch_size: int, size: int, cpu: int) -> None:
@@ -108,23 +120,43 @@ def tf_data_server(address: str, port: int, batch_size: int, size: int, cpu: int
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import tensorflow as tf
 
+    from training.data_service.tf_pipeline import register
+
     service = tf.data.experimental.service
-    dispatcher = service.DispatchServer(service.DispatcherConfig(port=port))
+    # Held until the process ends: a collected server stops.
+    _dispatcher = service.DispatchServer(service.DispatcherConfig(port=port))
     worker = service.WorkerServer(service.WorkerConfig(dispatcher_address=f"{address}:{port}", worker_address=f"{address}:%port%"))
+
     images, labels = zip(*make_batches(batch_size, size), strict=True)
     dataset = tf.data.Dataset.from_tensor_slices((np.stack(images), np.stack(labels))).repeat()
-    service.register_dataset(dispatcher.target, dataset, dataset_id="bench")
+    register(f"{address}:{port}", dataset)  # as the job's dispatcher host registers its pipeline: uncompressed
     worker.join()
 
 
-def tf_data_batches(address: str, port: int, batch_size: int, size: int):
+def tf_data_batches(address: str, port: int, batch_size: int, size: int, start_timeout_s: float = 120.0):
+    """The registered batches read as the job's trainers read them: dynamic sharding, one shared job
+    (tf_pipeline.read_from_service), once the server has registered them (a slow start is waited out)."""
     import tensorflow as tf
 
+    from training.data_service.tf_pipeline import DATASET_ID, JOB_NAME
+
     spec = (tf.TensorSpec((batch_size, 3, size, size), tf.uint8), tf.TensorSpec((batch_size,), tf.int64))
-    dataset = tf.data.experimental.service.from_dataset_id(
-        "parallel_epochs", f"grpc://{address}:{port}", dataset_id="bench", element_spec=spec, job_name="bench"
-    ).prefetch(4)  # as deep as the other clients' queues
-    yield from dataset
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        try:
+            dataset = tf.data.experimental.service.from_dataset_id(
+                processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC, service=f"grpc://{address}:{port}",
+                dataset_id=DATASET_ID, element_spec=spec, job_name=JOB_NAME,
+            ).prefetch(4)  # as deep as the other clients' queues
+            iterator = iter(dataset)
+            first = next(iterator)
+            break
+        except (tf.errors.NotFoundError, tf.errors.UnavailableError, tf.errors.DeadlineExceededError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)  # the dispatcher is not up, or has not registered the dataset yet
+    yield first
+    yield from iterator
 
 
 def _receive_exactly(connection: socket.socket, count: int) -> bytearray:
@@ -184,7 +216,8 @@ def timed(batches, count: int, warmup: int = 20) -> float:
         next(iterator)
     started = time.perf_counter()
     for _ in range(count):
-        images, labels = next(iterator)
+        batch = next(iterator)
+        images = batch["image"] if isinstance(batch, dict) else batch[0]  # ours: the workload's features by name
         assert images.dtype in (torch.uint8, "uint8") or images.dtype.name == "uint8"
     return count / (time.perf_counter() - started)
 
@@ -225,13 +258,16 @@ def main() -> int:
     os.sched_setaffinity(0, {client_cpu})
     torch.set_num_threads(1)
     print(f"client on CPU {client_cpu}, servers on CPU {server_cpu}; {args.rounds} rounds of {args.batches} batches, interleaved")
+    print("each side as the job runs it: gRPC = the data host's server and DataServiceDataset, batches written by "
+          "codec.encode_features; tf.data = one dispatcher + worker, registered uncompressed and read with dynamic "
+          "sharding as tf_pipeline.register/read_from_service do; socket = a bare TCP stream (the floor)")
     print(
         f"{'batch':<22} {'sample bytes':>12} {'wire bytes/sample':>18} {'gRPC MB/s':>10} {'tf.data MB/s':>13} {'socket MB/s':>12} "
         f"{'gRPC/socket':>12} {'tf.data/socket':>15} {'gRPC/tf.data':>13}"
     )
     for batch_size, size in ((32, 64), (32, 224)):
         images, labels = make_batches(batch_size, size, count=1)[0]
-        message = pb.Batch.FromString(codec.encode_batch(images, labels))
+        message = pb.Batch.FromString(encode(images, labels))
         sample_bytes = images[0].nbytes
         rounds = []
         for _ in range(args.rounds):
@@ -245,6 +281,8 @@ def main() -> int:
             f"{median_ratio(rounds, 'grpc', 'socket'):>12.2f} {median_ratio(rounds, 'tf.data', 'socket'):>15.2f} {median_ratio(rounds, 'grpc', 'tf.data'):>13.2f}",
             flush=True,
         )
+        spread = [round_["grpc"] / round_["tf.data"] for round_ in rounds]
+        print(f"{'':<22} gRPC/tf.data per round: {', '.join(f'{ratio:.2f}' for ratio in spread)} (median above)", flush=True)
     return 0
 
 
