@@ -888,7 +888,9 @@ def _log_crash_after_saving(returncode: int) -> None:
 
 
 def _log_trainer_end(returncode: int) -> None:
-    if returncode < 0:
+    if returncode == 128 + signal.SIGTERM:  # TrainingStopped's, and torchrun's after its ranks stopped
+        log.warning("the trainer stopped (SIGTERM) after saving: exit code %d", returncode)
+    elif returncode < 0:
         log.error("the trainer was killed by %s", signal.Signals(-returncode).name)
     else:
         log.error("the trainer failed with exit code %d", returncode)

@@ -12,7 +12,8 @@
 * On SIGTERM torchrun passes the signal to its ranks and kills them 30 s later (the default of its
   process context's ``close``). When the SIGTERM came to torchrun (a stop: StopTrainingJob, a spot
   interruption), its ranks get RANK_STOP_GRACE_S instead, within SageMaker's 120 s, to save; when torchrun
-  closes them because a rank failed, its own 30 s stand.
+  closes them because a rank failed, its own 30 s stand. A stop ends as one: exit 128 + SIGTERM, one
+  line, no traceback (the ranks' TrainingStopped is the job's reason).
 
     TRAINING_RANK_FAILURE_FILE=/tmp/rank-failure.json python -m training.torchrun --nproc-per-node=2 -m my.module
 """
@@ -101,16 +102,35 @@ class _StopGrace:
         elastic_processes.PContext.close = close  # type: ignore[method-assign]
 
 
+def stopped(error: ChildFailedError) -> bool:
+    """Whether every failed rank was stopped (a SIGTERM or SIGINT, or saved and left on one), none of
+    them failing: the job was stopped, not broken. Pure."""
+    return bool(error.failures) and all(death_kind(failure.exitcode) == STOPPED for failure in error.failures.values())
+
+
 def main(argv: list[str]) -> None:
-    _StopGrace().install()
+    grace = _StopGrace()
+    grace.install()
     try:
         torchrun_main(argv)
+    except elastic_processes.SignalException as error:
+        if not grace.stop_requested:
+            raise
+        leave_stopped(f"torchrun stopped by {error.sigval.name}: its ranks had {RANK_STOP_GRACE_S} s to save")
     except ChildFailedError as error:
+        if stopped(error):
+            leave_stopped(f"torchrun's ranks stopped ({', '.join(sorted({str(f.exitcode) for f in error.failures.values()}))}) after saving")
         path = os.environ.get(RANK_FAILURE_ENV)
         if path:
             with open(path, "w") as file:
                 json.dump(failure_record(error), file)
         raise
+
+
+def leave_stopped(message: str) -> None:
+    """A stop exits as one, 128 + SIGTERM, with one line and no traceback: the ranks wrote the reason."""
+    print(f"training.torchrun: {message}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import queue
 import re
 import threading
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from tests.conftest import TOKEN
 from tests.training.test_codec import image_batch_of_earlier_releases
+from tests.training.test_data_service_limits import FixedBatches
 from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service.client import DataServiceDataset
@@ -28,10 +28,8 @@ from training.data_service.control import DataServiceRefusedError, DataServiceUn
 from training.data_service.dataset import ImageDataset
 from training.data_service.server import (
     Activity,
-    ReadyBatch,
     ServerSettings,
     StopReason,
-    put_until_stopped,
     sample_order,
     serve,
     stop_verdict,
@@ -498,25 +496,6 @@ def test_a_slow_trainer_is_not_a_hung_host(images: Path) -> None:
             next(iterator)
             time.sleep(1.5)  # a step three times longer than the deadline
         assert dataset.stats.lost_hosts == [] and dataset.stats.hosts[host.target].ended is None
-
-
-class FixedBatches:
-    """A BatchSource (server.BatchSource) of one pre-made batch, again and again, until stopped."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.batches: queue.Queue = queue.Queue(maxsize=2)
-        self.failure, self.serves_batches, self._stop = None, True, threading.Event()
-        self._payload = payload
-
-    def start(self) -> None:
-        threading.Thread(target=self._fill, daemon=True).start()
-
-    def _fill(self) -> None:
-        while put_until_stopped(self.batches, ReadyBatch(self._payload), self._stop):
-            pass
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def test_a_taken_port_is_a_named_error_not_a_shared_port(images: Path) -> None:

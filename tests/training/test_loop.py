@@ -111,3 +111,30 @@ def test_the_wall_time_per_step_holds_the_evaluations_the_step_times_leave_out(t
     # 20 timed steps (2..21) with the evaluations after steps 5, 10, 15 and 20 between them: 4 × 60 ms.
     assert stats["p50"] < 30 and wall >= stats["mean"] + 4 * 60 / 20 * 0.9, (stats, wall)
     assert summary["timed_steps"] == 20
+
+
+class DivergingLoop(RecordingLoop):
+    """A loss that turns NaN after step 5 (a trainer of any framework: the loop reads it as a float)."""
+
+    def _saw(self, phase: str) -> None:
+        pass
+
+    def train_step(self, batch: int) -> float:
+        return float("nan") if batch >= 5 else 1.0 / (batch + 1)
+
+
+@pytest.mark.parametrize("log_every", [1, 100])
+def test_a_loss_that_turns_nan_fails_the_run_naming_the_step_with_only_healthy_checkpoints(tmp_path: Path, log_every: int,
+                                                                                             capsys: pytest.CaptureFixture) -> None:
+    """Caught when it is printed, and in any case before a checkpoint or the model would keep it (the
+    TensorFlow trainer reads its loss only then): the last checkpoint is the healthy step 4's."""
+    from training.trainers.loop import NonFiniteLossError
+
+    paths = OutputPaths.under(tmp_path)
+    loop = DivergingLoop(LoopConfig(steps=12, warmup_steps=1, checkpoint_every=4, log_every=log_every), paths, tmp_path / "mark")
+    step = 6 if log_every == 1 else 8  # printed at once, or found at the next checkpoint
+    with pytest.raises(NonFiniteLossError, match=rf"the loss is nan at step {step}"):
+        loop.run()
+    assert json.loads(loop.checkpoint_path.read_text())["step"] == 4
+    assert not (paths.model_dir / "model.txt").exists()
+    assert ("step=6/12 loss=nan" in capsys.readouterr().out) == (log_every == 1)  # the log shows the diverged step

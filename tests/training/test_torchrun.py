@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from training.local.cluster import free_port
 from training.torchrun import cause, failure_record
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
@@ -48,3 +59,48 @@ def test_a_rank_that_raised_is_the_cause_not_the_peer_that_aborted_in_the_same_p
     assert (record["rank"], record["exitcode"], record["signal"]) == (0, 1, None)
     # The OOM killer's SIGKILL stays the cause before any of them.
     assert cause({0: failure(0, 1, 100), 1: failure(1, -6, 100), 2: failure(2, -9, 101)})[0] == 2
+
+
+def test_ranks_that_all_stopped_are_a_stop_and_any_other_failure_is_not() -> None:
+    from training.torchrun import stopped
+
+    assert stopped(ChildFailedError("m", {0: failure(0, 143, 100), 1: failure(1, -15, 100)}))
+    assert not stopped(ChildFailedError("m", {0: failure(0, 143, 100), 1: failure(1, 1, 100)}))
+
+
+RANK = '''
+import os, signal, sys, time
+from pathlib import Path
+
+def leave(*_):
+    sys.exit(143)  # what a rank does after saving on a stop (TrainingStopped's exit code)
+
+signal.signal(signal.SIGTERM, leave)
+Path(os.environ["READY_DIR"], os.environ["LOCAL_RANK"]).touch()
+if os.environ.get("STOP_AT_ONCE"):
+    leave()
+time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "every rank stopped"])
+def test_a_stop_under_torchrun_exits_as_a_stop_without_a_traceback(tmp_path: Path, how: str) -> None:
+    """A StopTrainingJob's SIGTERM reaches torchrun (which passes it on), or the ranks stop by themselves:
+    torchrun's exit is 128 + SIGTERM with one line, not 1 with its SignalException or ChildFailedError
+    traceback; the ranks' own TrainingStopped is the job's reason."""
+    (tmp_path / "stopping_rank.py").write_text(RANK)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = os.environ | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "READY_DIR": str(ready)}
+    if how == "every rank stopped":
+        env["STOP_AT_ONCE"] = "1"
+    process = subprocess.Popen([sys.executable, "-m", "training.torchrun", "--nproc-per-node=2", "--master-port", str(free_port()),
+                                "-m", "stopping_rank"], env=env, stderr=subprocess.PIPE, text=True)
+    if how == "SIGTERM to torchrun":
+        deadline = time.monotonic() + 60
+        while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr and "training.torchrun: torchrun" in stderr, stderr

@@ -42,6 +42,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -84,6 +85,18 @@ def container_started_at(environ: Mapping[str, str] = os.environ) -> float | Non
 
 class DataExhaustedError(RuntimeError):
     """The input ended before the configured number of steps."""
+
+
+class NonFiniteLossError(ValueError):
+    """The loss became NaN or infinite: the run fails, naming the step, and saves no model."""
+
+
+def check_finite(value: float, step: int) -> float:
+    """``value``, or NonFiniteLossError naming the step. Pure."""
+    if not math.isfinite(value):
+        raise NonFiniteLossError(f"the loss is {value} at step {step}: training diverged (lower the learning rate, clip the gradients "
+                                 "with grad_clip_norm, or check the inputs); no model is saved")
+    return value
 
 
 class CheckpointWriteError(RuntimeError):
@@ -347,15 +360,19 @@ class TrainingLoop(ABC, Generic[BatchT]):
                 else:
                     values["warmup_ms"] = elapsed
                 print(metric_line(step, config.steps, values), flush=True)
+                check_finite(values["loss"], step)  # its line printed first: the log shows the nan
             if stopped:
                 break
             self.after_step(step)
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+                check_finite(self.loss_value(loss), step)  # on every rank: no checkpoint of diverged weights
                 self._checkpoint(step)
             last = time.perf_counter()  # evaluation and checkpoints are not the next step's time
         self.stopping = stopped
-        self._checkpoint(step)
         loss = self.loss_value(loss)
+        if self._steps_this_run:  # before the last checkpoint and the model (a run with no step left has no loss)
+            check_finite(loss, step)
+        self._checkpoint(step)
         self.barrier()
         # One collective for both: every rank's waits and its first batch.
         ranks = self.gather((wait_ms, first_batch_s))

@@ -37,7 +37,6 @@ import contextlib
 import ctypes
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -67,8 +66,10 @@ from training.trainers.config import WorkloadConfig
 from training.trainers.loop import (
     CheckpointWriteError,
     DataExhaustedError,
+    NonFiniteLossError,
     OutputPaths,
     TrainingStopped,
+    check_finite,
     leave_stopped,
 )
 from training.trainers.precision import resolve_precision
@@ -99,10 +100,6 @@ SPARE_TRIES = 64
 
 class StepOutputError(WorkloadError):
     """train_step or eval_step returned something other than what the contract asks for."""
-
-
-class NonFiniteLossError(WorkloadError):
-    """The loss became NaN or infinite: the run fails, naming the step, and saves no model."""
 
 
 class ShapeChangedError(WorkloadError):
@@ -147,13 +144,6 @@ def checked_optimizer(built: Any) -> tuple[torch.optim.Optimizer, Any]:
         raise StepOutputError("build_optimizer returned ReduceLROnPlateau, which steps on a metric: the platform steps the "
                               "scheduler once per training step, with no argument; use a step-based one (LambdaLR, CosineAnnealingLR)")
     return optimizer, scheduler
-
-
-def check_finite(value: float, step: int) -> float:
-    if not math.isfinite(value):
-        raise NonFiniteLossError(f"the loss is {value} at step {step}: training diverged (lower the learning rate, clip the gradients "
-                                 "with grad_clip_norm, or check the inputs); no model is saved")
-    return value
 
 
 def batch_shapes(batch: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -808,7 +798,7 @@ def main() -> int:
         trainer = build_trainer(dict(os.environ))
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, WorkloadError, DataServiceError, DataExhaustedError,
-            CheckpointWriteError, CheckpointFormatError) as error:
+            CheckpointWriteError, CheckpointFormatError, NonFiniteLossError) as error:
         reason = f"{type(error).__name__}: {worker_error_text(error)}"
         log.error("training failed: %s", reason)
         write_failure(reason)

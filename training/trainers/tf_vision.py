@@ -57,6 +57,7 @@ from training.trainers.config import KerasVisionConfig
 from training.trainers.loop import (
     CheckpointWriteError,
     DataExhaustedError,
+    NonFiniteLossError,
     OutputPaths,
     TrainingLoop,
     TrainingStopped,
@@ -349,7 +350,8 @@ def main() -> int:
     try:
         trainer = build_trainer(dict(os.environ))
         summary = trainer.run()
-    except (ClusterConfigError, HyperparameterError, ChannelError, DataServiceError, DataExhaustedError, CheckpointWriteError) as error:
+    except (ClusterConfigError, HyperparameterError, ChannelError, DataServiceError, DataExhaustedError, CheckpointWriteError,
+            NonFiniteLossError) as error:
         log.error("training failed: %s: %s", type(error).__name__, error)
         write_failure(f"{type(error).__name__}: {error}")
         return 1

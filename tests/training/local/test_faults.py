@@ -258,6 +258,9 @@ def test_sigterm_saves_a_checkpoint_and_the_model_and_says_stopped(tmp_path: Pat
     assert (tree / "model" / "model.pt").stat().st_size > 0
     summary = json.loads((tree / "output" / "data" / "summary.json").read_text())
     assert (summary["status"], summary["stopped_after_step"]) == ("stopped", step)
+    # A stop reads as one: torchrun leaves with 128 + SIGTERM and a line, not its traceback.
+    log = "\n".join(watcher.of(dnn))
+    assert outcome.exit_code == 128 + signal.SIGTERM and "Traceback" not in log and "the trainer stopped (SIGTERM) after saving" in log, log[-3000:]
     if data_hosts:
         assert result.outcome("algo-1").exit_code == 0  # served on, then told to shut down by the DNN host
         assert any("stopping (shutdown)" in line for line in watcher.of("algo-1"))
