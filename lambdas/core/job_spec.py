@@ -603,6 +603,11 @@ def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
     data_groups = {group.name for group in spec.data_groups}
     # A PyTorch workload validates on the DNN group: its eval channel goes there, data groups need not read it.
     evaluated = eval_channel_of(spec)
+    names = sorted(channel.name for channel in spec.inputs)
+    if evaluated and evaluated not in names:
+        # Named here, before the routing rules: a misspelt name would otherwise be read as an input the
+        # data groups lack (the channel it meant is then routed as a training input).
+        raise JobSpecError("hyperparameters.eval_channel", f"{evaluated!r} is not a channel of this job's inputs {names}")
     if evaluated == DATA_CHANNEL:
         # Routing the training channel to the DNN group for validation would leave the data groups
         # without it, and a score on the samples it trained on says nothing of held-out ones.

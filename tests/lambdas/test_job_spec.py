@@ -234,6 +234,8 @@ INVALID: list[tuple[str, Any, str]] = [
     ("user workload: a sagemaker_ name", user(hetero(), hyperparameters={"sagemaker_program": "x.py"}), "hyperparameters.sagemaker_program"),
     ("user workload: a channel the data group lacks", changed(with_eval(hetero(), ["dnn_group"]), "inputs.extra",
                                                               {"s3_uri": "s3://datasets-bucket/e/", "groups": ["dnn_group"]}), "inputs.extra.groups"),
+    ("user workload: a misspelt eval channel with data groups", with_eval(hetero(), ["dnn_group"]) | {"hyperparameters": {"eval_channel": "vall"}},
+     "hyperparameters.eval_channel"),
     ("eval channel is the training channel", changed(hetero(), "hyperparameters.eval_channel", "train"), "hyperparameters.eval_channel"),
     ("user workload: eval channel is the training channel", user(hetero(), hyperparameters={"eval_channel": "train"}), "hyperparameters.eval_channel"),
     ("precompile_steps on a GPU", changed(hetero(), "hyperparameters.precompile_steps", 2), "hyperparameters.precompile_steps"),
