@@ -104,6 +104,7 @@ from training.workload.host import (
     prepare,
     unpack_on_host,
 )
+from training.workload.samples import check_evaluation_classes, classes_of
 
 if TYPE_CHECKING:
     from training.data_service.control import FailureReports
@@ -405,8 +406,6 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
             samples = workload.list(settings.data_channel, training=True)
             workload.features(samples, training=True)
             if workload.config.eval_channel:
-                from training.workload.samples import check_evaluation_classes, classes_of
-
                 evaluation = workload.list(workload.config.eval_channel, training=False, classes=classes_of(samples))
                 check_evaluation_classes(workload.config.eval_channel, evaluation, classes_of(samples))
                 workload.features(evaluation, training=False)

@@ -513,8 +513,10 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
     if spec.data_groups and not (variant.has_data_service or (spec.is_user_workload and variant.user_workloads)):
         raise JobSpecError("instance_groups", f"variant {variant.name!r} has no data service: remove the data groups")
     _check_code(spec, policy)
-    _check_channels(spec, policy)
+    # The hyperparameters first: a channel they name (a misspelt eval_channel) is refused as theirs, not
+    # read by the routing rules as an input the data groups lack.
     _check_hyperparameters(spec)
+    _check_channels(spec, policy)
     _check_cost(spec, policy)
     return spec
 
@@ -603,11 +605,6 @@ def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
     data_groups = {group.name for group in spec.data_groups}
     # A PyTorch workload validates on the DNN group: its eval channel goes there, data groups need not read it.
     evaluated = eval_channel_of(spec)
-    names = sorted(channel.name for channel in spec.inputs)
-    if evaluated and evaluated not in names:
-        # Named here, before the routing rules: a misspelt name would otherwise be read as an input the
-        # data groups lack (the channel it meant is then routed as a training input).
-        raise JobSpecError("hyperparameters.eval_channel", f"{evaluated!r} is not a channel of this job's inputs {names}")
     if evaluated == DATA_CHANNEL:
         # Routing the training channel to the DNN group for validation would leave the data groups
         # without it, and a score on the samples it trained on says nothing of held-out ones.
