@@ -233,3 +233,51 @@ def test_a_data_host_streams_batches_beyond_grpcs_default_and_its_own_request_li
         host.join(20)
     assert len(received) == 3 and tuple(received[0]["image"].shape) == (128, 3, 128, 128) and int(received[0]["image"][5, 1, 2, 3]) == 7
     assert dataset.stats.lost_hosts == [] and result["reason"] == StopReason.SIGNAL
+
+
+class FailingBatches(FixedBatches):
+    """FixedBatches whose preprocessing fails, with a hook's error, after ``good`` batches."""
+
+    def __init__(self, payload: bytes, good: int, failure: str) -> None:
+        super().__init__(payload)
+        self._good, self._failure = good, failure
+
+    def _fill(self) -> None:
+        for _ in range(self._good):
+            put_until_stopped(self.batches, ReadyBatch(self._payload), self._stop)
+        while not self.batches.empty() and not self._stop.is_set():  # served, as far as this host can tell
+            time.sleep(0.01)
+        self.failure = self._failure
+
+
+def test_a_trainer_fed_by_a_host_whose_preprocessing_failed_fails_naming_the_cause() -> None:
+    """The stream's end carries the host's failure: the trainer's error names the user's hook and sample
+    by itself (the failure report to its launcher comes only after the host has stopped serving)."""
+    from training.data_service.client import DataServiceDataset
+    from training.data_service.control import DataServiceUnavailableError
+    from training.data_service.dataset import ImageDataset
+    from training.data_service.server import DataHostError
+
+    features = {"image": np.zeros((4, 3, 8, 8), np.uint8), "label": np.zeros(4, np.int64)}
+    cause = "preprocessing stopped: HookError: preprocess raised ValueError at workload.py:9 on sample 37 (37): a broken record"
+    settings = ServerSettings(host="failing", bind_address="127.0.79.5", port=free_port(), channel="train", batch_size=4,
+                              shutdown_token=TOKEN, idle_timeout_s=30, start_deadline_s=30, workers=1, stop_grace_s=0,
+                              features=(codec.FeatureSpec("image", "uint8", (3, 8, 8)), codec.FeatureSpec("label", "int64")))
+    source = FailingBatches(codec.encode_features(features, 0, np.arange(4), np.zeros(4, int)), good=2, failure=cause)
+    errors: list[BaseException] = []
+
+    def host() -> None:
+        try:
+            serve(settings, ImageDataset(Path("."), ("a",), (("unused", 0),)), threading.Event(), source=source)
+        except BaseException as error:  # noqa: BLE001 — the test reads what the host raised
+            errors.append(error)
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    dataset = DataServiceDataset([f"{settings.bind_address}:{settings.port}"], 4, TOKEN, "test", reconnect_timeout_s=1)
+    received = []
+    with pytest.raises(DataServiceUnavailableError, match=r"end of stream \(preprocessing failed: preprocessing stopped: HookError: preprocess raised ValueError .* on sample 37"):
+        received.extend(iter(dataset))
+    thread.join(20)
+    assert len(received) == 2
+    assert len(errors) == 1 and isinstance(errors[0], DataHostError) and str(errors[0]) == cause

@@ -77,6 +77,8 @@ SERVER_OPTIONS = [
 
 # end_reason of a stream that sent the max_batches the client asked for.
 MAX_BATCHES = "max_batches"
+# As much of a failure as an end-of-stream carries (a failure report carries as much).
+END_REASON_LIMIT = 1024
 
 
 class DataHostError(RuntimeError):
@@ -331,8 +333,11 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         now = time.monotonic()
         self.activity = Activity(started_at=now, last_activity=now)
         self.shutdown_requested = threading.Event()
-        # Set once the host is stopping, for whatever reason; open streams end with it.
+        # Set once the host is stopping, for whatever reason; open streams end with it, and with
+        # ``stopping_detail`` (why preprocessing failed) so that a trainer fails naming the cause itself:
+        # the failure report to its launcher comes only after this server has stopped.
         self.stopping: StopReason | None = None
+        self.stopping_detail = ""
         self.batches_served = 0
         self.skipped_served = 0  # undecodable files replaced in the batches that went out
 
@@ -373,7 +378,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         try:
             while context.is_active():
                 if self.stopping is not None:
-                    yield codec.end_of_stream(self.stopping.value)
+                    yield codec.end_of_stream(end_reason(self.stopping, self.stopping_detail))
                     return
                 try:
                     batch = self._producer.batches.get(timeout=0.2)
@@ -462,6 +467,7 @@ def serve(settings: ServerSettings, folder: ImageDataset, stop_signal: threading
             reason = StopReason.FAILED
         else:
             reason = servicer.stop_verdict(settings.idle_timeout_s, settings.start_deadline_s)
+    servicer.stopping_detail = (source.failure or "") if reason is StopReason.FAILED else ""
     servicer.stopping = reason
     # Give open streams a moment to send their end-of-stream marker, then stop everything.
     server.stop(grace=2.0).wait(timeout=5)
@@ -476,6 +482,11 @@ def serve(settings: ServerSettings, folder: ImageDataset, stop_signal: threading
     if reason is StopReason.FAILED:
         raise DataHostError(source.failure or "preprocessing failed")
     return reason
+
+
+def end_reason(reason: StopReason, detail: str) -> str:
+    """A stream's end-of-stream reason: the stop's name, with its cause when there is one. Pure."""
+    return f"{reason.value}: {detail}"[:END_REASON_LIMIT] if detail else reason.value
 
 
 def bind_port(server: grpc.Server, target: str) -> None:
