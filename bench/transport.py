@@ -79,6 +79,9 @@ class FixedBatches:
     def start(self) -> None:
         threading.Thread(target=self._fill, daemon=True).start()
 
+    def begin(self, request: object, served: bool = False) -> None:
+        """The same batches from any position: a benchmark's stream resumes nothing."""
+
     def _fill(self) -> None:
         for payload in itertools.cycle(self._source):
             if not put_until_stopped(self.batches, payload, self._stop):

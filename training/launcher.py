@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -289,7 +288,8 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         idle_timeout_s=settings.data_idle_timeout_s,
         start_deadline_s=settings.data_start_deadline_s,
         workers=default_workers(),
-        seed=data_seed(config.seed, settings.shutdown_token),
+        # The run's: a resumed job's hosts draw the order the first job's drew (positions.py).
+        seed=config.seed,
         # The data hosts split a replicated channel's epochs between them; a sharded one, each serves its own.
         hosts=len(data_hosts),
         sharded=sharded,
@@ -305,7 +305,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
             batch_size=config.batch_size,
             image_size=config.image_size,
             augment=config.augment,
-            seed=data_seed(config.seed, settings.shutdown_token) + host_index,
+            seed=config.seed + host_index,
         )
     )
     return serve(server_settings, folder, stop, source=source).exit_code
@@ -330,20 +330,12 @@ def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: t
         host=cluster.current_host, bind_address=addresses.get(cluster.current_host, "0.0.0.0"), port=settings.data_service_port,
         channel=settings.data_channel, batch_size=config.batch_size,
         shutdown_token=settings.shutdown_token, idle_timeout_s=settings.data_idle_timeout_s, start_deadline_s=settings.data_start_deadline_s,
-        workers=workers, seed=data_seed(config.seed, settings.shutdown_token), hosts=len(data_hosts), sharded=sharded,
+        workers=workers, seed=config.seed, hosts=len(data_hosts), sharded=sharded,  # the run's seed: see positions.py
         features=wire_features(recipe.features),
     )
     producer = WorkloadBatchProducer(listing, recipe, batch_size=config.batch_size, workers=workers, seed=server_settings.seed,
                                      host_index=host_index, queue_depth=server_settings.queue_depth, hosts=len(data_hosts), sharded=sharded)
     return serve(server_settings, listing, stop, source=producer).exit_code
-
-
-def data_seed(seed: int, token: str) -> int:
-    """The data hosts' sampling seed: the configured seed mixed with the job's random token. A data host
-    cannot know whether its job resumes a checkpoint; with the configured seed alone, the data hosts of a
-    resumed job would serve again the very batches the first job began with. Mixed with the token, every
-    job (a resumed one too) draws an order of its own. Pure."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{token}".encode()).digest()[:4], "big")
 
 
 def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, exit_code: int, stop: threading.Event) -> int:

@@ -116,6 +116,27 @@ def test_a_second_run_resumes_from_the_checkpoint(images: Path, tmp_path: Path, 
     assert resumed.resume_samples == 6 * 16
 
 
+def test_a_checkpoint_of_an_earlier_release_resumes_in_the_order_its_run_drew(images: Path, tmp_path: Path) -> None:
+    """Its epochs were drawn by torch.randperm; this release draws the data hosts' order. A run resumed from
+    it goes on in its own order (the rest of the interrupted epoch, nothing twice), and says so in its
+    checkpoints, so that a later resume keeps it too."""
+    from training.trainers.pytorch_runtime import tagged_order
+
+    first = trainer(images, tmp_path, steps=3, warmup_steps=1)
+    first.run()
+    saved = torch.load(first.checkpoint_path, weights_only=True)
+    assert saved["loop"]["order"] == 2
+    del saved["loop"]["order"]  # as an earlier release wrote it
+    torch.save(saved, first.checkpoint_path)
+    resumed = trainer(images, tmp_path, steps=5, warmup_steps=1)
+    resumed.run()
+    assert resumed.legacy_order and torch.load(resumed.checkpoint_path, weights_only=True)["loop"]["order"] == 1
+    legacy = [index for _, index in itertools.islice(tagged_order(96, rank=0, world_size=1, seed=0, start=0, legacy=True), 96)]
+    current = [index for _, index in itertools.islice(tagged_order(96, rank=0, world_size=1, seed=0, start=0), 96)]
+    expected = torch.randperm(96, generator=torch.Generator().manual_seed(0 * 1_000_003)).tolist()
+    assert legacy == expected and sorted(current) == list(range(96)) and current != legacy
+
+
 def test_a_checkpoint_of_another_layout_is_refused_by_name(images: Path, tmp_path: Path) -> None:
     from training.trainers.pytorch_runtime import CheckpointFormatError
 

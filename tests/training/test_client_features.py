@@ -49,6 +49,9 @@ class Payloads:
     def start(self) -> None:
         threading.Thread(target=self._fill, daemon=True).start()
 
+    def begin(self, request: object, served: bool = False) -> None:
+        """Serves the same from any position."""
+
     def _fill(self) -> None:
         for step in itertools.count():
             if not put_until_stopped(self.batches, ReadyBatch(self._make(step)), self._stop):
@@ -135,9 +138,13 @@ def test_a_stream_of_feature_batches_reaches_the_trainer_as_dicts_of_tensors_cou
         assert batch["attention_mask"].dtype == torch.int8 and tuple(batch["attention_mask"].shape) == (BATCH, 128)
         assert batch["label"].dtype == torch.int64 and tuple(batch["label"].shape) == (BATCH,)  # a scalar per sample
         assert int(batch["input_ids"][0, 0]) == step and batch["label"].tolist() == [0, 1, 0, 1]
-    # The ledger counted the 5 batches' 20 samples, of the host's epoch 0.
+    # Yielded is not trained: the ledger counts what the trainer marks, by the host's name.
+    assert dataset.stats.ledger.as_dict()["epochs"] == {}
+    dataset.mark_trained(5)
     receipts = dataset.stats.ledger.as_dict()
-    assert receipts["epochs"][target][0][0] == 5 * BATCH and receipts["untagged_batches"] == 0
+    assert receipts["epochs"][info.host][0][0] == 5 * BATCH and receipts["untagged_batches"] == 0
+    with pytest.raises(RuntimeError, match="no batch yielded"):
+        dataset.mark_trained()
     assert dataset.stats.lost_hosts == [] and dataset.stats.hosts[target].batches >= 5
 
 

@@ -399,7 +399,7 @@ def test_the_receive_limit_of_features_holds_their_largest_batch(batch_size: int
     tags = np.full(2 * batch_size, 2**64 - 1, dtype=np.uint64)
     payload = codec.encode_features(features, 2**32 - 1, tags, np.full(2 * batch_size, 2**32 - 1, dtype=np.uint32))
     codec.check_batch(codec.decode_batch(payload), spec)
-    assert len(payload) <= spec.max_message_bytes < len(payload) + 1024 + len(specs) * (codec.FEATURE_OVERHEAD_BYTES + 320)
+    assert len(payload) <= spec.max_message_bytes < len(payload) + 1024 + codec.END_REASON_BYTES + len(specs) * (codec.FEATURE_OVERHEAD_BYTES + 320)
 
 
 @settings(max_examples=400, deadline=None)

@@ -193,13 +193,18 @@ def test_a_trainer_counts_each_epoch_of_two_replicated_data_hosts_exactly_once(i
 
     with data_host(images, hosts=2, host_index=0) as first, data_host(images, hosts=2, host_index=1) as second:
         dataset = DataServiceDataset([first.target, second.target], 8, TOKEN, "test")
-        # Until two epochs of each host's 48-image share went to training (12 batches each; a host's batches
+        # Until two epochs of each host's 48-image share were trained (12 batches each; a host's batches
         # are handed over in the order it made them). Arrived is not enough: some wait in the queue.
-        def handed_over(host: str) -> int:
+        def trained(host: str) -> int:
             return sum(count for count, _ in dataset.stats.ledger.as_dict()["epochs"].get(host, {}).values())
 
-        batches = iter(dataset)
-        taken = take_until(batches, lambda: all(handed_over(host) >= 96 for host in (first.target, second.target)), timeout_s=60)
+        def training() -> Iterator:
+            for batch in dataset:
+                dataset.mark_trained()  # as the trainer does, once per step
+                yield batch
+
+        batches = training()
+        taken = take_until(batches, lambda: all(trained(host.settings.host) >= 96 for host in (first, second)), timeout_s=60)
         report = epoch_report(dataset.stats.ledger.as_dict(), {"channel": 96}, per_host=False)
     assert report["exactly_once"][:2] == ["0", "1"] and report["not_exactly_once"] == [] and report["duplicates"] == 0, report
     # What was handed over, not what arrived: the batches still queued are in no epoch.

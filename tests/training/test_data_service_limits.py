@@ -166,14 +166,15 @@ def test_the_reply_limit_holds_the_largest_describe() -> None:
 @pytest.mark.parametrize(("batch_size", "image_size"), [(1, 1), (8, 32), (256, 224)])
 def test_a_streams_receive_limit_holds_its_largest_batch(batch_size: int, image_size: int) -> None:
     """The vision workload's batches: every slot tagged twice (its sample, and a due one that was
-    skipped), every count at its widest."""
+    skipped) and positioned, every count at its widest."""
     spec = stream_spec(batch_size, vision_info(image_size, classes=["a"] * MAX_CLASSES))
     images = np.zeros((batch_size, 3, image_size, image_size), dtype=np.uint8)
     labels = np.full(batch_size, 2**63 - 1, dtype=np.int64)
     tags = np.full(2 * batch_size, 2**64 - 1, dtype=np.uint64)
-    payload = codec.encode_features({"image": images, "label": labels}, 2**32 - 1, tags, np.full(2 * batch_size, 2**32 - 1, dtype=np.uint32))
+    payload = codec.encode_features({"image": images, "label": labels}, 2**32 - 1, tags, np.full(2 * batch_size, 2**32 - 1, dtype=np.uint32),
+                                    np.full(batch_size, 2**64 - 1, dtype=np.uint64))
     codec.check_batch(codec.decode_batch(payload), spec)
-    assert len(payload) <= spec.max_message_bytes < len(payload) + 2048
+    assert len(payload) <= spec.max_message_bytes < len(payload) + 2048 + codec.END_REASON_BYTES
     assert ("grpc.max_receive_message_length", spec.max_message_bytes) in stream_options(spec.max_message_bytes)
 
 
@@ -200,6 +201,9 @@ class FixedBatches:
 
     def start(self) -> None:
         threading.Thread(target=self._fill, daemon=True).start()
+
+    def begin(self, request: object, served: bool = False) -> None:
+        """Serves the same from any position."""
 
     def _fill(self) -> None:
         while put_until_stopped(self.batches, ReadyBatch(self._payload), self._stop):
@@ -281,3 +285,13 @@ def test_a_trainer_fed_by_a_host_whose_preprocessing_failed_fails_naming_the_cau
     thread.join(20)
     assert len(received) == 2
     assert len(errors) == 1 and isinstance(errors[0], DataHostError) and str(errors[0]) == cause
+
+
+def test_the_longest_end_of_stream_reason_fits_the_smallest_batchs_receive_limit() -> None:
+    """A failure's reason in any script (3 bytes a character here) is cut to what the trainer reads."""
+    from training.data_service.server import StopReason, end_reason
+
+    spec = codec.BatchSpec(1, (codec.FeatureSpec("x", "int8"),))
+    reason = end_reason(StopReason.FAILED, "preprocess raised ValueError: " + "漢" * 2000)
+    assert len(reason.encode()) <= codec.END_REASON_BYTES and reason.startswith("preprocessing failed: preprocess raised")
+    assert len(codec.end_of_stream(reason)) <= spec.max_message_bytes

@@ -11,6 +11,7 @@ import pytest
 
 from training.data_service.dataset import ImageDataset
 from training.data_service.epochs import SPARE_EPOCH, EpochLedger, epoch_report, hash_sum, merge
+from training.data_service.positions import Position
 from training.data_service.server import epoch_share, slot_tags
 from training.variants import BUILTIN_WORKLOADS_DIR
 from training.workload.samples import BatchRecipe
@@ -18,12 +19,12 @@ from training.workload.serving import WorkloadBatchProducer
 
 
 def host_tasks(samples: int, host: int, hosts: int, batch: int, sharded: bool = False):
-    """The (indices, epochs) of a data host's batches, as its producer makes them."""
+    """The (indices, epochs) of a data host's batches, as its producer makes them (a fresh job's)."""
     listing = ImageDataset(Path("."), ("a",), tuple((f"{index}.jpg", 0) for index in range(samples)))
     recipe = BatchRecipe(BUILTIN_WORKLOADS_DIR, "vision", None, listing.samples, {}, 3, ())  # for workers that never start
     producer = WorkloadBatchProducer(listing, recipe, batch_size=batch, workers=1, seed=3, host_index=host, hosts=hosts, sharded=sharded)
     producer._pool.shutdown()  # never started: only its tasks are read
-    for indices, _spares, _seed, epochs in producer._tasks():
+    for indices, _spares, _seed, epochs, _positions in producer._tasks(Position()):
         yield indices, epochs
 
 
@@ -95,7 +96,8 @@ def test_a_data_hosts_worker_tags_what_it_put_in_each_slot_after_a_decode_error(
     vision = load_workload(BUILTIN_WORKLOADS_DIR, "vision")
     hyperparameters = resolve_hyperparameters(vision, {"image_size": "16"})
     serving._init_workload_worker(serving.recipe_for(vision, listing, packages_dir=None, hyperparameters=hyperparameters, seed=1))
-    payload, skipped = serving._make_workload_batch([0, 8, 2], [5, 6, 7], [1, 2], [3, 3, 4])
+    payload, skipped = serving._make_workload_batch([0, 8, 2], [5, 6, 7], [1, 2], [3, 3, 4], [30, 31, 40])
     batch = codec.decode_batch(payload)
     assert skipped == 1 and batch.features["image"].shape == (3, 3, 16, 16) and batch.skipped_samples == 1
     assert batch.sample_ids.tolist() == [0, 2, 5, 8] and batch.epochs.tolist() == [3, 4, SPARE_EPOCH, 3]
+    assert batch.positions.tolist() == [30, 31, 40]  # the due samples' places in the host's order, the skipped one's too

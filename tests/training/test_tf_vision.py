@@ -113,3 +113,13 @@ def test_the_tensorflow_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_p
         run.train_step(next(batches))
         rates.append(float(run.optimizer.learning_rate.numpy()))
     assert rates == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+
+
+def test_a_resumed_tf_data_service_run_counts_what_each_earlier_job_repeats() -> None:
+    """Each job's hosts start the order afresh: what every earlier job trained of its last epoch comes again."""
+    from training.trainers.tf_vision import service_resume_summary
+
+    assert service_resume_summary([50, 50], 96) == {"resumed": "from the start of the data hosts' order",
+                                                     "why": "tf.data.service keeps no position a new job can resume from",
+                                                     "samples_trained_before": 100, "samples_repeated_about": 100}
+    assert service_resume_summary([200], 96)["samples_repeated_about"] == 8

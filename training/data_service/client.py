@@ -23,10 +23,17 @@ gRPC's own limits on ping rates included). Either way the host is retried, then 
 The dataset yields one dict of tensors per batch, {name: [B, *sample shape]}, in the order of
 ``dataset.features`` (those the trainer passed, or else those the first host described). Every host of a
 dataset must describe the same features: one that does not is refused by name, and the others go on.
+
+What reached training is the trainer's word, not the stream's: it calls ``mark_trained()`` once per step,
+for the oldest batch yielded and not yet marked (a device loader may hold several yielded batches ahead
+of the step). Only then is the batch counted in the epoch ledger and its positions recorded for the next
+checkpoint (``drain_trained``: training/data_service/positions.py). A resumed job sets ``resume`` (a
+positions.ResumePlan) before iterating: each host's StreamRequest then asks it to start there.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -47,6 +54,7 @@ from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import call_metadata
 from training.data_service.control import CLIENT_OPTIONS, DataServiceRefusedError, DataServiceUnavailableError
 from training.data_service.epochs import EpochLedger
+from training.data_service.positions import ResumePlan, ranges_of
 from training.data_service.server import (
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
@@ -140,6 +148,7 @@ CLEAN_ENDS = frozenset({MAX_BATCHES, StopReason.SHUTDOWN.value})
 @dataclass
 class HostState:
     address: str
+    host: str = ""  # its name (algo-2), from its Describe; the address until then
     batches: int = 0
     skipped_samples: int = 0
     # None while streaming; "end of stream (...)" when the host ended it on purpose; else why it was lost.
@@ -197,6 +206,7 @@ class DataServiceDataset(IterableDataset):
         queue_depth: int = 4,
         pin_memory: bool = False,
         features: Sequence[codec.FeatureSpec] | None = None,
+        max_batches: int = 0,
     ) -> None:
         if not addresses:
             raise ValueError("DataServiceDataset needs at least one data host address")
@@ -208,6 +218,9 @@ class DataServiceDataset(IterableDataset):
         self.reconnect_timeout_s = reconnect_timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.queue_depth = queue_depth
+        # Per host, at most this many batches (0: no limit); a bounded read does not fix where the host's
+        # stream starts (a Neuron pre-compile's few steps: the job's own stream gets those batches again).
+        self.max_batches = max_batches
         # For a CUDA trainer: each stream's thread copies its batches into page-locked memory, so that the
         # trainer's copy to the device is a non-blocking DMA, and the copy costs the trainer's thread nothing.
         self.pin_memory = pin_memory
@@ -217,6 +230,35 @@ class DataServiceDataset(IterableDataset):
         self.features: tuple[codec.FeatureSpec, ...] | None = None if features is None else tuple(features)
         self._features_lock = threading.Lock()
         self.stats = StreamStats()
+        # Where a resumed job's hosts start (None: a fresh job's, from the start).
+        self.resume: ResumePlan | None = None
+        # Yielded and not yet marked trained, oldest first: (host, sample ids, epochs, positions).
+        self._handed: collections.deque[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = collections.deque()
+        # Positions trained since the last drain, per host, as [start, end) ranges: a run's batches from one
+        # host are mostly consecutive positions, so this stays small between checkpoints.
+        self._trained: dict[str, list[list[int]]] = {}
+
+    def mark_trained(self, batches: int = 1) -> None:
+        """The oldest ``batches`` yielded batches were trained: count them in the epoch ledger, and
+        record their positions for the next checkpoint. Called by the trainer, once per step."""
+        for _ in range(batches):
+            if not self._handed:
+                raise RuntimeError("mark_trained: no batch yielded that was not already marked trained")
+            host, sample_ids, epochs, positions = self._handed.popleft()
+            self.stats.ledger.add(host, sample_ids, epochs)
+            if len(positions):
+                ranges = self._trained.setdefault(host, [])
+                for start, end in ranges_of(positions).tolist():
+                    if ranges and ranges[-1][1] == start:
+                        ranges[-1][1] = end  # the next batch of a host this rank took the last one of too
+                    else:
+                        ranges.append([start, end])
+
+    def drain_trained(self) -> dict[str, np.ndarray]:
+        """The positions trained since the last drain, per host name, as (n, 2) arrays of [start, end)
+        ranges (for the checkpoint's gather: positions.advance folds them)."""
+        drained, self._trained = self._trained, {}
+        return {host: np.asarray(ranges, dtype=np.int64).reshape(-1, 2) for host, ranges in drained.items()}
 
     def _agree(self, spec: codec.BatchSpec, host: str) -> tuple[codec.FeatureSpec, ...]:
         """The dataset's features once this host's agree with them (the first host's set them); refused
@@ -229,10 +271,10 @@ class DataServiceDataset(IterableDataset):
         return self.features
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        merged: queue.Queue[tuple[dict[str, torch.Tensor], str, np.ndarray, np.ndarray]] = queue.Queue(maxsize=self.queue_depth)
+        merged: queue.Queue[tuple[dict[str, torch.Tensor], HostState, codec.DecodedBatch]] = queue.Queue(maxsize=self.queue_depth)
         stop = threading.Event()
-        self.stats = StreamStats({address: HostState(address) for address in self.addresses})
-        ledger = self.stats.ledger
+        self.stats = StreamStats({address: HostState(address, host=address) for address in self.addresses})
+        self._handed.clear()
         threads = [
             threading.Thread(target=self._stream, args=(state, merged, stop), name=f"stream-{state.address}", daemon=True)
             for state in self.stats.hosts.values()
@@ -243,14 +285,15 @@ class DataServiceDataset(IterableDataset):
         try:
             while True:
                 try:
-                    batch, address, sample_ids, epochs = merged.get(timeout=0.1)
+                    batch, state, decoded = merged.get(timeout=0.1)
                 except queue.Empty:
                     if all(not thread.is_alive() for thread in threads) and merged.empty():
                         self._raise_if_all_lost()
                         return
                     continue
-                # Counted as it goes to training: the batches still queued when training ends never do.
-                ledger.add(address, sample_ids, epochs)
+                # Counted when the trainer says it trained it (mark_trained): yielded is not trained.
+                # Copies: the tags view the batch's payload, which they must not keep alive.
+                self._handed.append((state.host, decoded.sample_ids.copy(), decoded.epochs.copy(), decoded.positions.copy()))
                 yield batch
         finally:
             stop.set()
@@ -281,7 +324,6 @@ class DataServiceDataset(IterableDataset):
 
     def _stream(self, state: HostState, merged: queue.Queue, stop: threading.Event) -> None:
         """Stream one host's batches into ``merged`` until it ends the stream, is lost, or we stop."""
-        request = pb.StreamRequest(client_id=self.client_id, batch_size=self.batch_size)
         # The first connection may wait for a host that is still starting; later ones only briefly.
         retry_until = time.monotonic() + self.connect_timeout_s
         # Why the host first failed since its last batch: a hung host's stall is its cause, and the
@@ -298,7 +340,11 @@ class DataServiceDataset(IterableDataset):
                     metadata=call_metadata(self.token),
                 )
                 spec = stream_spec(self.batch_size, info)
-                features = self._agree(spec, info.host or state.address)
+                state.host = info.host or state.address
+                features = self._agree(spec, state.host)
+                request = pb.StreamRequest(client_id=self.client_id, batch_size=self.batch_size, max_batches=self.max_batches)
+                if self.resume is not None:
+                    request.resume.CopyFrom(self.resume.message(state.host))
                 channel.close()
                 channel = grpc.insecure_channel(state.address, options=stream_options(spec.max_message_bytes))
                 call = channel.unary_stream(
@@ -314,7 +360,7 @@ class DataServiceDataset(IterableDataset):
                         return
                     codec.check_batch(batch, spec)
                     tensors = {feature.name: _to_tensor(batch.features[feature.name], self.pin_memory) for feature in features}
-                    item = (tensors, state.address, batch.sample_ids, batch.epochs)
+                    item = (tensors, state, batch)
                     state.streaming = True
                     state.batches += 1
                     state.skipped_samples += batch.skipped_samples

@@ -49,6 +49,9 @@ FEATURE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 # Feature's key and length (6), the name's key, length and bytes (66), the Tensor's key and length (6), the
 # dtype's key, length and name (9), the shape's key and length (3), the data's key and length (6). Rounded up.
 FEATURE_OVERHEAD_BYTES = 256
+# The most bytes of UTF-8 an end-of-stream's reason carries (server.end_reason cuts it there): the receive
+# limit (BatchSpec.max_message_bytes) leaves room for it, however small the batches.
+END_REASON_BYTES = 1024
 
 
 class TensorFormatError(ValueError):
@@ -108,6 +111,8 @@ class DecodedBatch:
     # Per slot: the sample whose turn it was, and its data-host epoch (empty from a host that sends none).
     sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
+    # Per slot, the position of its due sample in the host's order (empty from a host that sends none).
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
 
 
 @dataclass(frozen=True)
@@ -132,12 +137,13 @@ class BatchSpec:
     def max_message_bytes(self) -> int:
         """The most bytes a Batch of this spec can take on the wire: each feature's bytes, plus per feature
         FEATURE_OVERHEAD_BYTES and 10 bytes per dimension of its batch shape (a varint each); per slot at
-        most two 12-byte slot tags (its sample, and one due sample that was skipped: see check_batch); and
-        1 KiB for the counts' keys and lengths. The trainer's receive limit: nothing larger is read."""
+        most two 12-byte slot tags (its sample, and one due sample that was skipped: see check_batch) and its
+        8-byte position; 1 KiB for the counts' keys and lengths; and an end of stream's reason. The
+        trainer's receive limit: nothing larger is read."""
         per_feature = sum(
             feature.batch_bytes(self.batch_size) + FEATURE_OVERHEAD_BYTES + 10 * (1 + len(feature.shape)) for feature in self.features
         )
-        return per_feature + self.batch_size * 2 * 12 + 1024
+        return per_feature + self.batch_size * (2 * 12 + 8) + 1024 + END_REASON_BYTES
 
 
 def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
@@ -153,6 +159,8 @@ def check_batch(batch: DecodedBatch, spec: BatchSpec) -> None:
         raise MalformedBatchError("as many epochs as sample ids", f"{tags} sample ids and {epochs} epochs")
     if tags and not spec.batch_size <= tags <= spec.batch_size + batch.skipped_samples:
         raise MalformedBatchError(f"{spec.batch_size} slot tags, plus at most the {batch.skipped_samples} skipped samples", f"{tags}")
+    if len(batch.positions) not in (0, spec.batch_size):
+        raise MalformedBatchError(f"no positions or one per slot ({spec.batch_size})", f"{len(batch.positions)} positions")
 
 
 def _check_features(batch: DecodedBatch, spec: BatchSpec) -> None:
@@ -186,7 +194,8 @@ def decode(message: pb.Tensor) -> np.ndarray:
 
 
 def encode_features(
-    features: Mapping[str, np.ndarray], skipped_samples: int = 0, sample_ids: Sequence[int] = (), epochs: Sequence[int] = ()
+    features: Mapping[str, np.ndarray], skipped_samples: int = 0, sample_ids: Sequence[int] = (), epochs: Sequence[int] = (),
+    positions: Sequence[int] = (),
 ) -> bytes:
     """A workload's serialised Batch: ``features`` (each [batch, *sample shape]) in the mapping's order.
     Byte for byte what protobuf's serializer writes (tests/training/test_codec.py), written here with one
@@ -210,8 +219,8 @@ def encode_features(
         parts += _length_delimited(9, [*_length_delimited(1, [name.encode()]), *_length_delimited(2, tensor)])
     if len(set(batch_sizes.values())) > 1:
         raise TensorFormatError(f"features of different batch sizes: {batch_sizes}")
-    # Protobuf writes fields in number order: the counts and tags (4, 7, 8) before the features (9).
-    return b"".join(counts + parts)
+    # Protobuf writes fields in number order: the counts and tags (4, 7, 8), the features (9), the positions (10).
+    return b"".join(counts + parts + _fixed_field(10, positions, np.dtype("<u8")))
 
 
 def _counts_and_tags(skipped_samples: int, sample_ids: Sequence[int], epochs: Sequence[int]) -> list[bytes | memoryview]:
@@ -222,12 +231,18 @@ def _counts_and_tags(skipped_samples: int, sample_ids: Sequence[int], epochs: Se
     if skipped_samples:
         parts += [_varint_bytes(4 << 3 | VARINT), _varint_bytes(skipped_samples)]
     for number, values, dtype in ((7, sample_ids, np.dtype("<u8")), (8, epochs, np.dtype("<u4"))):
-        if len(values):  # packed repeated, proto3's default: the values' little-endian bytes
-            array = np.asarray(values)
-            if array.dtype.kind not in "iu" or array.min() < 0 or array.max() > np.iinfo(dtype).max:
-                raise TensorFormatError(f"field {number} values must fit {dtype.name}")
-            parts += _length_delimited(number, [array.astype(dtype).tobytes()])
+        parts += _fixed_field(number, values, dtype)
     return parts
+
+
+def _fixed_field(number: int, values: Sequence[int], dtype: np.dtype) -> list[bytes | memoryview]:
+    """A repeated fixed-width field, packed (proto3's default: the values' little-endian bytes); none when empty."""
+    if not len(values):
+        return []
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu" or array.min() < 0 or array.max() > np.iinfo(dtype).max:
+        raise TensorFormatError(f"field {number} values must fit {dtype.name}")
+    return _length_delimited(number, [array.astype(dtype).tobytes()])
 
 
 def _tensor_parts(array: np.ndarray) -> list[bytes | memoryview]:
@@ -281,9 +296,9 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             fields["end_of_stream"] = bool(value)
         elif number == 6 and wire_type == LENGTH_DELIMITED:
             fields["end_reason"] = _text(payload, *value)
-        elif (number, wire_type) in ((7, LENGTH_DELIMITED), (8, LENGTH_DELIMITED), (7, FIXED64), (8, FIXED32)):
+        elif (number, wire_type) in ((7, LENGTH_DELIMITED), (8, LENGTH_DELIMITED), (10, LENGTH_DELIMITED), (7, FIXED64), (8, FIXED32), (10, FIXED64)):
             # Packed (one span of values) or unpacked (one value per field), which parsers must accept too.
-            fields.setdefault(number, []).append(_fixed_array(payload, *value, "<u8" if number == 7 else "<u4"))
+            fields.setdefault(number, []).append(_fixed_array(payload, *value, "<u4" if number == 8 else "<u8"))
     return DecodedBatch(
         features=features,
         skipped_samples=int(fields.get("skipped_samples", 0)),
@@ -291,6 +306,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         end_reason=str(fields.get("end_reason", "")),
         sample_ids=_joined(fields.get(7), np.uint64),
         epochs=_joined(fields.get(8), np.uint32),
+        positions=_joined(fields.get(10), np.uint64),
     )
 
 

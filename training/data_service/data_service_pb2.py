@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(training/data_service/data_service.proto\x12#heterogeneous_training.data_service\"-\n\rFailureReport\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\nFailureAck\x12\x0c\n\x04host\x18\x01 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xfe\x01\n\x0b\x44\x61tasetInfo\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\x12\x0f\n\x07\x63lasses\x18\x03 \x03(\t\x12\x14\n\x0csample_shape\x18\x04 \x03(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0f\n\x07workers\x18\x07 \x01(\r\x12\x0f\n\x07sharded\x18\x08 \x01(\x08\x12\x1a\n\x12labels_are_indices\x18\t \x01(\x08\x12\x42\n\x08\x66\x65\x61tures\x18\n \x03(\x0b\x32\x30.heterogeneous_training.data_service.FeatureSpec\"9\n\x0b\x46\x65\x61tureSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"K\n\rStreamRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_batches\x18\x03 \x01(\x04\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"T\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12;\n\x06tensor\x18\x02 \x01(\x0b\x32+.heterogeneous_training.data_service.Tensor\"\xd1\x01\n\x05\x42\x61tch\x12\x17\n\x0fskipped_samples\x18\x04 \x01(\r\x12\x15\n\rend_of_stream\x18\x05 \x01(\x08\x12\x12\n\nend_reason\x18\x06 \x01(\t\x12\x12\n\nsample_ids\x18\x07 \x03(\x06\x12\x0e\n\x06\x65pochs\x18\x08 \x03(\x07\x12>\n\x08\x66\x65\x61tures\x18\t \x03(\x0b\x32,.heterogeneous_training.data_service.FeatureJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x06imagesR\x06labels\"*\n\x0fShutdownRequest\x12\x11\n\trequester\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"5\n\rShutdownReply\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61tches_served\x18\x02 \x01(\x04\x32\xea\x02\n\x0b\x44\x61taService\x12r\n\x08\x44\x65scribe\x12\x34.heterogeneous_training.data_service.DescribeRequest\x1a\x30.heterogeneous_training.data_service.DatasetInfo\x12q\n\rStreamBatches\x12\x32.heterogeneous_training.data_service.StreamRequest\x1a*.heterogeneous_training.data_service.Batch0\x01\x12t\n\x08Shutdown\x12\x34.heterogeneous_training.data_service.ShutdownRequest\x1a\x32.heterogeneous_training.data_service.ShutdownReply2\x82\x01\n\nJobControl\x12t\n\rReportFailure\x12\x32.heterogeneous_training.data_service.FailureReport\x1a/.heterogeneous_training.data_service.FailureAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(training/data_service/data_service.proto\x12#heterogeneous_training.data_service\"-\n\rFailureReport\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\nFailureAck\x12\x0c\n\x04host\x18\x01 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\x96\x02\n\x0b\x44\x61tasetInfo\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x04\x12\x0f\n\x07\x63lasses\x18\x03 \x03(\t\x12\x14\n\x0csample_shape\x18\x04 \x03(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0f\n\x07workers\x18\x07 \x01(\r\x12\x0f\n\x07sharded\x18\x08 \x01(\x08\x12\x1a\n\x12labels_are_indices\x18\t \x01(\x08\x12\x42\n\x08\x66\x65\x61tures\x18\n \x03(\x0b\x32\x30.heterogeneous_training.data_service.FeatureSpec\x12\x16\n\x0elisting_digest\x18\x0b \x01(\t\"9\n\x0b\x46\x65\x61tureSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8e\x01\n\rStreamRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_batches\x18\x03 \x01(\x04\x12\x41\n\x06resume\x18\x04 \x01(\x0b\x32\x31.heterogeneous_training.data_service.DataPosition\"?\n\x0c\x44\x61taPosition\x12\x0c\n\x04next\x18\x01 \x01(\x04\x12\x0c\n\x04gaps\x18\x02 \x03(\x04\x12\x13\n\x0bstart_epoch\x18\x03 \x01(\x04\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"T\n\x07\x46\x65\x61ture\x12\x0c\n\x04name\x18\x01 \x01(\t\x12;\n\x06tensor\x18\x02 \x01(\x0b\x32+.heterogeneous_training.data_service.Tensor\"\xe4\x01\n\x05\x42\x61tch\x12\x17\n\x0fskipped_samples\x18\x04 \x01(\r\x12\x15\n\rend_of_stream\x18\x05 \x01(\x08\x12\x12\n\nend_reason\x18\x06 \x01(\t\x12\x12\n\nsample_ids\x18\x07 \x03(\x06\x12\x0e\n\x06\x65pochs\x18\x08 \x03(\x07\x12>\n\x08\x66\x65\x61tures\x18\t \x03(\x0b\x32,.heterogeneous_training.data_service.Feature\x12\x11\n\tpositions\x18\n \x03(\x06J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x06imagesR\x06labels\"*\n\x0fShutdownRequest\x12\x11\n\trequester\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"5\n\rShutdownReply\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61tches_served\x18\x02 \x01(\x04\x32\xea\x02\n\x0b\x44\x61taService\x12r\n\x08\x44\x65scribe\x12\x34.heterogeneous_training.data_service.DescribeRequest\x1a\x30.heterogeneous_training.data_service.DatasetInfo\x12q\n\rStreamBatches\x12\x32.heterogeneous_training.data_service.StreamRequest\x1a*.heterogeneous_training.data_service.Batch0\x01\x12t\n\x08Shutdown\x12\x34.heterogeneous_training.data_service.ShutdownRequest\x1a\x32.heterogeneous_training.data_service.ShutdownReply2\x82\x01\n\nJobControl\x12t\n\rReportFailure\x12\x32.heterogeneous_training.data_service.FailureReport\x1a/.heterogeneous_training.data_service.FailureAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=156
   _globals['_DESCRIBEREQUEST']._serialized_end=173
   _globals['_DATASETINFO']._serialized_start=176
-  _globals['_DATASETINFO']._serialized_end=430
-  _globals['_FEATURESPEC']._serialized_start=432
-  _globals['_FEATURESPEC']._serialized_end=489
-  _globals['_STREAMREQUEST']._serialized_start=491
-  _globals['_STREAMREQUEST']._serialized_end=566
-  _globals['_TENSOR']._serialized_start=568
-  _globals['_TENSOR']._serialized_end=620
-  _globals['_FEATURE']._serialized_start=622
-  _globals['_FEATURE']._serialized_end=706
-  _globals['_BATCH']._serialized_start=709
-  _globals['_BATCH']._serialized_end=918
-  _globals['_SHUTDOWNREQUEST']._serialized_start=920
-  _globals['_SHUTDOWNREQUEST']._serialized_end=962
-  _globals['_SHUTDOWNREPLY']._serialized_start=964
-  _globals['_SHUTDOWNREPLY']._serialized_end=1017
-  _globals['_DATASERVICE']._serialized_start=1020
-  _globals['_DATASERVICE']._serialized_end=1382
-  _globals['_JOBCONTROL']._serialized_start=1385
-  _globals['_JOBCONTROL']._serialized_end=1515
+  _globals['_DATASETINFO']._serialized_end=454
+  _globals['_FEATURESPEC']._serialized_start=456
+  _globals['_FEATURESPEC']._serialized_end=513
+  _globals['_STREAMREQUEST']._serialized_start=516
+  _globals['_STREAMREQUEST']._serialized_end=658
+  _globals['_DATAPOSITION']._serialized_start=660
+  _globals['_DATAPOSITION']._serialized_end=723
+  _globals['_TENSOR']._serialized_start=725
+  _globals['_TENSOR']._serialized_end=777
+  _globals['_FEATURE']._serialized_start=779
+  _globals['_FEATURE']._serialized_end=863
+  _globals['_BATCH']._serialized_start=866
+  _globals['_BATCH']._serialized_end=1094
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1096
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1138
+  _globals['_SHUTDOWNREPLY']._serialized_start=1140
+  _globals['_SHUTDOWNREPLY']._serialized_end=1193
+  _globals['_DATASERVICE']._serialized_start=1196
+  _globals['_DATASERVICE']._serialized_end=1558
+  _globals['_JOBCONTROL']._serialized_start=1561
+  _globals['_JOBCONTROL']._serialized_end=1691
 # @@protoc_insertion_point(module_scope)

@@ -374,6 +374,26 @@ def parse_label(kind: str, data: bytes) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+def listing_digest(folder: ImageDataset) -> str:
+    """A digest of a listing's samples in order (their text with the channel's folder left out, so two
+    jobs that mount the channel at other paths agree) and its shards' ends. Pure."""
+    root = str(folder.root)
+    digest = hashlib.sha256(repr(folder.shard_ends).encode())
+    for sample in folder.samples:
+        digest.update(repr(sample).replace(root, "").encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:32]
+
+
+def channel_epoch_order(size: int, seed: int, epoch: int, shard_ends: Sequence[int] = ()) -> list[int]:
+    """The order of a channel's ``size`` samples in ``epoch``: a permutation, or over tar shards the
+    streaming order (shard_stream_order), drawn from (seed, epoch) alone. Every reader of a whole channel
+    draws it so: the homogeneous trainer's ranks (training/trainers/sampling.py) and the data hosts of a
+    replicated channel, so a heterogeneous run trains the batches a homogeneous run of the seed trains. Pure."""
+    rng = np.random.default_rng([seed, epoch])
+    return shard_stream_order(shard_ends, rng) if shard_ends else rng.permutation(size).tolist()
+
+
 def shard_stream_order(shard_ends: Sequence[int], rng: np.random.Generator, buffer: int = SHARD_SHUFFLE_BUFFER) -> list[int]:
     """One epoch's order over tar shards as a streaming reader makes it: the shards in a shuffled order,
     each read from start to end, through a shuffle buffer of ``buffer`` samples. Every sample once. Pure

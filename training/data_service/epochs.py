@@ -82,6 +82,11 @@ class EpochLedger:
                     "spares": self.spares, "untagged_batches": self.untagged_batches}
 
 
+def last_epochs(receipts: Mapping[str, Any]) -> dict[str, int]:
+    """The highest epoch of each data host with receipts (EpochLedger.as_dict, or merge's). Pure."""
+    return {scope: max(int(epoch) for epoch in book) for scope, book in receipts.get("epochs", {}).items() if book}
+
+
 def merge(ledgers: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Every rank's receipts (EpochLedger.as_dict) added up."""
     total: dict[str, Any] = {"epochs": {}, "spares": 0, "untagged_batches": 0}

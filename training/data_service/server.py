@@ -45,8 +45,9 @@ from training.data_service import codec
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import TokenAuth
-from training.data_service.dataset import ImageDataset, shard_stream_order
+from training.data_service.dataset import ImageDataset, channel_epoch_order, listing_digest, shard_stream_order
 from training.data_service.epochs import SPARE_EPOCH
+from training.data_service.positions import Position, from_message, serve_positions
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ log = logging.getLogger(__name__)
 # caller, with the job's token or without: gRPC reads a unary request whole before its handler runs (a
 # call without the token is refused before its request is read at all: auth.TokenAuth). Requests are small:
 # the largest is a FailureReport (a host name, and a reason cut at 1024 characters: at most 4 KiB of
-# UTF-8); a StreamRequest holds a client id ("algo-3/rank0") and two integers; DescribeRequest is empty.
-# 64 KiB leaves 16 times that; it was 1 GiB, and two unauthenticated 512 MiB requests took a data host
+# UTF-8); a StreamRequest holds a client id ("algo-3/rank0"), two integers and a resumed job's position
+# (positions.MAX_GAP_RANGES pairs of varints at most: 20 KiB); DescribeRequest is empty. 64 KiB leaves room; it was 1 GiB, and two unauthenticated 512 MiB requests took a data host
 # from 60 MiB to 2.1 GB. What servers send (batches) keeps gRPC's default: no send limit. The trainer
 # bounds what it receives by the batch it asked for (codec.BatchSpec.max_message_bytes).
 MAX_REQUEST_BYTES = 64 << 10
@@ -77,8 +78,6 @@ SERVER_OPTIONS = [
 
 # end_reason of a stream that sent the max_batches the client asked for.
 MAX_BATCHES = "max_batches"
-# As much of a failure as an end-of-stream carries (a failure report carries as much).
-END_REASON_LIMIT = 1024
 
 
 class DataHostError(RuntimeError):
@@ -87,6 +86,10 @@ class DataHostError(RuntimeError):
 
 class PortInUseError(RuntimeError):
     """Another process holds a port this host must listen on."""
+
+
+class DataPositionConflict(ValueError):
+    """A stream asks this host to start where it did not: its first stream fixed where it starts."""
 
 
 class StopReason(enum.Enum):
@@ -172,19 +175,18 @@ def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_de
 def sample_order(
     num_samples: int, seed: int, host_index: int, hosts: int = 1, sharded: bool = False, shard_ends: Sequence[int] = ()
 ) -> Iterator[int]:
-    """An endless stream of sample indices, one epoch after another.
+    """An endless stream of sample indices, one epoch after another (epoch_order's, epoch 0 onwards)."""
+    check_share(num_samples, hosts, sharded)
+    return itertools.chain.from_iterable(
+        epoch_order(num_samples, seed, host_index, epoch, hosts, sharded, tuple(shard_ends)) for epoch in itertools.count()
+    )
 
-    A replicated channel (every data host holds every file): the hosts draw one order per epoch together
-    (the seed is the job's, the same on every host) and host ``host_index`` of ``hosts`` takes every
-    hosts-th index of it, so that across the hosts every sample goes out exactly once per epoch.
-    A sharded channel (each host holds its own ~1/n of the files): each host serves all of its own
-    files, in an order of its own. An epoch's order is a permutation, or for tar shards (``shard_ends``)
-    the shards in a shuffled order, each read through, mixed by a shuffle buffer (shard_stream_order).
-    """
-    if not sharded and num_samples < hosts:  # checked now, not when the first index is read: an empty share would spin forever
+
+def check_share(num_samples: int, hosts: int, sharded: bool) -> None:
+    """Refuse a replicated channel with fewer samples than data hosts: each needs one per epoch."""
+    if not sharded and num_samples < hosts:  # checked before any order is drawn: an empty share would spin forever
         raise DataHostError(f"the channel holds {num_samples} samples, fewer than its {hosts} data hosts: each needs at "
                             "least one per epoch (fewer data hosts, or more data)")
-    return _epochs(num_samples, seed, host_index, hosts, sharded, tuple(shard_ends))
 
 
 def epoch_share(num_samples: int, host_index: int, hosts: int = 1, sharded: bool = False) -> int:
@@ -192,11 +194,22 @@ def epoch_share(num_samples: int, host_index: int, hosts: int = 1, sharded: bool
     return num_samples if sharded else len(range(host_index, num_samples, hosts))
 
 
-def _epochs(num_samples: int, seed: int, host_index: int, hosts: int, sharded: bool, shard_ends: tuple[int, ...]) -> Iterator[int]:
-    for epoch in itertools.count():
-        rng = np.random.default_rng([seed, host_index, epoch] if sharded else [seed, epoch])
-        order = shard_stream_order(shard_ends, rng) if shard_ends else rng.permutation(num_samples).tolist()
-        yield from order if sharded else order[host_index::hosts]
+def epoch_order(num_samples: int, seed: int, host_index: int, epoch: int, hosts: int = 1, sharded: bool = False,
+                shard_ends: Sequence[int] = ()) -> list[int]:
+    """This host's samples of one epoch, in its order: epoch_share of them. Pure (the run's seed and the
+    epoch fix it, so a resumed job's host draws the very order the first job's drew).
+
+    A replicated channel (every data host holds every file): the hosts draw one order per epoch together
+    (the seed is the run's, the same on every host) and host ``host_index`` of ``hosts`` takes every
+    hosts-th index of it, so that across the hosts every sample goes out exactly once per epoch.
+    A sharded channel (each host holds its own ~1/n of the files): each host serves all of its own
+    files, in an order of its own. An epoch's order is a permutation, or for tar shards (``shard_ends``)
+    the shards in a shuffled order, each read through, mixed by a shuffle buffer (shard_stream_order).
+    """
+    if not sharded:  # the channel's order, as a homogeneous run's ranks draw it: a host takes its share
+        return channel_epoch_order(num_samples, seed, epoch, shard_ends)[host_index::hosts]
+    rng = np.random.default_rng([seed, host_index, epoch])
+    return shard_stream_order(tuple(shard_ends), rng) if shard_ends else rng.permutation(num_samples).tolist()
 
 
 class BatchSource(Protocol):
@@ -211,23 +224,33 @@ class BatchSource(Protocol):
 
     def start(self) -> None: ...
 
+    def begin(self, request: pb.StreamRequest, served: bool) -> None:
+        """Called with each unbounded stream's request before it takes a batch: the first fixes where the
+        batches start (a resumed job's position; ``served``: bounded reads took batches before it, which
+        the job's stream must not miss); a later one asking for another raises DataPositionConflict."""
+
     def stop(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class WorkerSetup:
     """What a producer's worker processes run: ``initializer(*initargs)`` once in each, then per batch
-    ``make_batch(indices, spares, seed, epochs) -> (payload, skipped)``, the wire bytes made there, off
-    the gRPC process's CPU. Module-level functions: the spawned workers import them by name."""
+    ``make_batch(indices, spares, seed, epochs, positions) -> (payload, skipped)``, the wire bytes made
+    there, off the gRPC process's CPU. Module-level functions: the spawned workers import them by name."""
 
     initializer: Callable[..., None]
     initargs: tuple[object, ...]
-    make_batch: Callable[[list[int], list[int], list[int], list[int]], tuple[bytes, int]]
+    make_batch: Callable[[list[int], list[int], list[int], list[int], list[int]], tuple[bytes, int]]
 
 
 class BatchProducer:
     """Keeps ``workers`` batches in flight on a process pool and finished ones in a bounded queue; what the
-    workers run is ``setup``'s (a workload's: training/workload/serving.WorkloadBatchProducer)."""
+    workers run is ``setup``'s (a workload's: training/workload/serving.WorkloadBatchProducer).
+
+    It starts making batches at once, from position 0 (a fresh job's start), so that the first trainer
+    finds them ready. The first stream's request fixes where the batches start (``begin``): a resumed
+    job's trainers ask for their checkpoint's position, and the producer then drops what it made and
+    starts again there (training/data_service/positions.py)."""
 
     def __init__(
         self,
@@ -243,17 +266,22 @@ class BatchProducer:
         sharded: bool = False,
     ) -> None:
         self._folder = folder
-        self._order = sample_order(len(folder), seed, host_index, hosts, sharded, folder.shard_ends)  # refuses too few samples, before any worker starts
-        self._share = epoch_share(len(folder), host_index, hosts, sharded)
+        check_share(len(folder), hosts, sharded)  # before any worker starts
+        self._hosts, self._sharded = hosts, sharded
+        self.share = epoch_share(len(folder), host_index, hosts, sharded)
         self._batch_size = batch_size
         self._workers = workers
         self._seed = seed
         self._host_index = host_index
+        self._start = Position()
+        self._begun: Position | None = None  # fixed by the first stream's request
+        self._begin_lock = threading.Lock()
         self.batches: queue.Queue[ReadyBatch] = queue.Queue(maxsize=queue_depth)
         self.failure: str | None = None
         self.skipped_samples = 0  # in every batch made, served or not (the log's running count)
         self.serves_batches = True
         self._stop = threading.Event()
+        self._generation = threading.Event()  # set to end the current thread's run (stop, or a new start)
         self._make_batch = setup.make_batch
         # spawn, not fork: this process runs gRPC threads, which do not survive a fork.
         self._pool = futures.ProcessPoolExecutor(
@@ -262,14 +290,47 @@ class BatchProducer:
             initializer=setup.initializer,
             initargs=setup.initargs,
         )
-        self._thread = threading.Thread(target=self._run, name="batch-producer", daemon=True)
+        self._thread: threading.Thread | None = None  # started by start(), again by a begin() that moves the start
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, args=(self._start, self._generation), name="batch-producer", daemon=True)
         self._thread.start()
+
+    def begin(self, request: pb.StreamRequest, served: bool = False) -> None:
+        try:
+            start = from_message(request.resume, self.share) if request.HasField("resume") else Position()
+        except ValueError as error:
+            raise DataPositionConflict(f"a resume position that does not read: {error}") from None
+        with self._begin_lock:
+            if self._begun is not None:
+                if start != self._begun:
+                    raise DataPositionConflict(f"this host's stream starts at {self._begun}, as its first stream asked; "
+                                               f"this stream asks for {start}")
+                return
+            self._begun = start
+            if start == self._start and not served:
+                return
+            log.info("resuming: serving %d untrained positions of earlier epochs, then from position %d (epoch %d)",
+                     sum(end - begin for begin, end in start.gaps), start.next, start.next // self.share)
+            # What was made from position 0 is not what this job trains: drop it and start there.
+            running = self._thread
+            self._generation.set()
+            if running is not None:
+                running.join(timeout=30)
+            while True:
+                try:
+                    self.batches.get_nowait()
+                except queue.Empty:
+                    break
+            self._start, self._generation = start, threading.Event()
+            if running is not None and not self._stop.is_set():
+                self.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._generation.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         # CPython keeps the pool's worker processes here; shutdown(wait=False) does not end a worker that
         # is blocked handing a large batch to a reader that stopped reading, which would outlive this
         # process (and hold its stdout open). End them explicitly.
@@ -281,33 +342,48 @@ class BatchProducer:
                 worker.terminate()
                 worker.join(timeout=2)
 
-    def _tasks(self) -> Iterator[tuple[list[int], list[int], list[int], list[int]]]:
-        batch_size = self._batch_size
-        order = self._order
-        spare_rng = np.random.default_rng([self._seed, self._host_index, 1 << 20])
-        for number in itertools.count():
-            indices = list(itertools.islice(order, batch_size))
-            spares = spare_rng.integers(0, len(self._folder), size=batch_size).tolist()
-            # The epoch of each slot, from its position in this host's order (trainers count epochs by it).
-            epochs = [position // self._share for position in range(number * batch_size, (number + 1) * batch_size)]
-            yield indices, spares, [self._seed, self._host_index, number], epochs
+    def _tasks(self, start: Position) -> Iterator[tuple[list[int], list[int], list[int], list[int], list[int]]]:
+        """Per batch: its due samples, spares, seed, each slot's epoch and position, from ``start`` on."""
+        batch_size, share = self._batch_size, self.share
+        positions = serve_positions(start)
+        # The orders of the last two epochs read (gaps may lie in an earlier epoch than next), as arrays.
+        orders: dict[int, np.ndarray] = {}
 
-    def _run(self) -> None:
+        def sample_at(position: int) -> int:
+            epoch, offset = divmod(position, share)
+            if epoch not in orders:
+                if len(orders) >= 2:
+                    orders.pop(next(iter(orders)))
+                orders[epoch] = np.asarray(epoch_order(len(self._folder), self._seed, self._host_index, epoch, self._hosts,
+                                                       self._sharded, self._folder.shard_ends), dtype=np.int64)
+            return int(orders[epoch][offset])
+
+        while True:
+            batch = list(itertools.islice(positions, batch_size))
+            indices = [sample_at(position) for position in batch]
+            # Drawn from the batch's first position: a resumed job's spares for a position are the first job's.
+            spares = np.random.default_rng([self._seed, self._host_index, 1 << 20, batch[0]]).integers(0, len(self._folder), size=batch_size).tolist()
+            # The epoch of each slot (trainers count epochs by it) and its position (trainers record it as trained).
+            yield indices, spares, [self._seed, self._host_index, batch[0]], [position // share for position in batch], batch
+
+    def _run(self, start: Position, generation: threading.Event) -> None:
         in_flight: collections.deque[futures.Future] = collections.deque()
-        tasks = self._tasks()
+        tasks = self._tasks(start)
         make = self._make_batch
         try:
-            while not self._stop.is_set():
+            while not generation.is_set():
                 while len(in_flight) < self._workers:
                     in_flight.append(self._pool.submit(make, *next(tasks)))
                 payload, skipped = in_flight.popleft().result()
+                if generation.is_set():
+                    break
                 self.skipped_samples += skipped
                 if skipped:
                     log.warning("skipped %d undecodable files (%d so far)", skipped, self.skipped_samples)
-                put_until_stopped(self.batches, ReadyBatch(payload, skipped), self._stop)
+                put_until_stopped(self.batches, ReadyBatch(payload, skipped), generation)
         except (futures.BrokenExecutor, RuntimeError) as error:
             # RuntimeError: the pool was shut down under us while stopping.
-            if not self._stop.is_set():
+            if not generation.is_set():
                 self.failure = f"preprocessing workers failed: {error}"
         except Exception as error:  # noqa: BLE001 — any other error must stop the host by name: a producer
             # thread that died quietly would leave the host serving nothing until its idle timeout.
@@ -340,6 +416,9 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         self.stopping_detail = ""
         self.batches_served = 0
         self.skipped_served = 0  # undecodable files replaced in the batches that went out
+        self._begun = False  # an unbounded stream has fixed where the batches start
+        self._begin_lock = threading.Lock()
+        self._listing_digest = listing_digest(folder)
 
     def _touch(self, new_client: bool = False) -> None:
         with self._lock:
@@ -363,6 +442,7 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             sharded=self._settings.sharded,
             labels_are_indices=bool(self._folder.shard_ends),
             features=[pb.FeatureSpec(name=feature.name, dtype=feature.dtype, shape=list(feature.shape)) for feature in self._settings.features],
+            listing_digest=self._listing_digest,
         )
 
     def StreamBatches(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -372,7 +452,17 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"client asks for batches of {request.batch_size}, this data host makes {self._settings.batch_size}",
             )
-        self._touch(new_client=True)
+        self._touch(new_client=True)  # before a begin that may take a while: the host is not idle
+        # A bounded read (max_batches: a Neuron pre-compile's few steps, a benchmark's) does not fix where
+        # the job's stream starts, and what it took is served again to the stream that does. One begin
+        # at a time: the first decides, and no stream reads before it has.
+        if not request.max_batches:
+            with self._begin_lock:
+                served, self._begun = self.batches_served > 0 and not self._begun, True
+                try:
+                    self._producer.begin(request, served)
+                except DataPositionConflict as error:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         log.info("client %s connected", request.client_id or context.peer())
         sent = 0
         try:
@@ -485,8 +575,10 @@ def serve(settings: ServerSettings, folder: ImageDataset, stop_signal: threading
 
 
 def end_reason(reason: StopReason, detail: str) -> str:
-    """A stream's end-of-stream reason: the stop's name, with its cause when there is one. Pure."""
-    return f"{reason.value}: {detail}"[:END_REASON_LIMIT] if detail else reason.value
+    """A stream's end-of-stream reason: the stop's name, with its cause when there is one, cut to
+    codec.END_REASON_BYTES of UTF-8 (the trainer's receive limit leaves room for that much). Pure."""
+    text = f"{reason.value}: {detail}" if detail else reason.value
+    return text.encode()[: codec.END_REASON_BYTES].decode(errors="ignore")
 
 
 def bind_port(server: grpc.Server, target: str) -> None:

@@ -134,6 +134,9 @@ class TfDataService:
             if line.rstrip().endswith(READY_LINE):
                 self._ready.set()
 
+    def begin(self, request: object, served: bool = False) -> None:
+        """Nothing to fix: no stream of this server carries batches (tf.data.service's own does)."""
+
     @property
     def failure(self) -> str | None:
         if self._process is None or self._stopping:

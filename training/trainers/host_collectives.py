@@ -37,6 +37,13 @@ def gather(value: Any, world_size: int, group: Any) -> list[Any]:
     return gathered
 
 
+def gather_to_chief(value: Any, world_size: int, group: Any) -> list[Any] | None:
+    """Every rank's ``value`` on rank 0 (None elsewhere): what only the chief needs (a checkpoint's)."""
+    gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0, group=group)
+    return gathered
+
+
 def barrier(group: Any) -> None:
     dist.barrier(group=group)
 

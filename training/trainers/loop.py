@@ -17,9 +17,10 @@ must look the same across variants:
   batches holds every rank up in the next collective; the summary's counts are summed over ranks;
 * checkpoints in ``/opt/ml/checkpoints`` (synced to S3 by SageMaker's CheckpointConfig), written to a
   temporary name then renamed, and resumed from at start: the step, the data position (samples each rank
-  has consumed, so a resumed run skips them instead of replaying its first batches) and every rank's
-  random-number state travel with the model and optimizer; every rank settles its device work (an XLA
-  step's pending collectives) before the chief saves;
+  has consumed, so a resumed run skips them instead of replaying its first batches; with data hosts, the
+  positions of their streams that every rank trained: ``input_state``, training/data_service/positions.py)
+  and every rank's random-number state travel with the model and optimizer; every rank settles its device
+  work (an XLA step's pending collectives) before the chief saves;
 * the loss is read from the device only on the steps that print it (``loss_value``): on XLA, reading it
   inside the step would execute a second graph;
 * SIGTERM (StopTrainingJob, a spot interruption: SageMaker waits 120 s before SIGKILL) ends training at
@@ -192,6 +193,11 @@ def summarize(values_ms: list[float]) -> dict[str, float] | None:
     }
 
 
+# How a run draws its epochs' orders, written into each checkpoint: 2 since the data hosts and the
+# homogeneous samplers draw one order (dataset.channel_epoch_order); a checkpoint without it, the earlier one.
+ORDER_VERSION = 2
+
+
 class TrainingLoop(ABC, Generic[BatchT]):
     checkpoint_name = "checkpoint"
 
@@ -205,6 +211,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         # Samples this rank consumed in earlier runs of the job (from the checkpoint): where ``batches``
         # starts, so that a resumed run does not replay what was already trained on.
         self.resume_samples = 0
+        # Resumed from a checkpoint whose run drew its epochs in the earlier order (sampling.epoch_order).
+        self.legacy_order = False
         self.stopping = False  # set once a stop vote ended training, before the summary: a variant may skip work
         self._marked_step = 0  # the last step this process's mark reported
         self._phase_marks = 0  # phase marks written: each one's text differs from the last
@@ -275,9 +283,28 @@ class TrainingLoop(ABC, Generic[BatchT]):
         """Every process's ``value``, in rank order (a collective); a single process gets its own."""
         return [value]
 
+    def gather_to_chief(self, value: Any) -> list[Any] | None:
+        """Every process's ``value``, in rank order, on the chief; None on the others (a collective)."""
+        gathered = self.gather(value)
+        return gathered if self.is_chief else None
+
     def summary_extra(self) -> dict[str, Any]:
         """The variant's part of the summary; runs on every process, so it may gather across them."""
         return {}
+
+    def input_state(self) -> Any:
+        """This process's account of its input since the last checkpoint (JSON-able; gathered to the chief
+        at each checkpoint): what it trained, for a resumed run to start where this one stopped."""
+        return None
+
+    def checkpoint_input(self, ranks: list[Any]) -> Any:
+        """The chief's: the checkpoint's record of the input (JSON-able), from every rank's input_state;
+        None: the checkpoint holds none."""
+        return None
+
+    def restore_input(self, saved: Any) -> None:
+        """Every process, on resuming: the checkpoint's record of the input (None when it holds none),
+        before ``batches`` is first iterated."""
 
     def mark_progress(self, phase: str) -> None:
         """Tell the launcher that this process works on in a phase that runs no training step (call it per
@@ -419,6 +446,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
         state = self.load_checkpoint(self.checkpoint_path)
         step = int(state["step"])
         self.resume_samples = int(state.get("samples_per_rank", step * self.config.batch_size))
+        # A checkpoint of an earlier release drew its epochs' orders otherwise: the run goes on with that order.
+        self.legacy_order = int(state.get("order", 1)) < ORDER_VERSION
+        self.restore_input(state.get("input"))
         rng = state.get("rng") or []
         if len(rng) == self.world_size:
             self.set_rng_state(rng[self.rank])
@@ -435,9 +465,14 @@ class TrainingLoop(ABC, Generic[BatchT]):
     def _checkpoint(self, step: int) -> None:
         self.mark_progress("checkpoint")
         self.settle()  # every rank: no collective of the last step may still be pending while the chief saves
-        rng = self.gather(self.rng_state())
+        ranks = self.gather_to_chief((self.rng_state(), self.input_state()))
         if self.is_chief:
-            state = {"step": step, "samples_per_rank": self.resume_samples + self._steps_this_run * self.config.batch_size, "rng": rng}
+            assert ranks is not None
+            state = {"step": step, "samples_per_rank": self.resume_samples + self._steps_this_run * self.config.batch_size,
+                     "rng": [rng for rng, _ in ranks], "order": 1 if self.legacy_order else ORDER_VERSION}
+            recorded = self.checkpoint_input([input_state for _, input_state in ranks])
+            if recorded is not None:
+                state["input"] = recorded
             self.paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             partial = self.checkpoint_path.with_name(self.checkpoint_name + ".partial")
             try:

@@ -59,6 +59,9 @@ from training.data_service import codec
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
 from training.data_service.dataset import ChannelError
+from training.data_service.epochs import last_epochs, merge
+from training.data_service.positions import Layout, Position, ResumePlan, advance, resume_plan
+from training.data_service.server import epoch_share
 from training.failure import write_failure, write_first_failure
 from training.hyperparameters import HyperparameterError
 from training.trainers import host_collectives
@@ -150,29 +153,31 @@ def batch_shapes(batch: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]
     return {name: tuple(tensor.shape) for name, tensor in batch.items()}
 
 
-def tagged_order(size: int, *, rank: int, world_size: int, seed: int, start: int, shard_ends: Sequence[int] = ()) -> Iterator[tuple[int, int]]:
+def tagged_order(size: int, *, rank: int, world_size: int, seed: int, start: int, shard_ends: Sequence[int] = (),
+                 legacy: bool = False) -> Iterator[tuple[int, int]]:
     """(epoch, index) for this rank, endlessly, from ``start`` samples in: EndlessSampler's order with the
     epoch beside each index (preprocess draws from (seed, epoch, index)); tar shards (``shard_ends``)
-    in their streaming order."""
+    in their streaming order; ``legacy``: a run resumed from an earlier release's checkpoint keeps its order."""
     per_epoch = size // world_size
     if per_epoch == 0:
         raise ShardTooSmallError(f"{size} samples cannot give each of {world_size} trainer processes one")
     epoch, offset = divmod(start, per_epoch)
     while True:
-        for index in rank_share(epoch_order(size, seed, epoch, shard_ends=shard_ends), rank, world_size)[offset:]:
+        for index in rank_share(epoch_order(size, seed, epoch, shard_ends=shard_ends, legacy=legacy), rank, world_size)[offset:]:
             yield epoch, index
         epoch, offset = epoch + 1, 0
 
 
 class TaggedSampler(torch.utils.data.Sampler):
-    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, start: int, shard_ends: Sequence[int] = ()) -> None:
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, start: int, shard_ends: Sequence[int] = (),
+                 legacy: bool = False) -> None:
         next(tagged_order(size, rank=rank, world_size=world_size, seed=seed, start=start, shard_ends=shard_ends))  # refuses too few samples now
         self.size, self.rank, self.world_size, self.seed, self.start = size, rank, world_size, seed, start
-        self.shard_ends = tuple(shard_ends)
+        self.shard_ends, self.legacy = tuple(shard_ends), legacy
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return tagged_order(self.size, rank=self.rank, world_size=self.world_size, seed=self.seed, start=self.start,
-                            shard_ends=self.shard_ends)
+                            shard_ends=self.shard_ends, legacy=self.legacy)
 
 
 class LocalSamples(Dataset):
@@ -247,6 +252,8 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         service: DataServiceDataset | None = None,
         epoch_samples: Mapping[str, int] | None = None,
         sharded: bool = False,
+        data_layout: Layout | None = None,
+        data_shares: Mapping[str, int] | None = None,
         eval_samples: Sequence[Any] | None = None,
         eval_features: Sequence[FeatureSpec] = (),
         rank: int = 0,
@@ -263,6 +270,15 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         self.classes, self.features, self.source = tuple(classes), tuple(features), source
         self.samples, self.service = samples, service
         self.epoch_samples, self.sharded = dict(epoch_samples or {}), sharded
+        # Where the data hosts' streams stand (training/data_service/positions.py): their layout and
+        # epoch sizes; the chief's positions of what every rank trained; a resumed run's plan, and the
+        # first jobs' epoch ledger, which this job's adds to.
+        self.data_layout, self.data_shares = data_layout, dict(data_shares or {})
+        self._tracks_positions = service is not None and data_layout is not None and not config.cached_input_batches
+        self.data_positions: dict[str, Position] = {}
+        self.resume_plan: ResumePlan | None = None
+        self.earlier_ledger: dict[str, Any] | None = None
+        self.carried_input: Any = None  # a checkpoint's record, kept as it was by a job that does not track positions
         self.eval_samples, self.eval_features = eval_samples, tuple(eval_features)
         self.cpus, self.xla, self.host_group = cpus, xla, host_group
         if xla:
@@ -340,7 +356,7 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         workers = self.cpus if self.runtime.dataloader_workers < 0 else self.runtime.dataloader_workers
         try:
             sampler = TaggedSampler(len(self.samples), rank=self.rank, world_size=self.world_size, seed=self.runtime.seed,
-                                    start=self.resume_samples, shard_ends=getattr(self.samples, "shard_ends", ()))
+                                    start=self.resume_samples, shard_ends=getattr(self.samples, "shard_ends", ()), legacy=self.legacy_order)
         except ShardTooSmallError as error:
             raise DataExhaustedError(str(error)) from None
         loader = DataLoader(dataset, batch_size=self.runtime.batch_size, sampler=sampler, num_workers=workers,
@@ -371,6 +387,8 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
 
     def train_step(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        if self._tracks_positions:
+            self.service.mark_trained()  # the oldest batch the stream yielded: a device loader keeps order
         self.ctx.step += 1
         step = self.ctx.step
         if self.xla:
@@ -582,8 +600,49 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
             "validation": self.validation,
             "cached_input_batches": self.runtime.cached_input_batches,
         }
+        if self.resume_plan is not None:
+            extra["data_position"] = self.resume_plan.summary()
         return extra | self.input_summary(self.service, self.skipped_samples, self.epoch_samples, sharded=self.sharded,
-                                          epochs=not self.runtime.cached_input_batches)
+                                          epochs=not self.runtime.cached_input_batches, earlier=self.earlier_ledger)
+
+    # Data-host positions ----------------------------------------------------------------------------
+
+    def input_state(self) -> Any:
+        if not self._tracks_positions:
+            return None
+        assert self.service is not None
+        return {"trained": self.service.drain_trained(), "ledger": self.service.stats.ledger.as_dict()}
+
+    def checkpoint_input(self, ranks: list[Any]) -> Any:
+        if not self._tracks_positions:
+            return self.carried_input  # what an earlier job recorded, for a later one that tracks again
+        assert self.data_layout is not None
+        trained: dict[str, list[np.ndarray]] = {}
+        for rank in ranks:
+            for host, ranges in rank["trained"].items():
+                trained.setdefault(host, []).append(ranges)
+        for host, ranges in trained.items():
+            self.data_positions[host] = advance(self.data_positions.get(host, Position()), ranges)
+        return {"layout": self.data_layout.as_json(),
+                "positions": {host: position.as_json() for host, position in sorted(self.data_positions.items())},
+                "ledger": merge([self.earlier_ledger or {}, *(rank["ledger"] for rank in ranks)])}
+
+    def restore_input(self, saved: Any) -> None:
+        if not self._tracks_positions:
+            self.carried_input = saved
+            return
+        assert self.service is not None and self.data_layout is not None
+        if saved is None:
+            plan = ResumePlan(why="the checkpoint holds no data-host positions (a job without data hosts, one that cycled cached "
+                                  "batches, or an earlier release wrote it): the data hosts start their order afresh, and what was trained "
+                                  "of its last epoch is trained again")
+        else:
+            plan = resume_plan(saved, self.data_layout, last_epochs(saved.get("ledger") or {}))
+            self.earlier_ledger = saved.get("ledger")
+        self.data_positions = dict(plan.positions) if plan.exact else {
+            host: Position(next=plan.start_epoch * share) for host, share in self.data_shares.items()}
+        self.resume_plan = self.service.resume = plan
+        log.info("data hosts resume %s", plan.summary())
 
 
 class CheckpointFormatError(RuntimeError):
@@ -754,22 +813,31 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
         except codec.TensorFormatError as error:
             raise DataServiceError(f"data host {info.host} describes features no batch can carry: {error}") from None
         classes: Sequence[str] = tuple(info.classes)
+        data_hosts = settings.data_hosts(cluster)  # in the addresses' order
         if info.sharded:
             # Each host lists its own share: their class names must agree, or a label would mean different
             # classes from different hosts.
             infos = describe_every(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
             classes = shard_classes(infos)
-            epoch_samples = {address: int(host.num_samples) for address, host in zip(addresses, infos, strict=True)}
+            host_samples = [int(host.num_samples) for host in infos]
+            epoch_samples = dict(zip(data_hosts, host_samples, strict=True))  # the ledger's scopes: host names
         else:
+            host_samples = [int(info.num_samples)] * len(data_hosts)  # every host lists the whole channel
             epoch_samples = {"channel": int(info.num_samples)}
+        listings = [host.listing_digest for host in infos] if info.sharded else [info.listing_digest] * len(data_hosts)
+        layout = Layout(tuple(data_hosts), info.sharded, config.seed, tuple(host_samples), tuple(listings))
+        shares = {host: epoch_share(samples, index, len(data_hosts), info.sharded) for index, (host, samples) in enumerate(zip(data_hosts, host_samples, strict=True))}
         service = DataServiceDataset(addresses, config.batch_size, token=settings.shutdown_token, client_id=f"{cluster.current_host}/rank{rank}",
                                      connect_timeout_s=settings.data_connect_timeout_s, batch_timeout_s=settings.data_batch_timeout_s,
                                      pin_memory=torch.cuda.is_available() and not xla,
                                      # Every host must serve these (the first host's word): another is refused by name.
-                                     features=wire)
+                                     features=wire,
+                                     # A graph extraction's few steps: they do not fix where the hosts' streams start.
+                                     max_batches=config.steps if extracting else 0)
         common |= evaluation(prepared, config, classes)
         trainer = WorkloadTrainer(config, paths, classes=classes, features=features, num_samples=int(info.num_samples),
-                                  source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded, **common)
+                                  source="data_service", service=service, epoch_samples=epoch_samples, sharded=info.sharded,
+                                  data_layout=None if extracting else layout, data_shares=shares, **common)
     else:
         samples = prepared.list(settings.data_channel, training=True)
         features = prepared.features(samples, training=True)

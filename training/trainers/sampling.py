@@ -18,25 +18,24 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from training.data_service.dataset import shard_stream_order
+from training.data_service.dataset import channel_epoch_order
 
 
 class ShardTooSmallError(ValueError):
     """Fewer examples than trainer processes: some rank would have none."""
 
 
-def epoch_order(size: int, seed: int, epoch: int, *, shuffle: bool = True, shard_ends: Sequence[int] = ()) -> list[int]:
-    """The order of every example in ``epoch``, the same on every rank. Pure."""
+def epoch_order(size: int, seed: int, epoch: int, *, shuffle: bool = True, shard_ends: Sequence[int] = (), legacy: bool = False) -> list[int]:
+    """The order of every example in ``epoch``, the same on every rank. Pure. ``legacy``: the order of
+    releases before the data hosts drew the same one (a run resumed from their checkpoint keeps it)."""
     if not shuffle:
         return list(range(size))
-    if shard_ends:
-        return shard_stream_order(shard_ends, np.random.default_rng([seed, epoch]))
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(size, generator=generator).tolist()
+    if legacy and not shard_ends:
+        return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    return channel_epoch_order(size, seed, epoch, shard_ends)  # the data hosts' too: one seed, one order
 
 
 def rank_share(order: list[int], rank: int, world_size: int) -> list[int]:

@@ -20,24 +20,33 @@ def rank_service_stats(service: Any) -> dict[str, Any]:
         "lost_data_hosts": stats.unavailable_hosts,
         "lost_data_host_reasons": stats.lost_reasons,
         "batches_per_data_host": {address: state.batches for address, state in stats.hosts.items()},
+        "data_host_names": {address: state.host for address, state in stats.hosts.items()},
         "skipped_samples": stats.skipped_samples,
         "epochs": stats.ledger.as_dict(),
     }
 
 
 def service_summary(addresses: Sequence[str], ranks: Sequence[Mapping[str, Any]], epoch_samples: Mapping[str, int], *,
-                    sharded: bool, epochs: bool = True) -> dict[str, Any]:
+                    sharded: bool, epochs: bool = True, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every rank's stream stats as the job's. ``epochs``: False when the trainers cycle a few cached
-    batches (those are not epochs). Pure."""
+    batches (those are not epochs). ``earlier``: the epoch receipts of the run's earlier jobs (a resumed
+    run's checkpoint), counted with this job's. Pure."""
     return {
         "data_hosts": list(addresses),
+        # Their names (algo-1), which the epochs of a sharded channel go by: the addresses are this job's.
+        "data_host_names": [_host_names(ranks).get(address, address) for address in addresses],
         # A host any rank lost is lost to the job; what each host served, summed over every rank.
         "lost_data_hosts": sorted({host for rank in ranks for host in rank["lost_data_hosts"]}),
         # Why: the first rank's word for each (a hung host's stall, a MalformedBatchError, a refusal).
         "lost_data_host_reasons": {host: reason for rank in reversed(ranks) for host, reason in rank["lost_data_host_reasons"].items()},
         "batches_per_data_host": {address: sum(rank["batches_per_data_host"].get(address, 0) for rank in ranks) for address in addresses},
-        "epochs": epoch_report(merge(rank["epochs"] for rank in ranks), epoch_samples, per_host=sharded) if epochs else None,
+        "epochs": epoch_report(merge([earlier or {}, *(rank["epochs"] for rank in ranks)]), epoch_samples, per_host=sharded) if epochs else None,
     }
+
+
+def _host_names(ranks: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Each data host's name by address, as any rank learnt it from the host's Describe. Pure."""
+    return {address: name for rank in ranks for address, name in rank.get("data_host_names", {}).items() if name != address}
 
 
 def shard_classes(infos: list[Any]) -> list[str]:

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from training.cluster import ClusterConfigError, host_addresses, load_cluster
-from training.data_service.control import DataServiceError, describe, wait_for_port
+from training.data_service.control import DataServiceError, describe, describe_every, wait_for_port
 from training.data_service.dataset import ChannelError, ImageDataset, channel_dir, file_samples, scan_image_files
 from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, read_from_service
 from training.failure import write_failure
@@ -204,12 +204,15 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
         classes: list[str],
         dataset: DatasetFactory,
         source: str,
+        epoch_samples: int = 0,
     ) -> None:
         super().__init__(config, paths, rank=distribution.rank, world_size=distribution.size)
         self.config: KerasVisionConfig = config
         self.distribution = distribution
         self.classes = classes
         self.source = source
+        self.epoch_samples = epoch_samples  # the channel's samples: one epoch of the data hosts'
+        self.earlier_jobs: list[int] = []  # the samples each earlier job of a resumed run trained
         self.make_dataset = dataset
         gpu, capability = gpu_capability()
         self.precision = resolve_precision(config.precision, gpu=gpu, capability=capability)
@@ -294,8 +297,35 @@ class KerasVisionTrainer(TrainingLoop[Batch]):
         return self.distribution.gather(value)
 
     def summary_extra(self) -> dict[str, Any]:
-        return {"framework": "tensorflow", "input_source": self.source, "distribution": self.distribution.name, "model": self.config.model,
-                "precision": self.precision, "jit_compile": self.jit_compile}
+        extra = {"framework": "tensorflow", "input_source": self.source, "distribution": self.distribution.name, "model": self.config.model,
+                 "precision": self.precision, "jit_compile": self.jit_compile}
+        if self.source == "tf.data.service" and self.earlier_jobs:
+            extra["data_position"] = service_resume_summary(self.earlier_jobs, self.epoch_samples)
+        return extra
+
+    # What each job of a resumed tf.data.service run trained (the loop's checkpoint record) ------------
+
+    def checkpoint_input(self, ranks: list[Any]) -> Any:
+        if self.source != "tf.data.service":
+            return None
+        return {"trained_per_job": [*self.earlier_jobs, self._steps_this_run * self.config.batch_size * self.world_size]}
+
+    def restore_input(self, saved: Any) -> None:
+        if self.source != "tf.data.service":
+            return
+        # A checkpoint without the record (an earlier release's): its steps, as one job of this world size.
+        self.earlier_jobs = list((saved or {}).get("trained_per_job") or [self.resume_samples * self.world_size])
+
+
+def service_resume_summary(trained_per_job: list[int], epoch_samples: int) -> dict[str, Any]:
+    """What a resumed tf.data.service job says about its input: the service keeps no position a new job
+    can resume (its dispatcher's state belongs to the job that ran it), so each job's data hosts start
+    their order afresh, and what each earlier job trained of its last, interrupted epoch is trained again
+    (dynamic sharding reads each file about once per epoch: about that many). Pure."""
+    repeated = sum(trained % epoch_samples for trained in trained_per_job) if epoch_samples else None
+    return {"resumed": "from the start of the data hosts' order",
+            "why": "tf.data.service keeps no position a new job can resume from",
+            "samples_trained_before": sum(trained_per_job), "samples_repeated_about": repeated}
 
 
 def local_dataset(folder: ImageDataset, config: KerasVisionConfig, rank: int, ranks: int) -> DatasetFactory:
@@ -339,7 +369,10 @@ def build_trainer(environ: dict[str, str]) -> KerasVisionTrainer:
         log.info("rank %d reading %r from tf.data.service at %s (%d data hosts)", distribution.rank, DATASET_ID, dispatcher, len(control))
         # The service's stream has no position to resume from: a resumed job reads a fresh one.
         service = lambda _skip: read_from_service(dispatcher, config.batch_size, config.image_size)  # noqa: E731
-        return KerasVisionTrainer(config, paths, classes=list(info.classes), dataset=service, source="tf.data.service", **common)
+        # A sharded channel's epoch is every host's share.
+        hosts = describe_every(control, settings.shutdown_token, settings.data_connect_timeout_s) if info.sharded else [info]
+        return KerasVisionTrainer(config, paths, classes=list(info.classes), dataset=service, source="tf.data.service",
+                                  epoch_samples=sum(int(host.num_samples) for host in hosts), **common)
     folder = scan_image_files(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     dataset = local_dataset(folder, config, distribution.rank, distribution.size)
     return KerasVisionTrainer(config, paths, classes=list(folder.classes), dataset=dataset, source="local", **common)

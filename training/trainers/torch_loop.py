@@ -33,6 +33,9 @@ class TorchTrainingLoop(TrainingLoop[BatchT]):
     def gather(self, value: Any) -> list[Any]:
         return host_collectives.gather(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
 
+    def gather_to_chief(self, value: Any) -> list[Any] | None:
+        return host_collectives.gather_to_chief(value, self.world_size, self.host_group) if self.world_size > 1 else [value]
+
     def rng_state(self) -> dict[str, Any]:
         state = super().rng_state() | {"torch": encode_bytes(torch.get_rng_state().numpy().tobytes())}
         if self.device.type == "cuda":
@@ -56,15 +59,16 @@ class TorchTrainingLoop(TrainingLoop[BatchT]):
 
 
     def input_summary(self, service: Any, skipped_samples: int, epoch_samples: Mapping[str, int], *, sharded: bool,
-                      epochs: bool) -> dict[str, Any]:
+                      epochs: bool, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The summary's account of what the ranks trained on (a collective: every rank calls it): the
         samples skipped, summed over the ranks, and with data hosts (``service``, a DataServiceDataset)
-        the hosts lost and why, batches per host and the epochs (training/trainers/service_summary.py)."""
+        the hosts lost and why, batches per host and the epochs, with those of the ``earlier`` jobs of a
+        resumed run (their epoch ledger, from the checkpoint) (training/trainers/service_summary.py)."""
         local = rank_service_stats(service) if service is not None else {"skipped_samples": skipped_samples}
         ranks = self.gather(local)
         summary: dict[str, Any] = {"skipped_samples": sum(rank["skipped_samples"] for rank in ranks)}
         if service is not None:
-            summary |= service_summary(service.addresses, ranks, epoch_samples, sharded=sharded, epochs=epochs)
+            summary |= service_summary(service.addresses, ranks, epoch_samples, sharded=sharded, epochs=epochs, earlier=earlier)
         return summary
 
 

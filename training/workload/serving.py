@@ -63,11 +63,11 @@ def _init_workload_worker(recipe: BatchRecipe) -> None:
     _workload = load_workload(recipe.code_dir, recipe.module, recipe.packages_dir)
 
 
-def _make_workload_batch(indices: list[int], spares: list[int], seed: list[int], epochs: list[int]) -> tuple[bytes, int]:
+def _make_workload_batch(indices: list[int], spares: list[int], seed: list[int], epochs: list[int], positions: list[int]) -> tuple[bytes, int]:
     """One batch by the workload's preprocess, serialised with its slot tags. ``seed`` (the batch's own
     stream for the image pipeline) is not used: each sample draws from sample_rng(job seed, epoch, index)."""
     assert _recipe is not None and _workload is not None, "worker not initialised"
     trace = BatchTrace()
     features, skipped = make_batch(_workload, _recipe, indices, spares, epochs, trace)
     sample_ids, sample_epochs = slot_tags(indices, spares, epochs, trace.slots, trace.failed)
-    return codec.encode_features(features, skipped, sample_ids=sample_ids, epochs=sample_epochs), skipped
+    return codec.encode_features(features, skipped, sample_ids=sample_ids, epochs=sample_epochs, positions=positions), skipped

@@ -116,7 +116,7 @@ def assert_epochs_add_up(summary: dict) -> None:
     epochs = summary["epochs"]
     assert epochs["duplicates"] == 0 and epochs["not_exactly_once"] == [] and epochs["untagged_batches"] == 0, epochs
     per_epoch = epochs["samples_per_epoch"]
-    assert set(per_epoch) == (set(summary["data_hosts"]) if epochs["scope"] == "data host" else {"channel"})
+    assert set(per_epoch) == (set(summary["data_host_names"]) if epochs["scope"] == "data host" else {"channel"})
     whole = sum(per_epoch[name.rsplit("/", 1)[0]] if "/" in name else per_epoch["channel"] for name in epochs["exactly_once"])
     turns = whole + sum(epochs["incomplete"].values())
     trained = summary["steps"] * summary["batch_size"] * summary["world_size"]

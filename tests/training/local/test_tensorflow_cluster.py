@@ -4,6 +4,7 @@ tf.data.service dispatcher and workers on the data hosts, and the faults it must
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import horovod.tensorflow  # noqa: E402, F401
 import pytest
 
+from lambdas.core.job_spec import validate_job_spec
 from tests.conftest import platform_hyperparameters
 from tests.training.local.test_cluster import (
     TINY,
@@ -23,6 +25,7 @@ from tests.training.local.test_cluster import (
 )
 from tests.training.local.test_cluster import spec as cluster_spec
 from tests.training.test_launcher import run_dnn_host_without_its_data_hosts
+from training.local.cluster import EmulatedCluster, EmulationOptions
 
 
 def spec(data_hosts: int = 2, steps: int = 12, distribution: str = "horovod", **hyperparameters) -> dict:
@@ -154,3 +157,16 @@ def test_sigterm_stops_horovod_ranks_at_one_step_with_their_state_saved(tmp_path
     assert summary["status"] == "stopped" and f"after step {summary['stopped_after_step']} " in failure
     assert (tree / "checkpoints" / "checkpoint.npz").exists() and (tree / "model" / "model.keras").stat().st_size > 0
     assert result.outcome("algo-1").exit_code == 0 and result.orphans == []
+    # A resumed job carries on from the checkpoint; tf.data.service has no position to resume, and its
+    # summary says so, with about how many samples of the interrupted epoch it trains again.
+    stopped = summary["stopped_after_step"]
+    resumed = EmulatedCluster(validate_job_spec(spec(data_hosts=1, steps=stopped + 3)),
+                              EmulationOptions(workdir=tmp_path / "resumed", channels={"train": images}, processes_per_host=2))
+    resumed.prepare()
+    shutil.copytree(tree / "checkpoints", resumed.host("algo-2").base_dir / "checkpoints", dirs_exist_ok=True)
+    outcome = resumed.run()
+    assert outcome.ok, outcome.report()
+    position = resumed.summary()["data_position"]
+    trained = stopped * 8 * 2  # steps × batch × ranks
+    assert position == {"resumed": "from the start of the data hosts' order", "why": "tf.data.service keeps no position a new job can resume from",
+                        "samples_trained_before": trained, "samples_repeated_about": trained % 96}, position

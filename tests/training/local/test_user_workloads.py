@@ -195,6 +195,63 @@ def test_sigterm_saves_the_workloads_state_and_a_resume_restores_it(tmp_path: Pa
 
 
 @pytest.mark.cluster
+def test_a_seed_trains_the_same_batches_and_losses_homogeneous_and_with_a_data_host(tmp_path: Path) -> None:
+    """One seed, one order: a data host draws the channel's order as the homogeneous trainer's sampler does,
+    and each sample's random draws from (seed, epoch, sample), so the two runs train the same batches and
+    print the same losses, step for step, past an epoch's end (64 samples: 16 steps of 4)."""
+    code = counting_workload(tmp_path)
+    channel = tmp_path / "empty-channel"
+    channel.mkdir()
+    printed = {}
+    for data_hosts in (0, 1):
+        raw = workload_spec(code, data_hosts=data_hosts, steps=20, validation=False, batch_size=4, log_every=1, dataloader_workers=1, seed=11)
+        cluster, watcher, result = run(raw, tmp_path / f"run-{data_hosts}", {"train": channel}, processes_per_host=1)
+        assert result.ok, result.report()
+        printed[data_hosts] = [re.search(r"loss=(\S+)", line).group(1) for line in watcher.of(f"algo-{data_hosts + 1}")
+                               if re.match(r"step=\d+/20 ", line)]
+    assert len(printed[0]) == 20 and printed[1] == printed[0], printed
+
+
+@pytest.mark.cluster
+def test_a_resumed_heterogeneous_run_trains_the_rest_of_its_interrupted_epoch_and_nothing_twice(tmp_path: Path) -> None:
+    """Two data hosts split each 64-sample epoch; the job is stopped mid-epoch (with batches prefetched
+    in the trainer's queues, never trained), and a second job resumes its checkpoint. The epoch
+    accounting spans both jobs: every epoch either trained each sample exactly once or is the last, still
+    running; and every sample the two jobs trained is in it once."""
+    code = counting_workload(tmp_path)
+    channel = tmp_path / "empty-channel"
+    channel.mkdir()
+    raw = workload_spec(code, data_hosts=2, steps=10_000, validation=False, batch_size=4, log_every=1, dataloader_workers=1)
+    # Two ranks: each takes its own batches from each host, so one may stop with a batch untrained that the
+    # other's later batches passed (a gap, served first on resuming).
+    cluster, watcher = start(raw, tmp_path / "first", {"train": channel}, processes_per_host=2)
+    faults = Faults(cluster, watcher)
+    try:
+        faults.when("algo-3", r"^step=10/", lambda: [faults.signal_launcher(host.name, signal.SIGTERM) for host in cluster.hosts])
+        cluster.wait()
+    finally:
+        cluster.close()
+    stopped = int(re.search(r"after step (\d+)", failure_of(cluster, "algo-3")).group(1))
+    first = torch.load(cluster.host("algo-3").base_dir / "checkpoints" / "checkpoint.pt", weights_only=True)["loop"]["input"]
+    # Per data host that any rank trained from by then (a host slow to start may have served none yet).
+    assert set(first["positions"]) <= {"algo-1", "algo-2"} and first["positions"] and first["layout"]["hosts"] == ["algo-1", "algo-2"]
+    total = stopped + 20  # 2 ranks of 4 samples a step: three epochs of 64 and a bit over both jobs
+    resumed_raw = raw | {"hyperparameters": raw["hyperparameters"] | {"steps": total}}
+    resumed = EmulatedCluster(validate_job_spec(resumed_raw), EmulationOptions(workdir=tmp_path / "second", channels={"train": channel},
+                                                                               processes_per_host=2))
+    resumed.prepare()
+    shutil.copytree(cluster.host("algo-3").base_dir / "checkpoints", resumed.host("algo-3").base_dir / "checkpoints", dirs_exist_ok=True)
+    outcome = resumed.run()
+    assert outcome.ok, outcome.report()
+    summary = resumed.summary()
+    assert summary["start_step"] == stopped and summary["data_position"]["resumed"] == "exactly", summary["data_position"]
+    epochs = summary["epochs"]
+    assert epochs["not_exactly_once"] == [] and epochs["duplicates"] == 0, epochs
+    assert [str(epoch) for epoch in range(len(epochs["exactly_once"]))] == epochs["exactly_once"] and len(epochs["exactly_once"]) >= 2, epochs
+    assert 64 * len(epochs["exactly_once"]) + sum(epochs["incomplete"].values()) == 2 * 4 * total, epochs  # both jobs' samples, each once
+
+
+@pytest.mark.cluster
 @pytest.mark.parametrize("data_hosts", [0, 1], ids=["homogeneous", "heterogeneous"])
 def test_a_preprocess_that_raises_on_one_sample_fails_the_job_naming_the_hook_and_the_sample(tmp_path: Path, data_hosts: int) -> None:
     code = counting_workload(tmp_path)
