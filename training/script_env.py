@@ -1,0 +1,202 @@
+"""What SageMaker's training toolkit gives an entry point, computed by us: the ``SM_*`` environment and the
+command-line arguments a script written for SageMaker reads, so that it runs under our launcher as it
+is (script mode: the issue "Your existing heterogeneous script").
+
+The toolkit (the ``sagemaker-training`` package, which SageMaker's framework images run as their entry
+point) reads ``/opt/ml/input/config/{resourceconfig,inputdataconfig,hyperparameters}.json`` and the
+machine, and exports ``SM_HOSTS``, ``SM_CURRENT_HOST``, ``SM_CURRENT_INSTANCE_GROUP`` and its hosts,
+``SM_INSTANCE_GROUPS``, ``SM_CHANNEL_<NAME>``, ``SM_HP_<NAME>``, ``SM_MODEL_DIR``, ``SM_TRAINING_ENV``
+(all of it as JSON) and the rest, then runs the entry point with the hyperparameters as
+``--name value`` arguments. ``toolkit_environment`` computes the same from the same files, without the
+toolkit (our images need not carry it, nor its gevent and scipy): a pure function of the files' contents,
+the machine's counts (``MachineFacts``) and the base folder. tests/sdk/test_script_environment.py holds it
+to the toolkit itself, variable for variable, for heterogeneous and homogeneous jobs.
+
+Two differences, on purpose: the platform's own channels (the shutdown token's, our packed code, a resumed
+run's checkpoints) and hyperparameters are not the script's, so the launcher passes only the user's
+(``user_inputs``); and the CPU count is the host's own (its CPU affinity: the emulated cluster shares a
+machine's cores between its hosts), where the toolkit counts the machine's.
+
+    env = toolkit_environment(resource_config, inputs, hyperparameters, base_dir=Path("/opt/ml"),
+                              facts=MachineFacts(num_cpus=8, num_gpus=1, num_neurons=0))
+    subprocess.Popen([sys.executable, "train.py", *json.loads(env["SM_USER_ARGS"])], env=os.environ | env)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The hyperparameters the toolkit reads for itself (sagemaker_training.params.SAGEMAKER_HYPERPARAMETERS):
+# never the script's, nor among the framework parameters.
+TOOLKIT_HYPERPARAMETERS = frozenset({
+    "sagemaker_program", "sagemaker_submit_directory", "sagemaker_enable_cloudwatch_metrics", "sagemaker_region",
+    "sagemaker_container_log_level", "sagemaker_job_name", "sagemaker_default_module_name", "sagemaker_tuning_objective_metric",
+    "sagemaker_s3_output",
+})
+TOOLKIT_PREFIX = "sagemaker_"
+# A framework parameter that puts the current group among those that distribute (the toolkit's list).
+DISTRIBUTION_FLAGS = (
+    "sagemaker_mpi_enabled", "sagemaker_parameter_server_enabled", "sagemaker_distributed_dataparallel_enabled",
+    "sagemaker_pytorch_ddp_enabled", "sagemaker_pytorch_xla_multi_worker_enabled",
+    "sagemaker_multi_worker_mirrored_strategy_enabled", "sagemaker_torch_distributed_enabled",
+)
+HOMOGENEOUS_GROUP = "homogeneousCluster"  # the toolkit's name for the group of a job without instance groups
+INFO = 20  # logging.INFO: the toolkit's default log level
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the toolkit reads from the machine rather than the files."""
+
+    num_cpus: int
+    num_gpus: int = 0
+    num_neurons: int = 0
+
+
+def decoded_hyperparameters(raw: Mapping[str, str]) -> dict[str, Any]:
+    """hyperparameters.json's values as the toolkit reads them: each JSON-decoded where it parses
+    (``"3"`` → 3, ``'"train.py"'`` → "train.py"), else the string itself. Pure."""
+    decoded: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            decoded[key] = json.loads(value)
+        except (ValueError, TypeError):
+            decoded[key] = value
+    return decoded
+
+
+def command_arguments(hyperparameters: Mapping[str, Any]) -> list[str]:
+    """The hyperparameters as the toolkit passes them to the entry point: ``--name value`` in name order
+    (``-n`` for a one-letter name), a dict as ``k=v,k=v``, None as "". Pure."""
+
+    def name(key: str) -> str:
+        return f"--{key}" if len(key) > 1 else f"-{key}"
+
+    def value(item: Any) -> str:
+        if isinstance(item, Mapping):
+            return ",".join(f"{k}={v}" for k, v in sorted(item.items()))
+        return "" if item is None else str(item)
+
+    return list(itertools.chain.from_iterable((name(key), value(hyperparameters[key])) for key in sorted(hyperparameters)))
+
+
+def _env_value(value: Any) -> str:
+    """A value as the toolkit exports it (sagemaker_training.mapping.to_env_vars). Pure."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _module_name(program: Any) -> Any:
+    return program[:-3] if isinstance(program, str) and program.endswith(".py") else program
+
+
+def training_env(
+    resource_config: Mapping[str, Any],
+    input_data_config: Mapping[str, Any],
+    hyperparameters: Mapping[str, str],
+    *,
+    base_dir: Path,
+    facts: MachineFacts,
+    framework_module: str | None = None,
+    job_name: str | None = None,
+) -> dict[str, Any]:
+    """The toolkit's training environment (``dict(sagemaker_training.environment.Environment())``, which
+    it exports as SM_TRAINING_ENV) for these files' contents: ``hyperparameters`` as hyperparameters.json
+    holds them (strings). Pure."""
+    every = decoded_hyperparameters(hyperparameters)
+    toolkit = {key: value for key, value in every.items() if key.startswith(TOOLKIT_PREFIX)}
+    user = {key: value for key, value in every.items() if not key.startswith(TOOLKIT_PREFIX)}
+    framework = {key: value for key, value in toolkit.items() if key not in TOOLKIT_HYPERPARAMETERS}
+    current_group = resource_config.get("current_group_name", HOMOGENEOUS_GROUP)
+    groups = list(resource_config.get("instance_groups", []))
+    groups_by_name = {group["instance_group_name"]: group for group in groups}
+    distributing = framework.get("sagemaker_distribution_instance_groups",
+                                 [current_group] if any(framework.get(flag, False) for flag in DISTRIBUTION_FLAGS) else [])
+    hosts = list(resource_config["hosts"])
+    distribution_hosts = ([host for group in groups if group["instance_group_name"] in distributing for host in group["hosts"]]
+                          if groups else list(hosts))
+    master = distribution_hosts[0] if distribution_hosts else hosts[0]
+    input_dir, output_dir = base_dir / "input", base_dir / "output"
+    program = toolkit.get("sagemaker_program")
+    return {
+        "additional_framework_parameters": framework,
+        "channel_input_dirs": {channel: str(input_dir / "data" / channel) for channel in input_data_config},
+        "current_host": resource_config["current_host"],
+        "current_instance_group": current_group,
+        "current_instance_group_hosts": list(groups_by_name.get(current_group, {}).get("hosts", [])),
+        "current_instance_type": resource_config.get("current_instance_type", "local"),
+        "distribution_hosts": distribution_hosts,
+        "distribution_instance_groups": distributing,
+        "framework_module": framework_module,
+        "hosts": hosts,
+        "hyperparameters": user,
+        "input_config_dir": str(input_dir / "config"),
+        "input_data_config": dict(input_data_config),
+        "input_dir": str(input_dir),
+        "instance_groups": [group["instance_group_name"] for group in groups],
+        "instance_groups_dict": groups_by_name,
+        "is_hetero": len(groups) > 1,
+        "is_master": resource_config["current_host"] == master,
+        "is_modelparallel_enabled": None,
+        "is_smddpmprun_installed": False,
+        "is_smddprun_installed": False,
+        "job_name": job_name,
+        "log_level": toolkit.get("sagemaker_container_log_level", INFO),
+        "master_hostname": master,
+        "model_dir": str(base_dir / "model"),
+        "module_dir": str(toolkit.get("sagemaker_submit_directory", str(base_dir / "code"))),
+        "module_name": _module_name(str(program)),
+        "network_interface_name": resource_config.get("network_interface_name", "eth0"),
+        "num_cpus": facts.num_cpus,
+        "num_gpus": facts.num_gpus,
+        "num_neurons": facts.num_neurons,
+        "output_data_dir": str(output_dir / "data"),
+        "output_dir": str(output_dir),
+        "output_intermediate_dir": str(output_dir / "intermediate"),
+        "resource_config": dict(resource_config),
+        "topology": list(resource_config.get("topology", [])),
+        "user_entry_point": program,
+    }
+
+
+def toolkit_environment(
+    resource_config: Mapping[str, Any],
+    input_data_config: Mapping[str, Any],
+    hyperparameters: Mapping[str, str],
+    *,
+    base_dir: Path,
+    facts: MachineFacts,
+    framework_module: str | None = None,
+    job_name: str | None = None,
+) -> dict[str, str]:
+    """The SM_* variables the toolkit exports for these files (``Environment().to_env_vars()``). Pure."""
+    env = training_env(resource_config, input_data_config, hyperparameters, base_dir=base_dir, facts=facts,
+                       framework_module=framework_module, job_name=job_name)
+    exported: dict[str, Any] = {
+        "hosts": env["hosts"], "network_interface_name": env["network_interface_name"], "hps": env["hyperparameters"],
+        "user_entry_point": env["user_entry_point"], "framework_params": env["additional_framework_parameters"],
+        "resource_config": env["resource_config"], "input_data_config": env["input_data_config"],
+        "output_data_dir": env["output_data_dir"], "channels": sorted(env["channel_input_dirs"]),
+        "current_host": env["current_host"], "current_instance_type": env["current_instance_type"],
+        "current_instance_group": env["current_instance_group"], "current_instance_group_hosts": env["current_instance_group_hosts"],
+        "instance_groups": env["instance_groups"], "instance_groups_dict": env["instance_groups_dict"],
+        "distribution_instance_groups": env["distribution_instance_groups"], "is_hetero": env["is_hetero"],
+        "module_name": env["module_name"], "log_level": env["log_level"], "framework_module": env["framework_module"],
+        "input_dir": env["input_dir"], "input_config_dir": env["input_config_dir"], "output_dir": env["output_dir"],
+        "num_cpus": env["num_cpus"], "num_gpus": env["num_gpus"], "num_neurons": env["num_neurons"],
+        "model_dir": env["model_dir"], "module_dir": env["module_dir"], "training_env": env,
+        "user_args": command_arguments(env["hyperparameters"]), "output_intermediate_dir": env["output_intermediate_dir"],
+    }
+    if env["topology"]:
+        exported["topology"] = env["topology"]
+    exported |= {f"channel_{name}": path for name, path in env["channel_input_dirs"].items()}
+    exported |= {f"hp_{name}": value for name, value in env["hyperparameters"].items()}
+    return {f"SM_{key.upper()}": _env_value(value) for key, value in exported.items()}
