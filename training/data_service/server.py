@@ -56,9 +56,10 @@ log = logging.getLogger(__name__)
 # call without the token is refused before its request is read at all: auth.TokenAuth). Requests are small:
 # the largest is a FailureReport (a host name, and a reason cut at 1024 characters: at most 4 KiB of
 # UTF-8); a StreamRequest holds a client id ("algo-3/rank0"), two integers and a resumed job's position
-# (positions.MAX_GAP_RANGES pairs of varints at most: 20 KiB); DescribeRequest is empty. 64 KiB leaves room; it was 1 GiB, and two unauthenticated 512 MiB requests took a data host
-# from 60 MiB to 2.1 GB. What servers send (batches) keeps gRPC's default: no send limit. The trainer
-# bounds what it receives by the batch it asked for (codec.BatchSpec.max_message_bytes).
+# (positions.MAX_GAP_RANGES pairs of varints at most: 20 KiB); DescribeRequest is empty. 64 KiB leaves
+# room; it was 1 GiB, and two unauthenticated 512 MiB requests took a data host from 60 MiB to 2.1 GB.
+# What servers send (batches) keeps gRPC's default: no send limit. The trainer bounds what it receives by
+# the batch it asked for (codec.BatchSpec.max_message_bytes).
 MAX_REQUEST_BYTES = 64 << 10
 # Clients ping every KEEPALIVE_TIME_MS to notice a host that hangs (a stopped process keeps its TCP
 # connections open, and a stream with no deadline would wait for ever); the server must accept pings at
@@ -175,11 +176,10 @@ def stop_verdict(activity: Activity, now: float, idle_timeout_s: float, start_de
 def sample_order(
     num_samples: int, seed: int, host_index: int, hosts: int = 1, sharded: bool = False, shard_ends: Sequence[int] = ()
 ) -> Iterator[int]:
-    """An endless stream of sample indices, one epoch after another (epoch_order's, epoch 0 onwards)."""
+    """An endless stream of sample indices, one epoch after another: the sample at each position of this
+    host's order from position 0 (HostOrder's, as a fresh job's producer serves them)."""
     check_share(num_samples, hosts, sharded)
-    return itertools.chain.from_iterable(
-        epoch_order(num_samples, seed, host_index, epoch, hosts, sharded, tuple(shard_ends)) for epoch in itertools.count()
-    )
+    return map(HostOrder(num_samples, seed, host_index, hosts, sharded, shard_ends).sample_at, itertools.count())
 
 
 def check_share(num_samples: int, hosts: int, sharded: bool) -> None:
@@ -210,6 +210,30 @@ def epoch_order(num_samples: int, seed: int, host_index: int, epoch: int, hosts:
         return channel_epoch_order(num_samples, seed, epoch, shard_ends)[host_index::hosts]
     rng = np.random.default_rng([seed, host_index, epoch])
     return shard_stream_order(tuple(shard_ends), rng) if shard_ends else rng.permutation(num_samples).tolist()
+
+
+class HostOrder:
+    """A host's endless order, by position: position p is the (p mod share)-th sample of its epoch
+    p div share (epoch_order). Keeps the orders of the last two epochs read, as arrays: a resumed host's
+    gaps may lie in an earlier epoch than the positions after them."""
+
+    def __init__(self, num_samples: int, seed: int, host_index: int, hosts: int = 1, sharded: bool = False,
+                 shard_ends: Sequence[int] = ()) -> None:
+        self._args = (num_samples, seed, host_index)
+        self._hosts, self._sharded, self._shard_ends = hosts, sharded, tuple(shard_ends)
+        self.share = epoch_share(num_samples, host_index, hosts, sharded)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def epoch_of(self, position: int) -> int:
+        return position // self.share
+
+    def sample_at(self, position: int) -> int:
+        epoch, offset = divmod(position, self.share)
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = np.asarray(epoch_order(*self._args, epoch, self._hosts, self._sharded, self._shard_ends), dtype=np.int64)
+        return int(self._orders[epoch][offset])
 
 
 class BatchSource(Protocol):
@@ -344,27 +368,16 @@ class BatchProducer:
 
     def _tasks(self, start: Position) -> Iterator[tuple[list[int], list[int], list[int], list[int], list[int]]]:
         """Per batch: its due samples, spares, seed, each slot's epoch and position, from ``start`` on."""
-        batch_size, share = self._batch_size, self.share
+        batch_size = self._batch_size
         positions = serve_positions(start)
-        # The orders of the last two epochs read (gaps may lie in an earlier epoch than next), as arrays.
-        orders: dict[int, np.ndarray] = {}
-
-        def sample_at(position: int) -> int:
-            epoch, offset = divmod(position, share)
-            if epoch not in orders:
-                if len(orders) >= 2:
-                    orders.pop(next(iter(orders)))
-                orders[epoch] = np.asarray(epoch_order(len(self._folder), self._seed, self._host_index, epoch, self._hosts,
-                                                       self._sharded, self._folder.shard_ends), dtype=np.int64)
-            return int(orders[epoch][offset])
-
+        order = HostOrder(len(self._folder), self._seed, self._host_index, self._hosts, self._sharded, self._folder.shard_ends)
         while True:
             batch = list(itertools.islice(positions, batch_size))
-            indices = [sample_at(position) for position in batch]
+            indices = [order.sample_at(position) for position in batch]
             # Drawn from the batch's first position: a resumed job's spares for a position are the first job's.
             spares = np.random.default_rng([self._seed, self._host_index, 1 << 20, batch[0]]).integers(0, len(self._folder), size=batch_size).tolist()
             # The epoch of each slot (trainers count epochs by it) and its position (trainers record it as trained).
-            yield indices, spares, [self._seed, self._host_index, batch[0]], [position // share for position in batch], batch
+            yield indices, spares, [self._seed, self._host_index, batch[0]], [order.epoch_of(position) for position in batch], batch
 
     def _run(self, start: Position, generation: threading.Event) -> None:
         in_flight: collections.deque[futures.Future] = collections.deque()
@@ -416,7 +429,6 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
         self.stopping_detail = ""
         self.batches_served = 0
         self.skipped_served = 0  # undecodable files replaced in the batches that went out
-        self._begun = False  # an unbounded stream has fixed where the batches start
         self._begin_lock = threading.Lock()
         self._listing_digest = listing_digest(folder)
 
@@ -454,13 +466,13 @@ class DataServiceServicer(pb_grpc.DataServiceServicer):
             )
         self._touch(new_client=True)  # before a begin that may take a while: the host is not idle
         # A bounded read (max_batches: a Neuron pre-compile's few steps, a benchmark's) does not fix where
-        # the job's stream starts, and what it took is served again to the stream that does. One begin
-        # at a time: the first decides, and no stream reads before it has.
+        # the job's stream starts, and what it took is served again to the stream that does (a source
+        # whose start is fixed already ignores ``served``). One begin at a time: the first decides, and no
+        # stream reads before it has.
         if not request.max_batches:
             with self._begin_lock:
-                served, self._begun = self.batches_served > 0 and not self._begun, True
                 try:
-                    self._producer.begin(request, served)
+                    self._producer.begin(request, self.batches_served > 0)
                 except DataPositionConflict as error:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         log.info("client %s connected", request.client_id or context.peer())
