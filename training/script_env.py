@@ -7,7 +7,7 @@ point) reads ``/opt/ml/input/config/{resourceconfig,inputdataconfig,hyperparamet
 machine, and exports ``SM_HOSTS``, ``SM_CURRENT_HOST``, ``SM_CURRENT_INSTANCE_GROUP`` and its hosts,
 ``SM_INSTANCE_GROUPS``, ``SM_CHANNEL_<NAME>``, ``SM_HP_<NAME>``, ``SM_MODEL_DIR``, ``SM_TRAINING_ENV``
 (all of it as JSON) and the rest, then runs the entry point with the hyperparameters as
-``--name value`` arguments. ``toolkit_environment`` computes the same from the same files, without the
+``--name value`` arguments. ``training_env`` and ``toolkit_environment`` compute the same from the same files, without the
 toolkit (our images need not carry it, nor its gevent and scipy): a pure function of the files' contents,
 the machine's counts (``MachineFacts``) and the base folder. tests/sdk/test_script_environment.py holds it
 to the toolkit itself, variable for variable, for heterogeneous and homogeneous jobs.
@@ -17,8 +17,8 @@ run's checkpoints) and hyperparameters are not the script's, so the launcher pas
 (``user_inputs``); and the CPU count is the host's own (its CPU affinity: the emulated cluster shares a
 machine's cores between its hosts), where the toolkit counts the machine's.
 
-    env = toolkit_environment(resource_config, inputs, hyperparameters, base_dir=Path("/opt/ml"),
-                              facts=MachineFacts(num_cpus=8, num_gpus=1, num_neurons=0))
+    env = toolkit_environment(training_env(resource_config, inputs, hyperparameters, base_dir=Path("/opt/ml"),
+                                           facts=MachineFacts(num_cpus=8, num_gpus=1, num_neurons=0)))
     subprocess.Popen([sys.executable, "train.py", *json.loads(env["SM_USER_ARGS"])], env=os.environ | env)
 """
 
@@ -167,34 +167,22 @@ def training_env(
     }
 
 
-def toolkit_environment(
-    resource_config: Mapping[str, Any],
-    input_data_config: Mapping[str, Any],
-    hyperparameters: Mapping[str, str],
-    *,
-    base_dir: Path,
-    facts: MachineFacts,
-    framework_module: str | None = None,
-    job_name: str | None = None,
-) -> dict[str, str]:
-    """The SM_* variables the toolkit exports for these files (``Environment().to_env_vars()``). Pure."""
-    env = training_env(resource_config, input_data_config, hyperparameters, base_dir=base_dir, facts=facts,
-                       framework_module=framework_module, job_name=job_name)
-    exported: dict[str, Any] = {
-        "hosts": env["hosts"], "network_interface_name": env["network_interface_name"], "hps": env["hyperparameters"],
-        "user_entry_point": env["user_entry_point"], "framework_params": env["additional_framework_parameters"],
-        "resource_config": env["resource_config"], "input_data_config": env["input_data_config"],
-        "output_data_dir": env["output_data_dir"], "channels": sorted(env["channel_input_dirs"]),
-        "current_host": env["current_host"], "current_instance_type": env["current_instance_type"],
-        "current_instance_group": env["current_instance_group"], "current_instance_group_hosts": env["current_instance_group_hosts"],
-        "instance_groups": env["instance_groups"], "instance_groups_dict": env["instance_groups_dict"],
-        "distribution_instance_groups": env["distribution_instance_groups"], "is_hetero": env["is_hetero"],
-        "module_name": env["module_name"], "log_level": env["log_level"], "framework_module": env["framework_module"],
-        "input_dir": env["input_dir"], "input_config_dir": env["input_config_dir"], "output_dir": env["output_dir"],
-        "num_cpus": env["num_cpus"], "num_gpus": env["num_gpus"], "num_neurons": env["num_neurons"],
-        "model_dir": env["model_dir"], "module_dir": env["module_dir"], "training_env": env,
-        "user_args": command_arguments(env["hyperparameters"]), "output_intermediate_dir": env["output_intermediate_dir"],
-    }
+# What the toolkit exports under the training environment's own names (Environment.to_env_vars), and
+# what it exports under names of its own.
+EXPORTED = ("hosts", "network_interface_name", "user_entry_point", "resource_config", "input_data_config", "output_data_dir",
+            "current_host", "current_instance_type", "current_instance_group", "current_instance_group_hosts", "instance_groups",
+            "instance_groups_dict", "distribution_instance_groups", "is_hetero", "module_name", "log_level", "framework_module",
+            "input_dir", "input_config_dir", "output_dir", "num_cpus", "num_gpus", "num_neurons", "model_dir", "module_dir",
+            "output_intermediate_dir")
+RENAMED = {"hps": "hyperparameters", "framework_params": "additional_framework_parameters"}
+
+
+def toolkit_environment(env: Mapping[str, Any]) -> dict[str, str]:
+    """The SM_* variables the toolkit exports for a training environment (``training_env``'s), as its
+    ``Environment().to_env_vars()`` does. Pure."""
+    exported: dict[str, Any] = {name: env[name] for name in EXPORTED} | {name: env[key] for name, key in RENAMED.items()}
+    exported |= {"channels": sorted(env["channel_input_dirs"]), "training_env": dict(env),
+                 "user_args": command_arguments(env["hyperparameters"])}
     if env["topology"]:
         exported["topology"] = env["topology"]
     exported |= {f"channel_{name}": path for name, path in env["channel_input_dirs"].items()}

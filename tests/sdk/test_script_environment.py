@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from training.script_env import MachineFacts, command_arguments, decoded_hyperparameters, toolkit_environment
+from training.script_env import MachineFacts, command_arguments, decoded_hyperparameters, toolkit_environment, training_env
 
 GROUPS = [
     {"instance_group_name": "data_group", "instance_type": "ml.c5.9xlarge", "hosts": ["algo-1", "algo-2"]},
@@ -73,7 +73,7 @@ def test_the_environment_is_the_toolkits_for_the_same_files(case: str, tmp_path:
     toolkit = importlib.reload(toolkit)
     theirs = toolkit.Environment()
     facts = MachineFacts(num_cpus=theirs.num_cpus, num_gpus=theirs.num_gpus, num_neurons=theirs.num_neurons)  # the machine's
-    ours = toolkit_environment(resource_config, INPUTS, hyperparameters, base_dir=tmp_path, facts=facts)
+    ours = toolkit_environment(training_env(resource_config, INPUTS, hyperparameters, base_dir=tmp_path, facts=facts))
     expected = theirs.to_env_vars()
     assert sorted(ours) == sorted(expected)
     assert {key: value for key, value in ours.items() if value != expected[key]} == {}
