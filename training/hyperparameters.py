@@ -97,6 +97,15 @@ class PlatformSettings:
     workload_module: str = ""
     workload_sha256: str = ""
     workload_requirements: str = ""
+    # Script mode (training/script_mode.py): the user's entry point in the code folder, or a shell command
+    # run there, started once per host with the SageMaker toolkit's environment; where its log says a
+    # step's time (a regex with one group; "": the platform's step_time_ms= lines), in ms or s, and how
+    # many first steps are warm-up. An empty entry point and command: not a script.
+    script_entry_point: str = ""
+    script_command: str = ""
+    script_step_time_regex: str = ""
+    script_step_time_unit: str = "ms"
+    script_warmup_steps: int = 1
     # How the trainer spans the DNN group: "torchrun" (PyTorch), "horovod" (one process per device on
     # every DNN host, gloo rendezvous on the first), "mirrored" (tf.distribute, one process on one host),
     # "none" (one process). Each variant accepts some of them (training/variants.py).
@@ -167,9 +176,30 @@ class PlatformSettings:
             raise HyperparameterError("workload_sha256 must be the 64 hex digits of the packed code's SHA-256")
         if self.workload_requirements and not is_relative_path(self.workload_requirements):
             raise HyperparameterError(f"workload_requirements {self.workload_requirements!r} must be a relative path inside the code folder")
+        if self.script_entry_point and self.script_command:
+            raise HyperparameterError("script_entry_point and script_command: a script job runs one of them")
+        if self.script_entry_point and not is_relative_path(self.script_entry_point):
+            raise HyperparameterError(f"script_entry_point {self.script_entry_point!r} must be a relative path inside the code folder")
+        if self.is_script and not SHA256.fullmatch(self.workload_sha256):
+            raise HyperparameterError("workload_sha256 must be the 64 hex digits of the packed code's SHA-256")
+        if self.script_step_time_unit not in ("ms", "s"):
+            raise HyperparameterError(f"script_step_time_unit must be ms or s, got {self.script_step_time_unit!r}")
+        if self.script_step_time_regex:
+            try:
+                groups = re.compile(self.script_step_time_regex).groups
+            except re.error as error:
+                raise HyperparameterError(f"script_step_time_regex {self.script_step_time_regex!r} is not a regular expression: {error}") from None
+            if groups != 1:
+                raise HyperparameterError(f"script_step_time_regex {self.script_step_time_regex!r} must have exactly one group, the step's time")
+        if self.script_warmup_steps < 0:
+            raise HyperparameterError(f"script_warmup_steps must be 0 or more, got {self.script_warmup_steps}")
         for name in ("trainer_stall_timeout_s", "trainer_first_step_timeout_s", "trainer_exit_timeout_s", "launcher_heartbeat_timeout_s"):
             if getattr(self, name) < 0:
                 raise HyperparameterError(f"{name} must be 0 (no bound) or a number of seconds, got {getattr(self, name)}")
+
+    @property
+    def is_script(self) -> bool:
+        return bool(self.script_entry_point or self.script_command)
 
     def role_of(self, group: str) -> str:
         try:

@@ -1102,6 +1102,8 @@ def main() -> int:
     try:
         cluster = load_cluster()
         hyperparameters = load_hyperparameters()
+        if hyperparameters.get("script_entry_point") or hyperparameters.get("script_command"):
+            return run_script(cluster, hyperparameters)
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
         if hyperparameters.get("workload_module") or variant.user_workloads:
             # A PyTorch workload, before the role split: a user's code unpacked, installed, imported and
@@ -1156,6 +1158,29 @@ def main() -> int:
         return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0), workload=workload,
                             trainer_env=trainer_env)
     except (HyperparameterError, ChannelError, PortInUseError, WorkloadError) as error:
+        return refuse(error)
+
+
+def run_script(cluster: Cluster, hyperparameters: Mapping[str, Any]) -> int:
+    """A script-mode host (training/script_mode.py): the code unpacked and installed, then the user's script
+    run as it is under this launcher. Its hyperparameters beyond the platform's are the script's own."""
+    from training.script_mode import run_script_host
+
+    try:
+        platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
+        settings = build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()})
+        settings.check_cluster(cluster)
+        role = settings.role_of(cluster.current_group)
+        log.info("host %s is in instance group %s (%s): %s of a script job", cluster.current_host, cluster.current_group,
+                 cluster.current_instance_type, "trainer" if role == DNN else "data host")
+        code_dir, packages_dir = unpack_on_host(settings)
+        start_heartbeat(settings.launcher_heartbeat_timeout_s, cluster.current_host, role)
+        os.environ.pop(HEARTBEAT_FD_ENV, None)  # the script's environment is ours: the pipe is not its
+        os.environ.pop(SUPERVISE_ENV, None)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        return run_script_host(cluster, settings, hyperparameters, code_dir, packages_dir, stop)
+    except (HyperparameterError, CodeError) as error:
         return refuse(error)
 
 

@@ -17,6 +17,9 @@ run's checkpoints) and hyperparameters are not the script's, so the launcher pas
 (``user_inputs``); and the CPU count is the host's own (its CPU affinity: the emulated cluster shares a
 machine's cores between its hosts), where the toolkit counts the machine's.
 
+``script_environment`` reads this host's files and gives the script its whole environment and arguments
+(training/script_mode.py starts it with them).
+
     env = toolkit_environment(training_env(resource_config, inputs, hyperparameters, base_dir=Path("/opt/ml"),
                                            facts=MachineFacts(num_cpus=8, num_gpus=1, num_neurons=0)))
     subprocess.Popen([sys.executable, "train.py", *json.loads(env["SM_USER_ARGS"])], env=os.environ | env)
@@ -26,10 +29,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from training.cluster import base_dir as base_dir_of
+from training.cluster import config_dir
+from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, RESUME_CHANNEL, platform_keys
 
 # The hyperparameters the toolkit reads for itself (sagemaker_training.params.SAGEMAKER_HYPERPARAMETERS):
 # never the script's, nor among the framework parameters.
@@ -47,6 +55,8 @@ DISTRIBUTION_FLAGS = (
 )
 HOMOGENEOUS_GROUP = "homogeneousCluster"  # the toolkit's name for the group of a job without instance groups
 INFO = 20  # logging.INFO: the toolkit's default log level
+# The platform's channels are not the script's.
+PLATFORM_CHANNELS = frozenset({PLATFORM_CHANNEL, CODE_CHANNEL, RESUME_CHANNEL})
 
 
 @dataclass(frozen=True)
@@ -188,3 +198,31 @@ def toolkit_environment(env: Mapping[str, Any]) -> dict[str, str]:
     exported |= {f"channel_{name}": path for name, path in env["channel_input_dirs"].items()}
     exported |= {f"hp_{name}": value for name, value in env["hyperparameters"].items()}
     return {f"SM_{key.upper()}": _env_value(value) for key, value in exported.items()}
+
+
+def script_hyperparameters(raw: Mapping[str, Any]) -> dict[str, str]:
+    """hyperparameters.json without the platform's own settings: the script's, and the toolkit's sagemaker_
+    keys (the request's sagemaker_program). Pure."""
+    return {key: str(value) for key, value in raw.items() if key not in platform_keys() | {"variant"}}
+
+
+def script_inputs(input_data_config: Mapping[str, Any]) -> dict[str, Any]:
+    """inputdataconfig.json without the platform's channels. Pure."""
+    return {name: value for name, value in input_data_config.items() if name not in PLATFORM_CHANNELS}
+
+
+def script_environment(hyperparameters: Mapping[str, Any], code_dir: Path, packages: Path | None, facts: MachineFacts,
+                       environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], list[str]]:
+    """(the script's whole environment, its arguments): this process's environment with the toolkit's
+    SM_* variables for this host's resourceconfig.json and inputdataconfig.json, and the code folder (and
+    its installed requirements) on PYTHONPATH."""
+    config = config_dir(environ)
+    resource = json.loads((config / "resourceconfig.json").read_text())
+    inputs_file = config / "inputdataconfig.json"
+    inputs = json.loads(inputs_file.read_text()) if inputs_file.is_file() else {}
+    own = script_hyperparameters(hyperparameters) | {"sagemaker_submit_directory": str(code_dir)}
+    env = training_env(resource, script_inputs(inputs), own, base_dir=base_dir_of(environ), facts=facts,
+                       job_name=environ.get("TRAINING_JOB_NAME"), framework_module=environ.get("SAGEMAKER_TRAINING_MODULE"))
+    path = [str(code_dir), *([str(packages)] if packages else []), *filter(None, [environ.get("PYTHONPATH", "")])]
+    variables = dict(environ) | toolkit_environment(env) | {"PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    return variables, command_arguments(env["hyperparameters"])

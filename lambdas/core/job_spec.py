@@ -8,6 +8,8 @@ The same JSON starts a training run on SageMaker (the Step Functions input) and 
      "workload": "vision",                     # what the trainer trains: a built-in, or a user's module:
         # {"code": "<folder>" | "s3://<results bucket>/code/<sha256>/sourcedir.tar.gz",
         #  "module": "workload", "requirements": "requirements.txt", "sha256": "<64 hex, with an s3:// code>"}
+        # or a user's existing SageMaker script (script mode): {"code": ..., "entry_point": "train.py" | "command": "...",
+        #  "requirements": ..., "image": "<ECR image built on the platform's>", "step_time_regex": "...", "warmup_steps": 1}
      "instance_groups": [                      # 1–5 groups, exactly one with role "dnn"
         {"name": "data_group", "role": "data", "instance_type": "ml.c5.9xlarge", "count": 1},
         {"name": "dnn_group",  "role": "dnn",  "instance_type": "ml.p3.2xlarge", "count": 1}],
@@ -36,6 +38,14 @@ folder until the client packs and uploads it (``hetero run``); with a deployment
 (``SpecPolicy.code_bucket``) only the uploaded archive is accepted, and only under code/<its SHA-256>/
 of the platform's own results bucket: a job reads code nowhere else, and the state machine cannot read
 the user's disk.
+
+A script-mode job (``"entry_point"`` or ``"command"`` in the workload: JobSpec.is_script) runs the user's
+existing SageMaker script as it is, in the variant's image or their own (``image``, an ECR image built on
+the platform's, from the deployment's allow-list): the "dnn" group is the trainer group (the job ends when
+its hosts have), "data" groups are every other group, whose scripts the launcher ends then. Its
+hyperparameters are the script's own (only the platform's names and the toolkit's sagemaker_ prefix are
+refused), its channels go where the spec routes them, and its step time comes from its own log lines
+(``step_time_regex``, the platform's ``step_time_ms=`` by default).
 Nothing here performs I/O.
 """
 
@@ -96,9 +106,18 @@ RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
 PLATFORM_CHANNELS = 1
 # The names the platform's channels take: a spec's inputs may not.
 RESERVED_CHANNELS = (PLATFORM_CHANNEL, RESUME_CHANNEL, CODE_CHANNEL)
-# A user workload's fields (``"workload": {...}``) and the module imported when it names none.
+# A user workload's fields (``"workload": {...}``) and the module imported when it names none; a script's.
 CODE_FIELDS = ("code", "module", "requirements", "sha256")
+SCRIPT_FIELDS = ("code", "entry_point", "command", "requirements", "sha256", "image", "step_time_regex", "step_time_unit", "warmup_steps")
 DEFAULT_MODULE = "workload"
+# What an entry point may be, as the toolkit runs it: a Python file with the image's python, a shell script with sh.
+ENTRY_POINT_SUFFIXES = (".py", ".sh")
+MAX_COMMAND = 1024
+MAX_WARMUP_STEPS = 100_000
+# An image in ECR (<account>.dkr.ecr.<region>.amazonaws.com/<repository>, by tag or digest): the
+# execution role can pull only from repositories the deployment allows (cdk.json's script_image_repositories).
+ECR_IMAGE = re.compile(r"(?P<repository>\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?/[a-z0-9]+(?:[._/-][a-z0-9]+)*)"
+                       r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})")
 # Where the client uploads a packed folder, below the results bucket (training/workload/code.py's PackedCode.key),
 # and the archive's name.
 CODE_PREFIX = "code/"
@@ -126,6 +145,9 @@ class SpecPolicy:
     # The results bucket, where a user workload's packed code must lie (code/<sha256>/sourcedir.tar.gz):
     # set, a spec is one a deployment launches, which cannot read a local folder. None: no deployment.
     code_bucket: str | None = None
+    # ECR repositories (<account>.dkr.ecr.<region>.amazonaws.com/<name>) a script-mode job's own image may
+    # come from: the execution role can pull from these alone. None: any (no deployment).
+    script_image_repositories: frozenset[str] | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> SpecPolicy:
@@ -142,6 +164,9 @@ class SpecPolicy:
             sweep_cost_ceiling_usd=number("SWEEP_COST_CEILING_USD"),
             prices_usd_per_hour=json.loads(environ.get("CEILING_PRICES", "{}")),
             code_bucket=results,
+            # A deployment that names none allows none: its execution role can pull no other image.
+            script_image_repositories=(frozenset(json.loads(environ["SCRIPT_IMAGE_REPOSITORIES"])) if environ.get("SCRIPT_IMAGE_REPOSITORIES")
+                                       else frozenset() if results else None),
         )
 
     def price(self, instance_type: str) -> float | None:
@@ -194,10 +219,23 @@ class WorkloadCode:
     module: str = DEFAULT_MODULE
     requirements: str = ""  # a path inside the folder; "": nothing to install
     sha256: str = ""  # of the packed archive; "" for a local folder (the client computes it when it packs)
+    # Script mode: the entry point (a .py or .sh file in the folder, run with the hyperparameters as
+    # --name value arguments) or a shell command run in the folder; the image to run it in ("": the
+    # variant's); where its log says a step's time, and how many first steps are warm-up.
+    entry_point: str = ""
+    command: str = ""
+    image: str = ""
+    step_time_regex: str = ""  # "": the platform's own step_time_ms= lines
+    step_time_unit: str = "ms"
+    warmup_steps: int = 1
 
     @property
     def is_local(self) -> bool:
         return not self.source.startswith("s3://")
+
+    @property
+    def is_script(self) -> bool:
+        return bool(self.entry_point or self.command)
 
 
 @dataclass(frozen=True)
@@ -220,7 +258,12 @@ class JobSpec:
 
     @property
     def is_user_workload(self) -> bool:
-        return self.code is not None
+        """A workload module on the contract (not a built-in, not a script)."""
+        return self.code is not None and not self.code.is_script
+
+    @property
+    def is_script(self) -> bool:
+        return self.code is not None and self.code.is_script
 
     @property
     def dnn_group(self) -> GroupSpec:
@@ -290,9 +333,14 @@ def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
                                        '{"code": "<folder>", "module": "workload"} instead')
     if not isinstance(raw, Mapping):
         return _string({"workload": raw}, "workload"), None
-    unknown = sorted(set(raw) - set(CODE_FIELDS))
+    script = "entry_point" in raw or "command" in raw
+    fields_ = SCRIPT_FIELDS if script else CODE_FIELDS
+    unknown = sorted(set(raw) - set(fields_))
     if unknown:
-        raise JobSpecError(f"workload.{unknown[0]}", f"unknown field; a workload of your own has {list(CODE_FIELDS)}")
+        if not script and unknown[0] in SCRIPT_FIELDS:
+            raise JobSpecError(f"workload.{unknown[0]}", "belongs to script mode: give the script's entry_point (or command) too")
+        kind = "your existing script" if script else "a workload of your own"
+        raise JobSpecError(f"workload.{unknown[0]}", f"unknown field; {kind} has {list(fields_)}")
     source = raw.get("code")
     if not isinstance(source, str) or not source or any(ord(character) < 32 for character in source):
         raise JobSpecError("workload.code", f"{source!r} must be the folder of your workload's code (relative to the spec's file) "
@@ -305,6 +353,8 @@ def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
         raise JobSpecError("workload.requirements", f"{requirements!r} must be a relative path inside the code folder (requirements.txt)")
     sha256 = raw.get("sha256", "")
     code = WorkloadCode(source, module, requirements, sha256 if isinstance(sha256, str) else "")
+    if script:
+        code = _script(raw, dataclasses.replace(code, module=""))
     if code.is_local:
         if "://" in source:
             raise JobSpecError("workload.code", f"{source!r}: code comes from a local folder or s3://, not another scheme")
@@ -318,6 +368,45 @@ def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
         raise JobSpecError("workload.sha256", f"{sha256!r} must be the 64 lowercase hex digits of the archive's SHA-256 "
                                               "(every host refuses another archive): required with an s3:// code")
     return USER_WORKLOAD, code
+
+
+def _script(raw: Mapping[str, Any], code: WorkloadCode) -> WorkloadCode:
+    """A script-mode workload's own fields, checked (script mode: see the module's docstring)."""
+    entry_point, command = raw.get("entry_point", ""), raw.get("command", "")
+    if entry_point and command:
+        raise JobSpecError("workload.command", "give the entry_point or a command, not both")
+    if entry_point:
+        if not isinstance(entry_point, str) or not is_relative_path(entry_point) or not entry_point.endswith(ENTRY_POINT_SUFFIXES):
+            raise JobSpecError("workload.entry_point", f"{entry_point!r} must be a .py or .sh file inside the code folder (train.py, "
+                                                       "scripts/train.py); anything else runs as a command")
+    elif not isinstance(command, str) or not command.strip() or len(command) > MAX_COMMAND or any(ord(c) < 32 for c in command):
+        raise JobSpecError("workload.command", f"{command!r} must be one line of shell (≤ {MAX_COMMAND} characters) run in the code "
+                                               "folder, e.g. 'torchrun --nproc_per_node 8 train.py --epochs 3'")
+    image = raw.get("image", "")
+    if image and (not isinstance(image, str) or not ECR_IMAGE.fullmatch(image)):
+        raise JobSpecError("workload.image", f"{image!r} must be an image in ECR, "
+                                             "<account>.dkr.ecr.<region>.amazonaws.com/<repository>:<tag> (or @sha256:<digest>), "
+                                             "built FROM the platform's image (its launcher is the entrypoint)")
+    regex = raw.get("step_time_regex", "")
+    if regex:
+        if not isinstance(regex, str) or (problem := limit("MetricRegex").problem(regex)):
+            raise JobSpecError("workload.step_time_regex", problem if isinstance(regex, str) else f"{regex!r} must be a string")
+        try:
+            groups = re.compile(regex).groups
+        except re.error as error:
+            raise JobSpecError("workload.step_time_regex", f"{regex!r} is not a regular expression: {error}") from None
+        if groups != 1:
+            raise JobSpecError("workload.step_time_regex", f"{regex!r} must have exactly one group, the step's time "
+                                                           f"(as SageMaker's MetricDefinitions take it), not {groups}")
+    unit = raw.get("step_time_unit", "ms")
+    if unit not in ("ms", "s"):
+        raise JobSpecError("workload.step_time_unit", f"{unit!r}: the regex's number is in ms or s")
+    warmup = raw.get("warmup_steps", 1)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= MAX_WARMUP_STEPS:
+        raise JobSpecError("workload.warmup_steps", f"{warmup!r} must be a whole number of first steps (0..{MAX_WARMUP_STEPS}) left "
+                                                    "out of the step time: start-up and compilation")
+    return dataclasses.replace(code, entry_point=entry_point, command=command if not entry_point else "", image=image,
+                               step_time_regex=regex, step_time_unit=unit, warmup_steps=warmup)
 
 
 def _string(raw: Mapping[str, Any], key: str, default: str | None = None) -> str:
@@ -490,6 +579,8 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
     variant = VARIANTS.get(spec.variant)
     if variant is None:
         raise JobSpecError("variant", f"{spec.variant!r} is not a variant of this platform; use one of {sorted(VARIANTS)}")
+    if spec.is_script:
+        return _validate_script(spec, variant, policy)
     if spec.is_user_workload and not variant.user_workloads:
         takers = sorted(name for name, other in VARIANTS.items() if other.user_workloads)
         raise JobSpecError("workload", f"variant {variant.name!r} trains only its built-in workloads {list(variant.workloads)} (its "
@@ -519,6 +610,45 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
     _check_channels(spec, policy)
     _check_cost(spec, policy)
     return spec
+
+
+def _validate_script(spec: JobSpec, variant: Any, policy: SpecPolicy) -> JobSpec:
+    """A script-mode spec: the script starts its own processes and routes its own data, so the rules of the
+    platform's trainers (a "train" channel on every data host, the variant's distributions, the loop's
+    hyperparameters) do not apply; the cluster's, the code's, the image's and the cost's do."""
+    if spec.distribution:
+        raise JobSpecError("distribution", "a script starts its own processes: leave distribution out and run torchrun, mpirun or "
+                                           "Horovod from the workload's command (the launcher runs the script once per host)")
+    spec = dataclasses.replace(spec, distribution="none")
+    for index, group in enumerate(spec.instance_groups):
+        _check_instance_type(index, group, variant.accelerator, variant.name)
+    _check_code(spec, policy)
+    _check_image(spec, policy)
+    reserved = sorted(set(spec.hyperparameters) & (platform_keys() | {"variant", "distribution"}))
+    if reserved:
+        raise JobSpecError(f"hyperparameters.{reserved[0]}", "is a setting of the platform's launcher (every host reads it): rename it")
+    sagemaker = sorted(name for name in spec.hyperparameters if name.startswith("sagemaker_"))
+    if sagemaker:
+        raise JobSpecError(f"hyperparameters.{sagemaker[0]}", "the sagemaker_ prefix belongs to the SageMaker toolkit (the platform "
+                                                              "sets sagemaker_program itself)")
+    for channel in spec.inputs:
+        if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:
+            raise JobSpecError(f"inputs.{channel.name}.s3_uri", f"bucket {bucket_of(channel.s3_uri)!r} is not one the platform's "
+                                                                f"jobs may read: use {sorted(policy.input_buckets)} (cdk.json's input_buckets)")
+    _check_cost(spec, policy)
+    return spec
+
+
+def _check_image(spec: JobSpec, policy: SpecPolicy) -> None:
+    """A script's own image must come from a repository the deployment lets the execution role pull."""
+    image = spec.code.image if spec.code else ""
+    if not image or policy.script_image_repositories is None:
+        return
+    repository = ECR_IMAGE.fullmatch(image)["repository"]
+    if repository not in policy.script_image_repositories:
+        allowed = sorted(policy.script_image_repositories) or "none (cdk.json's script_image_repositories is empty)"
+        raise JobSpecError("workload.image", f"{repository} is not a repository the platform's jobs may pull from: {allowed}; add "
+                                             "its name to cdk.json's script_image_repositories and deploy")
 
 
 def worst_case_cost_usd(spec: JobSpec, policy: SpecPolicy) -> float:

@@ -9,6 +9,9 @@ What the request carries, and why:
   plus the platform channel on every host: the job's shutdown token as a file, which the launcher wrote
   to S3 (control/<job name>/) and only the job's role reads. The token is in no field of the request, so
   it never shows in DescribeTrainingJob, the execution's history or a log;
+* for a script (script mode), the same code channel, the entry point or command among the platform
+  settings and as the toolkit's ``sagemaker_program``, the user's own image when the spec names one,
+  the script's step-time regex as its MetricDefinition, and launcher ports away from the ones scripts use;
 * for a user workload, its packed code as the ``code`` channel on every host (as SageMaker's script mode
   ships a source_dir: data hosts import the module too), the one archive object exactly, with the module,
   its SHA-256 (every host refuses another archive) and its requirements file among the platform settings;
@@ -115,20 +118,42 @@ def platform_settings(spec: JobSpec, **settings: Any) -> PlatformSettings:
                             **settings)
 
 
-def _workload_settings(spec: JobSpec) -> dict[str, str]:
-    """PlatformSettings' workload fields for a user workload (none for a built-in). Raises RequestError
-    for code still in a local folder: only its uploaded archive can reach a job."""
+def _workload_settings(spec: JobSpec) -> dict[str, Any]:
+    """PlatformSettings' workload fields for a user workload or a script (none for a built-in). Raises
+    RequestError for code still in a local folder: only its uploaded archive can reach a job."""
     if spec.code is None:
         return {}
     if spec.code.is_local:
         raise RequestError(f"the workload's code {spec.code.source!r} is a local folder: `hetero run` packs and uploads it first")
-    return {"workload_module": spec.code.module, "workload_sha256": spec.code.sha256, "workload_requirements": spec.code.requirements}
+    code = {"workload_sha256": spec.code.sha256, "workload_requirements": spec.code.requirements}
+    if spec.is_script:
+        return code | {"script_entry_point": spec.code.entry_point, "script_command": spec.code.command,
+                       "script_step_time_regex": spec.code.step_time_regex, "script_step_time_unit": spec.code.step_time_unit,
+                       "script_warmup_steps": spec.code.warmup_steps}
+    return code | {"workload_module": spec.code.module}
+
+
+# A script's own servers may take the ports the platform's launcher listens on for other jobs (a public
+# heterogeneous sample's tf.data.service dispatcher is on 6000): a script job's launchers listen here.
+SCRIPT_CONTROL_PORTS = {"data_service_port": 29600, "job_control_port": 29601}
 
 
 def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict[str, str]:
-    """SageMaker's HyperParameters: the user's trainer settings and the platform's, as strings."""
+    """SageMaker's HyperParameters: the user's trainer settings (a script's own) and the platform's, as
+    strings; a script's entry point also as the toolkit's ``sagemaker_program``, which it reads."""
     user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
-    return user | platform.to_hyperparameters()
+    toolkit = {"sagemaker_program": platform.script_entry_point} if platform.script_entry_point else {}
+    return user | toolkit | platform.to_hyperparameters()
+
+
+def metric_definitions(spec: JobSpec) -> list[dict[str, str]]:
+    """The job's MetricDefinitions: the platform's line format, or for a script with a regex of its own,
+    that regex as the step-time metric (step_time_ms, or step_time_s when its number is in seconds)."""
+    definitions = dict(METRIC_DEFINITIONS)
+    if spec.is_script and spec.code.step_time_regex:
+        del definitions["step_time_ms"]
+        definitions[f"step_time_{spec.code.step_time_unit}"] = spec.code.step_time_regex
+    return [{"Name": metric, "Regex": regex} for metric, regex in definitions.items()]
 
 
 def token_uri(settings: LaunchSettings, key: str) -> str:
@@ -153,12 +178,13 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
     ``chain_session_tags``: the caller's session carries job_session_tags, which the job's session of the
     execution role inherits (a state-machine launch)."""
     try:
-        image = settings.image_uris[spec.variant]
+        image = (spec.code.image if spec.is_script else "") or settings.image_uris[spec.variant]
     except KeyError:
         raise RequestError(f"no training image is deployed for variant {spec.variant!r}") from None
+    ports = SCRIPT_CONTROL_PORTS if spec.is_script else {"data_service_port": settings.data_service_port}
     platform = platform_settings(
         spec,
-        data_service_port=settings.data_service_port,
+        **ports,
         master_port=settings.master_port,
         data_idle_timeout_s=settings.data_idle_timeout_s,
         data_start_deadline_s=settings.data_start_deadline_s,
@@ -170,7 +196,7 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         "AlgorithmSpecification": {
             "TrainingImage": image,
             "TrainingInputMode": "File",
-            "MetricDefinitions": [{"Name": metric, "Regex": regex} for metric, regex in METRIC_DEFINITIONS.items()],
+            "MetricDefinitions": metric_definitions(spec),
         },
         "HyperParameters": container_hyperparameters(spec, platform),
         "RoleArn": settings.role_arn,

@@ -18,6 +18,15 @@ host's processes are found even after they left its process tree (torchrun start
 sessions of their own; a killed parent's children are reparented to PID 1). A host ends as a container
 does: when its launcher exits, whatever it left running is killed, and its log is complete.
 
+A script-mode job's hosts (the user's own SageMaker script, training/script_mode.py) also get host names
+that resolve as on SageMaker: each runs in a mount and UTS namespace of its own (``unshare``), with a
+hosts file of the job's bind-mounted over /etc/hosts (``algo-1`` → its loopback address, for every host
+of the job), its host name set to its own and its tree at /opt/ml, as SageMaker's fixed paths are there
+(ENTER_NAMESPACES); nothing outside the namespaces changes. The namespaces need
+root or unprivileged user namespaces (``namespace_command``); the hosts still share the machine's network
+stack, so two hosts of one emulated job cannot both listen on one port of the wildcard address (bind
+the host's own name, as SM_CURRENT_HOST gives it).
+
 Every log line is prefixed with host and group. The run fails (non-zero) if any host fails, if the
 deadline passes, or if a host is still running ``orphan_grace_s`` after the DNN group ended: on SageMaker
 that host would keep billing, so here it is killed and reported as an orphan.
@@ -273,6 +282,63 @@ def write_shard(source: Path, folder: Path, index: int, hosts: int) -> None:
         (folder / key).symlink_to(source / key)
 
 
+def hosts_file(hosts: list[EmulatedHost], machine: str) -> str:
+    """The job's /etc/hosts: the machine's own lines, then every emulated host's name at its address. Pure."""
+    own = "\n".join(f"{host.address}\t{host.name}" for host in hosts)
+    return f"{machine.rstrip()}\n# the emulated cluster's hosts\n{own}\n"
+
+
+# In the host's own mount and UTS namespaces: the job's hosts file over /etc/hosts, the host's name, its
+# tree at /opt/ml (scripts write SageMaker's fixed paths, /opt/ml/checkpoints): over the machine's /opt/ml
+# where there is one, else in a tmpfs over /opt that holds the machine's /opt entries, bound back, and ml.
+# Then the launcher. $1: the hosts file, $2: the host name, $3: its tree, $4: an empty folder, the rest:
+# the command. Nothing outside the namespaces changes.
+ENTER_NAMESPACES = """set -e
+mount --bind "$1" /etc/hosts
+hostname "$2"
+if [ -d /opt/ml ]; then
+  mount --rbind "$3" /opt/ml
+elif [ -d /opt ]; then
+  mount --rbind /opt "$4"
+  mount -t tmpfs -o mode=755 hetero-opt /opt
+  for entry in "$4"/* "$4"/.[!.]*; do
+    [ -e "$entry" ] || [ -L "$entry" ] || continue
+    name=${entry##*/}
+    if [ -L "$entry" ]; then cp -P "$entry" /opt/
+    elif [ -d "$entry" ]; then mkdir "/opt/$name" && mount --rbind "$entry" "/opt/$name"
+    else touch "/opt/$name" && mount --bind "$entry" "/opt/$name"
+    fi
+  done
+  mkdir /opt/ml
+  mount --rbind "$3" /opt/ml
+fi
+shift 4
+exec "$@"
+"""
+
+
+def namespace_command(hosts_path: Path, name: str, tree: Path, scratch: Path, command: list[str], *, root: bool) -> list[str]:
+    """``command`` in mount and UTS namespaces of its own with the job's hosts file, the host's name and
+    its tree at /opt/ml (as root; otherwise in a user namespace that maps this user to root). Pure."""
+    user = [] if root else ["--map-root-user"]
+    return ["unshare", "--mount", "--uts", *user, "--", "/bin/sh", "-c", ENTER_NAMESPACES, "enter-host", str(hosts_path), name,
+            str(tree), str(scratch), *command]
+
+
+def check_namespaces(root: bool, scratch: Path) -> None:
+    """Raise EmulationError when this machine cannot give an emulated host namespaces of its own."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    probe = namespace_command(Path("/etc/hosts"), "probe", scratch, scratch, ["true"], root=root)
+    try:
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise EmulationError(f"a script job's emulated hosts need `unshare` (util-linux) for their host names: {error}") from None
+    if result.returncode != 0:
+        raise EmulationError("a script job's emulated hosts resolve each other's names (algo-1, ...) in mount namespaces of their own, "
+                             f"which this machine refused ({result.stderr.strip()[:200]}): run as root, or enable unprivileged user "
+                             "namespaces (sysctl kernel.unprivileged_userns_clone=1)")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -414,10 +480,21 @@ class EmulatedCluster:
 
     def start(self) -> None:
         self.prepare()
+        launcher = [sys.executable, "-m", "training.launcher"]
+        hosts_path = self.options.workdir / "hosts"
+        root = os.geteuid() == 0
+        if self.spec.is_script:
+            check_namespaces(root, self.options.workdir / ".namespace-probe")
+            hosts_path.write_text(hosts_file(self.hosts, Path("/etc/hosts").read_text(errors="replace")))
         self._quotas.create()
         self._started_at = time.monotonic()
         addresses = json.dumps({host.name: host.address for host in self.hosts})
         for host in self.hosts:
+            command = launcher
+            if self.spec.is_script:
+                scratch = self.options.workdir / host.name / ".machine-opt"
+                scratch.mkdir(parents=True, exist_ok=True)
+                command = namespace_command(hosts_path, host.name, host.base_dir, scratch, launcher, root=root)
             # Each host's launcher stamps its own container start: none is inherited from this process.
             env = {key: value for key, value in os.environ.items() if key != CONTAINER_STARTED_ENV} | {
                 HOST_TAG_ENV: self.host_tag(host.name),
@@ -433,7 +510,7 @@ class EmulatedCluster:
                 "PJRT_DEVICE": "CPU",
             }
             process = subprocess.Popen(
-                [sys.executable, "-m", "training.launcher"],
+                command,
                 cwd=REPO_ROOT,
                 env=env,
                 stdout=subprocess.PIPE,

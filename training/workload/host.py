@@ -140,6 +140,6 @@ def unpack_on_host(settings: PlatformSettings, environ: Mapping[str, str] = os.e
     shutil.rmtree(destination, ignore_errors=True)
     unpack_code(archive, destination, settings.workload_sha256)
     packages = install_requirements(destination, settings.workload_requirements)
-    log.info("workload %s unpacked into %s%s", settings.workload_module, destination,
+    log.info("%s unpacked into %s%s", settings.workload_module or settings.script_entry_point or "the script's code", destination,
              f", requirements installed into {PACKAGES_DIR}" if packages else "")
     return destination, packages
