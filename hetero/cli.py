@@ -161,6 +161,9 @@ def _dry_run_module():
 
 
 def workload_line(report: dict[str, Any]) -> str:
+    if "script" in report:
+        checked = [*(["compiles"] if report.get("compiles") else []), *(["requirements install"] if report.get("requirements") else [])]
+        return f"script {report['script']} ({report['files']} files, sha256 {report['sha256'][:12]})" + (f": {', '.join(checked)}" if checked else "")
     if report.get("builtin"):
         parts = [f"built-in workload {report['module']}: hooks {', '.join(report['hooks'])}"]
     else:

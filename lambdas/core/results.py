@@ -125,6 +125,10 @@ def run_verdict(job_status: str, summary: Mapping[str, Any] | None, summary_prob
         return "Failed", f"SummaryUnreadable: {summary_problem}"
     if summary is None:
         return "Failed", "NoSummary: the job completed without writing summary.json"
+    if summary.get("mode") == "script" and not summary.get("timed_steps"):
+        return "Failed", (f"NoStepsTimed: the script printed {summary.get('steps', 0)} lines matching its step-time regex "
+                          f"{summary.get('step_time_regex')!r}, none past its {summary.get('warmup_steps', 0)} warm-up steps: print "
+                          "step_time_ms=<ms> once per step, or give the spec's workload.step_time_regex")
     if not summary.get("timed_steps") or not summary.get("step_time_ms"):
         return "Failed", (f"NoStepsTimed: the job trained no step past its warm-up (start_step {summary.get('start_step')}, "
                           f"steps {summary.get('steps')}): a resumed run that had finished, or warmup_steps too close to steps")

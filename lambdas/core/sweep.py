@@ -96,6 +96,12 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
         spec["instance_groups"] = dnn
         spec["inputs"] = {name: {key: value for key, value in channel.items() if key not in ("groups", "distribution")}
                           for name, channel in dict(spec.get("inputs", {})).items()}
+    elif _is_script(spec):
+        # A script names its groups and routes its channels itself: its data group keeps the base's name
+        # (the script may read it, as the public samples do) and the channels keep their routing.
+        named = [group.get("name") for group in spec.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "data"]
+        spec["instance_groups"] = [{"name": named[0] if named else "data_group", "role": "data", "instance_type": data_instance_type,
+                                    "count": count}, *dnn]
     else:
         spec["instance_groups"] = [{"name": "data_group", "role": "data", "instance_type": data_instance_type, "count": count}, *dnn]
         # The data group preprocesses the channels; a PyTorch workload's validation channel stays with the
@@ -105,6 +111,11 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
         spec["inputs"] = {name: dict(channel) | {"groups": [dnn[0].get("name")] if name == evaluation else ["data_group"]}
                           for name, channel in dict(spec.get("inputs", {})).items()}
     return spec
+
+
+def _is_script(spec: Mapping[str, Any]) -> bool:
+    workload = spec.get("workload")
+    return isinstance(workload, Mapping) and ("entry_point" in workload or "command" in workload)
 
 
 def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
@@ -212,6 +223,9 @@ def images_per_step(base: Mapping[str, Any]) -> int:
         spec = validate_job_spec(base)
     except JobSpecError as error:
         raise SweepSpecError(f"base.{error.field}", error.problem) from None
+    if spec.is_script:
+        raise SweepSpecError("advisor", "sizes data groups from the platform trainer's batch size, which a script keeps to itself: "
+                                        "list the sizes to run in data_hosts")
     dnn = instance_type(spec.dnn_group.instance_type)
     return trainer_config(spec).batch_size * spec.dnn_group.count * (dnn.neuron_cores or dnn.accelerators or 1)
 

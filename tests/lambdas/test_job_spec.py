@@ -75,6 +75,16 @@ def user(base: dict[str, Any], workload: dict[str, Any] | None = None, hyperpara
     return spec
 
 
+def script(workload: dict[str, Any] | None = None, hyperparameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The script-mode example with its code uploaded and ``workload``'s fields changed (REMOVE drops one)."""
+    spec = json.loads((EXAMPLES / "pytorch-script.json").read_text())
+    fields = {"code": UPLOADED["code"], "sha256": SHA, "entry_point": "train.py"} | (workload or {})
+    spec["workload"] = {key: value for key, value in fields.items() if value is not REMOVE}
+    if hyperparameters is not None:
+        spec["hyperparameters"] = hyperparameters
+    return spec
+
+
 def with_eval(base: dict[str, Any], groups: list[str]) -> dict[str, Any]:
     """A heterogeneous user workload validating on a "val" channel routed to ``groups``."""
     spec = user(base, hyperparameters={"eval_channel": "val", "eval_every": 50, "steps": 100})
@@ -242,6 +252,25 @@ INVALID: list[tuple[str, Any, str]] = [
     ("user workload: precompile_steps on a GPU", user(hetero(), hyperparameters={"precompile_steps": 2}), "hyperparameters.precompile_steps"),
     ("fp16 on Trainium", changed(neuron(), "hyperparameters.precision", "fp16"), "hyperparameters.precision"),
     ("built-in text workload with a data group", changed(neuron(), "instance_groups", [GROUP, *neuron()["instance_groups"]]), "instance_groups"),
+    ("script: entry point and command", script(workload={"command": "python train.py"}), "workload.command"),
+    ("script: entry point outside the folder", script(workload={"entry_point": "../train.py"}), "workload.entry_point"),
+    ("script: entry point not a .py or .sh file", script(workload={"entry_point": "train"}), "workload.entry_point"),
+    ("script: an empty command", script(workload={"entry_point": REMOVE, "command": " "}), "workload.command"),
+    ("script: a command of two lines", script(workload={"entry_point": REMOVE, "command": "cd x\npython t.py"}), "workload.command"),
+    ("script: a module field", script(workload={"module": "workload"}), "workload.module"),
+    ("script: an image outside ECR", script(workload={"image": "docker.io/me/train:1"}), "workload.image"),
+    ("script: an image without a tag or digest", script(workload={"image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/t"}), "workload.image"),
+    ("script: a regex without a group", script(workload={"step_time_regex": "step_time=[0-9.]+"}), "workload.step_time_regex"),
+    ("script: a regex with two groups", script(workload={"step_time_regex": "(a)=([0-9.]+)"}), "workload.step_time_regex"),
+    ("script: a regex that does not compile", script(workload={"step_time_regex": "([0-9.]+"}), "workload.step_time_regex"),
+    ("script: a regex past SageMaker's 500 characters", script(workload={"step_time_regex": "(x)" + "y" * 500}), "workload.step_time_regex"),
+    ("script: a unit of minutes", script(workload={"step_time_unit": "min"}), "workload.step_time_unit"),
+    ("script: negative warm-up", script(workload={"warmup_steps": -1}), "workload.warmup_steps"),
+    ("script: a distribution", changed(script(), "distribution", "torchrun"), "distribution"),
+    ("script: a platform setting as a hyperparameter", script(hyperparameters={"role_map": "x"}), "hyperparameters.role_map"),
+    ("script: a toolkit hyperparameter", script(hyperparameters={"sagemaker_program": "x.py"}), "hyperparameters.sagemaker_program"),
+    ("script: a GPU data group", changed(script(), "instance_groups.0.instance_type", "ml.p3.2xlarge"), "instance_groups[0].instance_type"),
+    ("script field without an entry point", user(hetero(), UPLOADED | {"image": "x"}), "workload.image"),
 ]
 
 
@@ -282,6 +311,36 @@ def test_a_user_workload_carries_its_code_and_its_own_hyperparameters() -> None:
     local = validate_job_spec(user(homogeneous(), {"code": "examples/workloads/tiny"}))
     assert local.code == WorkloadCode("examples/workloads/tiny") and local.code.is_local and local.code.module == "workload"
     assert validate_job_spec(hetero()).code is None  # a built-in
+
+
+def test_a_script_keeps_its_own_hyperparameters_and_channel_routing() -> None:
+    """A script routes its channels and reads its hyperparameters itself: no "train" channel, no loop settings."""
+    raw = script(workload={"step_time_regex": r"took ([0-9.]+) s", "step_time_unit": "s", "warmup_steps": 0},
+                 hyperparameters={"epochs": 3, "lr": 0.1, "steps": "many"})
+    raw["inputs"] = {"images": {"s3_uri": "s3://datasets-bucket/i/", "groups": ["data_group"]},
+                     "labels": {"s3_uri": "s3://datasets-bucket/l/", "groups": ["dnn_group"]}}
+    spec = validate_job_spec(raw)
+    assert spec.is_script and not spec.is_user_workload and spec.distribution == "none"
+    assert (spec.code.entry_point, spec.code.step_time_unit, spec.code.warmup_steps, spec.code.module) == ("train.py", "s", 0, "")
+    assert spec.hyperparameters["steps"] == "many"  # the script's own: not the platform loop's integer
+    command = validate_job_spec(script(workload={"entry_point": REMOVE, "command": "torchrun --nproc_per_node 8 train.py"}))
+    assert command.code.command.startswith("torchrun") and command.code.entry_point == ""
+    assert validate_job_spec(changed(script(), "variant", "neuron") | {"instance_groups": [
+        {"name": "trainium", "role": "dnn", "instance_type": "ml.trn1.2xlarge", "count": 1}], "inputs": {}}).is_script
+
+
+def test_a_scripts_own_image_must_come_from_a_repository_the_deployment_allows() -> None:
+    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/teams/train:v3"
+    allowed = SpecPolicy.from_environment({"RESULTS_BUCKET": "results-bucket",
+                                           "SCRIPT_IMAGE_REPOSITORIES": '["123456789012.dkr.ecr.us-east-1.amazonaws.com/teams/train"]'})
+    assert validate_job_spec(script(workload={"image": image}), allowed).code.image == image
+    by_digest = image.removesuffix(":v3") + "@sha256:" + "0" * 64
+    assert validate_job_spec(script(workload={"image": by_digest}), allowed).code.image == by_digest
+    for policy in (SpecPolicy.from_environment({"RESULTS_BUCKET": "results-bucket"}),  # a deployment that names none allows none
+                   SpecPolicy.from_environment({"RESULTS_BUCKET": "results-bucket", "SCRIPT_IMAGE_REPOSITORIES": '["1.dkr/other"]'})):
+        with pytest.raises(JobSpecError, match="not a repository the platform's jobs may pull from") as refused:
+            validate_job_spec(script(workload={"image": image}), policy)
+        assert refused.value.field == "workload.image"
 
 
 def test_eighteen_channels_leave_room_for_the_code_channel_only_without_a_nineteenth() -> None:

@@ -233,3 +233,47 @@ def test_a_request_for_code_still_in_a_local_folder_is_refused() -> None:
     raw = json.loads((EXAMPLES / "pytorch-homogeneous.json").read_text()) | {"workload": {"code": "my_workload"}, "hyperparameters": {}}
     with pytest.raises(RequestError, match="is a local folder"):
         create_training_job_request(validate_job_spec(raw), SETTINGS, name="hetero-x-ab12cd34ef", run_id="run-0001")
+
+
+# Script mode ----------------------------------------------------------------------------------------
+
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/teams/vision-train:v3"
+
+
+def script_request(workload: dict | None = None, example: str = "pytorch-script.json", **changes: object) -> dict:
+    raw = json.loads((EXAMPLES / example).read_text()) | changes
+    raw["workload"] = {key: value for key, value in ({"code": CODE, "sha256": SHA, "entry_point": "train.py"} | (workload or {})).items() if value}
+    raw.pop("distribution", None)
+    spec = validate_job_spec(raw)
+    return create_training_job_request(spec, SETTINGS, name=job_name("hetero", spec.run_name, "ab12cd34ef"), run_id="run-0001")
+
+
+def test_a_script_request_carries_the_entry_point_the_code_and_the_scripts_own_hyperparameters() -> None:
+    request = script_request({"requirements": "requirements.txt"})
+    hyperparameters = request["HyperParameters"]
+    platform = build(PlatformSettings, {k: v for k, v in hyperparameters.items() if k in PlatformSettings.__dataclass_fields__})
+    assert (platform.script_entry_point, platform.workload_sha256, platform.workload_requirements) == ("train.py", SHA, "requirements.txt")
+    assert platform.workload_module == "" and platform.distribution == "none"
+    assert hyperparameters["sagemaker_program"] == "train.py"  # as the toolkit reads it: SM_USER_ENTRY_POINT
+    assert hyperparameters["data_group"] == "data_group" and hyperparameters["batch_size"] == "16"  # the script's own, as given
+    # The launcher's control ports stay away from those scripts use (the public TF sample's dispatcher is on 6000).
+    assert (platform.data_service_port, platform.job_control_port) == (29600, 29601)
+    assert channels(request)[CODE_CHANNEL]["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]
+    assert request["AlgorithmSpecification"]["TrainingImage"] == SETTINGS.image_uris["pytorch"]
+
+
+def test_a_scripts_own_image_and_step_time_regex_reach_the_request_and_pass_botocore() -> None:
+    request = script_request({"image": IMAGE, "step_time_regex": r"iter time: ([0-9.]+)s", "step_time_unit": "s"})
+    specification = request["AlgorithmSpecification"]
+    assert specification["TrainingImage"] == IMAGE
+    definitions = {item["Name"]: item["Regex"] for item in specification["MetricDefinitions"]}
+    assert definitions["step_time_s"] == r"iter time: ([0-9.]+)s" and "step_time_ms" not in definitions
+    assert script_request({"command": "torchrun --nproc_per_node 8 train.py", "entry_point": ""})["HyperParameters"].get("sagemaker_program") is None
+    for example in ("pytorch-script.json", "pytorch-homogeneous.json"):
+        request = script_request({"image": IMAGE}, example=example)
+        with mock_aws():
+            client = boto3.client("sagemaker", region_name="us-east-1")
+            client.create_training_job(**request)  # botocore validates every parameter against the API model
+            described = client.describe_training_job(TrainingJobName=request["TrainingJobName"])
+        assert described["AlgorithmSpecification"]["TrainingImage"] == IMAGE
+        assert described["HyperParameters"]["script_entry_point"] == "train.py"

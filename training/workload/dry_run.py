@@ -41,6 +41,8 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
     """Check a user workload spec's code against the contract (see the module docstring); a report of what
     was checked, or a WorkloadError / CodeError / HyperparameterError naming what is wrong."""
     code = spec.code
+    if spec.is_script:
+        return dry_run_script(spec, code_dir, install=install)
     packed = pack_code(code_dir)
     report: dict[str, Any] = {"module": code.module, "sha256": packed.sha256, "files": len(packed.files)}
     _check_channel_names(spec, channels)
@@ -62,6 +64,37 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
             raise type(error)(str(error).replace(str(unpacked.resolve()), str(code_dir)).replace(str(unpacked), str(code_dir))) from None
         finally:
             _forget(unpacked)
+    return report
+
+
+def dry_run_script(spec: Any, code_dir: Path, *, install: bool = True) -> dict[str, Any]:
+    """A script's check before anything is billed: its folder packs as the hosts receive it, its entry point
+    is in it and compiles, and its requirements install. The script itself does not run here: what it does
+    is its own (try it on the emulated cluster: ``hetero local``)."""
+    code = spec.code
+    packed = pack_code(code_dir)
+    program = code.entry_point or code.command
+    report: dict[str, Any] = {"script": program, "sha256": packed.sha256, "files": len(packed.files), "hooks": []}
+    with tempfile.TemporaryDirectory(prefix="script-dry-run-") as scratch:
+        archive = Path(scratch) / "sourcedir.tar.gz"
+        archive.write_bytes(packed.archive)
+        unpacked = unpack_code(archive, Path(scratch) / "code", packed.sha256)
+        if code.entry_point:
+            entry = unpacked / code.entry_point
+            if not entry.is_file():
+                shipped = sorted(str(path) for path in packed.files if str(path).endswith((".py", ".sh")))[:10]
+                raise CodeError(f"the entry point {code.entry_point!r} is not in {code_dir} as it is packed (it holds {shipped}; "
+                                ".git, virtual environments and caches are left out)")
+            if entry.suffix == ".py":
+                try:
+                    compile(entry.read_bytes(), str(code_dir / code.entry_point), "exec")
+                except SyntaxError as error:
+                    raise CodeError(f"{code.entry_point} does not compile: {error.msg} at line {error.lineno}") from None
+                report["compiles"] = True
+        if install and code.requirements:
+            install_requirements(unpacked, code.requirements, Path(scratch) / "environment")
+            report["requirements"] = "installed"
+    report["not_checked"] = ["the script itself (run it on the emulated cluster: hetero local SPEC --channel NAME=DIR)"]
     return report
 
 
