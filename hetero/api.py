@@ -256,7 +256,9 @@ def _local_code(spec: Any) -> WorkloadCode | None:
     workload = spec.get("workload") if isinstance(spec, Mapping) else None
     if not isinstance(workload, Mapping) or not isinstance(workload.get("code"), str):
         return None
-    code = WorkloadCode(workload["code"], workload.get("module", DEFAULT_MODULE), workload.get("requirements", ""))
+    script = "entry_point" in workload or "command" in workload
+    code = WorkloadCode(workload["code"], "" if script else workload.get("module", DEFAULT_MODULE), workload.get("requirements", ""),
+                        entry_point=workload.get("entry_point", ""), command=workload.get("command", ""))
     return code if code.is_local else None
 
 
@@ -268,7 +270,14 @@ def module_files(module: str) -> tuple[str, str]:
 
 def _check_packed(label: str, where: str, code: WorkloadCode, packed: PackedCode, folder: Path) -> None:
     """The module and the requirements file must be among what was packed: else every host would fail
-    at its start, billed, on what the client can see now."""
+    at its start, billed, on what the client can see now. A script's entry point likewise."""
+    if code.is_script:
+        if code.entry_point and code.entry_point not in packed.files:
+            raise SpecRefused(label, f"{where}workload.entry_point", f"{code.entry_point!r} is not among the files of {folder} as it is packed "
+                                                                     "(folders like .venv, build and __pycache__ are not packed)")
+        if code.requirements and code.requirements not in packed.files:
+            raise SpecRefused(label, f"{where}workload.requirements", f"{code.requirements!r} is not a file of {folder}")
+        return
     if not set(module_files(code.module)) & set(packed.files):
         raise SpecRefused(label, f"{where}workload.module", f"{code.module!r} is not in {folder}: no {' or '.join(module_files(code.module))} "
                                                             "among its files (folders like .venv, build and __pycache__ are not packed)")
@@ -311,6 +320,9 @@ def with_uploaded_code(raw: Any, base: Path, bucket: str, packed: Mapping[Path, 
         if code is None:
             continue
         archive = packed[code_folder(code.source, base).resolve()]
+        if code.is_script:  # every field of the script's as the user wrote it, the code now its archive
+            spec["workload"] = dict(spec["workload"]) | {"code": code_uri(bucket, archive), "sha256": archive.sha256}
+            continue
         spec["workload"] = {"code": code_uri(bucket, archive), "sha256": archive.sha256, "module": code.module,
                             **({"requirements": code.requirements} if code.requirements else {})}
     return rewritten

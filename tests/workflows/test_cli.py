@@ -440,3 +440,39 @@ def test_local_hands_its_options_to_the_emulated_cluster(tmp_path: Path, capfd: 
     assert "JobSpecError: instance_groups: must be a non-empty list" in capfd.readouterr().err + result.stderr
     unknown = runner().invoke(app, ["local", str(EXAMPLES / "pytorch-heterogeneous.json"), "--no-such-option"])
     assert unknown.exit_code == 2
+
+
+def test_run_of_an_existing_script_uploads_it_and_the_state_machine_runs_it_to_a_costed_result(run, tmp_path: Path) -> None:
+    """Script mode through the deployed platform: `hetero run` packs the script's folder (its entry point
+    checked among the packed files), the execution's spec keeps every script field, the launch's request
+    passes botocore with the entry point and the script's own hyperparameters, and the summary the
+    launcher writes from the script's step lines makes a result with a cost per step."""
+    import shutil
+
+    from training.script_mode import StepTiming, script_summary
+
+    timing = StepTiming(r"took ([0-9.]+) ms", warmup_steps=1)
+    summary = script_summary([900.0, 180.0, 190.0], [1.0, 1.2, 1.4], 0.0, timing, program="train.py", exit_code=0)
+    harness = run(Scenario(summary=summary, runs_for_s=0.5))
+    deploy(harness)
+    project = tmp_path / "project"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "scripts" / "grpc_feed", project / "feed")
+    raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / "pytorch-script.json").read_text())
+    raw["workload"] = {"code": "feed", "entry_point": "train.py", "step_time_regex": timing.regex, "warmup_steps": 1}
+    raw["inputs"]["train"]["s3_uri"] = SPEC["inputs"]["train"]["s3_uri"]
+    refused = runner().invoke(app, ["run", str(spec_file(project, raw | {"workload": raw["workload"] | {"entry_point": "nope.py"}})),
+                                    "--name", "script-0", "--quiet"])
+    assert refused.exit_code == 2 and "workload.entry_point" in refused.output and harness.training_jobs() == []
+    spec = spec_file(project, raw | {"max_runtime_s": 60})
+    started = runner().invoke(app, ["run", str(spec), "--name", "script-1", "--quiet"])
+    assert started.exit_code == 0, started.output
+    sent = execution_input(harness, "script-1")["workload"]
+    assert sent["entry_point"] == "train.py" and sent["step_time_regex"] == timing.regex and sent["code"].startswith(f"s3://{RESULTS_BUCKET}/code/")
+    arn = harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":script-1"
+    assert harness.wait(arn)["status"] == "SUCCEEDED"
+    job = harness.sagemaker.describe_training_job(TrainingJobName=harness.job_of(arn, raw["run_name"]))
+    assert job["HyperParameters"]["script_entry_point"] == "train.py" and job["HyperParameters"]["sagemaker_program"] == "train.py"
+    assert job["HyperParameters"]["data_group"] == "data_group" and job["HyperParameters"]["workload_module"] == ""
+    result = harness.result("script-1")
+    assert result["status"] == "Completed" and result["step_time_ms"]["p50"] == 185.0
+    assert result["billed_ms_per_step"] == 200.0 and result["cost_per_1k_steps_usd"] > 0
