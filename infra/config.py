@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lambdas.core.deadlines import worst_case_run_s
-from lambdas.core.job_spec import BUCKET_NAME, MAX_RUNTIME_S, SpecPolicy
+from lambdas.core.job_spec import BUCKET_NAME, ECR_REPOSITORY, MAX_RUNTIME_S, SpecPolicy
 from lambdas.core.sweep import plan_sweep
 
 CONTEXT_KEY = "platform"
@@ -74,6 +74,10 @@ class PlatformConfig:
     # Buckets, besides the platform's datasets bucket, that job specs may read their channels from; the
     # SageMaker role gets read access to these and no others.
     input_buckets: tuple[str, ...] = ()
+    # ECR repositories of this account and region (their names) whose images script-mode jobs may run
+    # (``"workload": {"image": ...}``: images built FROM the platform's); the SageMaker role may pull from
+    # these and no others. None given: a script runs in the platform's images only.
+    script_image_repositories: tuple[str, ...] = ()
     # The most one run may cost (every instance billed for its whole max_runtime_s), and a whole sweep;
     # a spec or sweep input may lower these with max_cost_usd, never raise them.
     run_cost_ceiling_usd: float = 1000.0
@@ -136,6 +140,11 @@ class PlatformConfig:
             if not isinstance(buckets, list | tuple) or not all(isinstance(b, str) and BUCKET_NAME.fullmatch(b) for b in buckets):
                 raise PlatformConfigError(f"input_buckets must be a list of S3 bucket names, got {buckets!r}")
             raw["input_buckets"] = tuple(buckets)
+        if "script_image_repositories" in raw:
+            names = raw["script_image_repositories"]
+            if not isinstance(names, list | tuple) or not all(isinstance(name, str) and ECR_REPOSITORY.fullmatch(name) for name in names):
+                raise PlatformConfigError(f"script_image_repositories must be a list of ECR repository names (team/train), got {names!r}")
+            raw["script_image_repositories"] = tuple(names)
         if "ceiling_prices_usd_per_hour" in raw:  # on top of the defaults, not instead of them
             raw["ceiling_prices_usd_per_hour"] = dict(cls().ceiling_prices_usd_per_hour) | dict(raw["ceiling_prices_usd_per_hour"])
         return cls(**raw)
@@ -156,11 +165,13 @@ class PlatformConfig:
         return SpecPolicy(run_cost_ceiling_usd=self.run_cost_ceiling_usd, sweep_cost_ceiling_usd=self.sweep_cost_ceiling_usd,
                           prices_usd_per_hour=dict(self.ceiling_prices_usd_per_hour))
 
-    def policy_environment(self, input_buckets: str) -> dict[str, str]:
+    def policy_environment(self, input_buckets: str, script_images: str = "[]") -> dict[str, str]:
         """The Lambdas' environment for SpecPolicy.from_environment (lambdas/core/job_spec.py);
-        ``input_buckets``: the allowed buckets as a JSON list (a deploy-time token)."""
+        ``input_buckets``: the allowed buckets as a JSON list, ``script_images`` the allowed script
+        image repositories' URIs (deploy-time tokens)."""
         return {
             "INPUT_BUCKETS": input_buckets,
+            "SCRIPT_IMAGE_REPOSITORIES": script_images,
             "RUN_COST_CEILING_USD": str(self.run_cost_ceiling_usd),
             "SWEEP_COST_CEILING_USD": str(self.sweep_cost_ceiling_usd),
             "CEILING_PRICES": json.dumps(dict(self.ceiling_prices_usd_per_hour), sort_keys=True),

@@ -1,5 +1,6 @@
 """The role SageMaker training jobs run as: read the input buckets (the datasets bucket and any the
-deployment allows), write artifacts and checkpoints, pull our images, write the job's logs and metrics.
+deployment allows), write artifacts and checkpoints, pull our images (and the script images of the
+repositories cdk.json's script_image_repositories names), write the job's logs and metrics.
 Nothing more.
 
 One role serves every job, yet no job reaches another's prefixes. A state-machine launch creates its job
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from aws_cdk import ArnFormat, Stack
+from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_ecr_assets as ecr_assets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
@@ -45,6 +47,7 @@ class ExecutionRole(Construct):
         inputs: Iterable[s3.IBucket],
         results: s3.IBucket,
         images: Iterable[ecr_assets.DockerImageAsset],
+        script_repositories: Iterable[ecr.IRepository] = (),
     ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
@@ -61,6 +64,8 @@ class ExecutionRole(Construct):
             self.role.add_to_policy(statement)
         for image in images:
             image.repository.grant_pull(self.role)
+        for repository in script_repositories:  # cdk.json's script_image_repositories: script jobs' own images
+            repository.grant_pull(self.role)
         self.role.add_to_policy(
             iam.PolicyStatement(
                 actions=["logs:CreateLogGroup", "logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],

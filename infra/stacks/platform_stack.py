@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from aws_cdk import CfnOutput, Stack
+from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
@@ -32,7 +33,10 @@ class PlatformStack(Stack):
         buckets = Buckets(self, "Buckets", checkpoint_retention_days=config.checkpoint_retention_days)
         images = TrainingImages(self, "TrainingImages", base_images={v: config.base_image(v) for v in config.base_images})
         inputs = [buckets.datasets, *(s3.Bucket.from_bucket_name(self, f"Input{index}", name) for index, name in enumerate(config.input_buckets))]
-        role = ExecutionRole(self, "SageMakerExecution", inputs=inputs, results=buckets.results, images=images.images.values())
+        script_repositories = [ecr.Repository.from_repository_name(self, f"ScriptImages{index}", name)
+                               for index, name in enumerate(config.script_image_repositories)]
+        role = ExecutionRole(self, "SageMakerExecution", inputs=inputs, results=buckets.results, images=images.images.values(),
+                             script_repositories=script_repositories)
         network = TrainingNetwork(self, "TrainingNetwork", sagemaker_role=role.role, buckets=[buckets.results, *inputs],
                                   log_retention_days=config.log_retention_days) if config.vpc_mode else None
         vpc_config = {"SecurityGroupIds": [network.security_group.security_group_id], "Subnets": network.subnet_ids} if network else None
@@ -40,7 +44,8 @@ class PlatformStack(Stack):
             self, "TrainingRunFunctions", prefix=config.prefix, sagemaker_role=role.role, results=buckets.results,
             image_uris=images.image_uris, log_retention_days=config.log_retention_days, deadline_grace_s=config.deadline_grace_s,
             poll_interval_s=config.poll_interval_s,
-            policy_environment=config.policy_environment(self.to_json_string([bucket.bucket_name for bucket in inputs])),
+            policy_environment=config.policy_environment(self.to_json_string([bucket.bucket_name for bucket in inputs]),
+                                                         self.to_json_string([repository.repository_uri for repository in script_repositories])),
             start_timeout_s=config.start_timeout_s, capacity_relaunches=config.capacity_relaunches, capacity_backoff_s=config.capacity_backoff_s,
             vpc_config=vpc_config,
         )

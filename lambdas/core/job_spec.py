@@ -116,7 +116,8 @@ MAX_COMMAND = 1024
 MAX_WARMUP_STEPS = 100_000
 # An image in ECR (<account>.dkr.ecr.<region>.amazonaws.com/<repository>, by tag or digest): the
 # execution role can pull only from repositories the deployment allows (cdk.json's script_image_repositories).
-ECR_IMAGE = re.compile(r"(?P<repository>\d{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?/[a-z0-9]+(?:[._/-][a-z0-9]+)*)"
+ECR_REPOSITORY = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")  # a repository's name
+ECR_IMAGE = re.compile(rf"(?P<repository>\d{{12}}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?/{ECR_REPOSITORY.pattern})"
                        r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})")
 # Where the client uploads a packed folder, below the results bucket (training/workload/code.py's PackedCode.key),
 # and the archive's name.

@@ -35,8 +35,9 @@ def template_json(template: Template) -> dict[str, Any]:
     return template.to_json()
 
 
-# The VPC-mode synthesis also allows an input bucket of the deployment's (cdk.json's input_buckets).
-VPC_CONTEXT = {"platform": {"vpc_mode": True, "input_buckets": ["example-training-data"]}}
+# The VPC-mode synthesis also allows an input bucket of the deployment's (cdk.json's input_buckets) and a
+# repository of script images (script_image_repositories).
+VPC_CONTEXT = {"platform": {"vpc_mode": True, "input_buckets": ["example-training-data"], "script_image_repositories": ["teams/train"]}}
 
 
 @pytest.fixture(scope="session")

@@ -578,3 +578,27 @@ def test_only_the_launch_function_creates_jobs_on_sessions_that_carry_the_jobs_k
     assert as_list(assume["Action"]) == ["sts:AssumeRole", "sts:TagSession"] and assume["Resource"] == {"Fn::GetAtt": [launcher_id, "Arn"]}
     creates = {action for statement in role_statements(template_json, "TrainingRunFunctionsJobLauncherRole") for action in as_list(statement["Action"])}
     assert creates == {"sagemaker:CreateTrainingJob", "sagemaker:AddTags", "iam:PassRole"}
+
+
+def test_the_jobs_may_pull_script_images_from_the_repositories_cdk_json_names_and_no_others(template_json, in_vpc) -> None:
+    """A script's own image (script mode) comes from a repository of cdk.json's script_image_repositories:
+    the SageMaker role pulls from those by ARN, and the functions' policy accepts images of those alone."""
+
+    def pulls(template: dict) -> list[str]:
+        role = next(key for key in template["Resources"] if key.startswith("SageMakerExecutionRole") and template["Resources"][key]["Type"] == "AWS::IAM::Role")
+        resources = []
+        for resource in template["Resources"].values():
+            if resource["Type"] != "AWS::IAM::Policy" or {"Ref": role} not in resource["Properties"]["Roles"]:
+                continue
+            for statement in resource["Properties"]["PolicyDocument"]["Statement"]:
+                if "ecr:BatchGetImage" in statement["Action"]:
+                    resources.append(json.dumps(statement["Resource"]))
+        return resources
+
+    def allowed(template: dict) -> str:
+        validate = next(r for key, r in template["Resources"].items() if key.startswith("TrainingRunFunctionsValidateSpec") and r["Type"] == "AWS::Lambda::Function")
+        return json.dumps(validate["Properties"]["Environment"]["Variables"]["SCRIPT_IMAGE_REPOSITORIES"])
+
+    assert any("repository/teams/train" in resource for resource in pulls(in_vpc))
+    assert not any("teams/train" in resource for resource in pulls(template_json))
+    assert "teams/train" in allowed(in_vpc) and allowed(template_json) == '"[]"'
