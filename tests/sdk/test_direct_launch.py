@@ -278,3 +278,30 @@ def test_a_direct_jobs_result_and_stop(aws) -> None:
     assert job_result(empty.job_name, platform())["failure_reason"].startswith("NoSummary")
     with pytest.raises(ClientFacingError, match="no training job"):
         job_result("hetero-nothing-20260101000000", platform())
+
+
+def test_modeltrainer_sends_a_scripts_request_as_the_builder_does(aws, tmp_path: Path) -> None:
+    """Script mode through the SDK: the script's folder uploaded and routed to every group, its entry point,
+    its own image and its step-time MetricDefinition in what ModelTrainer sends, field by field the
+    builder's; boto3 sends the same."""
+    import shutil
+
+    from training.workload.code import pack_code
+
+    shutil.copytree(EXAMPLES / "scripts" / "grpc_feed", tmp_path / "feed")
+    raw = json.loads((EXAMPLES / "pytorch-script.json").read_text())
+    raw["workload"] = {"code": "feed", "entry_point": "train.py", "step_time_regex": r"took ([0-9.]+) ms"}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(raw))
+    packed = pack_code(tmp_path / "feed")
+    through_sdk = launch_direct(path, platform(), name="script-sdk")
+    assert through_sdk.sent_by == sdk.sdk_version() and through_sdk.fallback is None
+    by_boto3 = launch_direct(path, platform(), name="script-boto3", use_sdk=False)
+    assert through_sdk.raw_spec["workload"] | {"code": "", "sha256": ""} == raw["workload"] | {"code": "", "sha256": ""}
+    for job, sent in zip((through_sdk, by_boto3), aws.created, strict=True):
+        assert sdk.differences(builders_request(dict(job.raw_spec), job.job_name, job.run_id), sent) == []
+        assert sent["HyperParameters"]["script_entry_point"] == "train.py" and sent["HyperParameters"]["sagemaker_program"] == "train.py"
+        assert {"Name": "step_time_ms", "Regex": r"took ([0-9.]+) ms"} in sent["AlgorithmSpecification"]["MetricDefinitions"]
+        (code,) = [channel for channel in sent["InputDataConfig"] if channel["ChannelName"] == "code"]
+        assert code["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]
+    assert aws.keys("code/") == [packed.key]
