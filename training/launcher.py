@@ -91,7 +91,7 @@ from training.hyperparameters import (
 )
 from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
 from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
-from training.workload.code import CodeError
+from training.workload.code import CodeError, install_requirements
 from training.workload.contract import WorkloadError
 from training.workload.host import (
     CACHE_DIR_ENV,
@@ -1164,23 +1164,32 @@ def main() -> int:
 def run_script(cluster: Cluster, hyperparameters: Mapping[str, Any]) -> int:
     """A script-mode host (training/script_mode.py): the code unpacked and installed, then the user's script
     run as it is under this launcher. Its hyperparameters beyond the platform's are the script's own."""
-    from training.script_mode import run_script_host
+    from training.script_mode import DEFAULT_REQUIREMENTS, run_script_host
 
     try:
         platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
         settings = build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()})
         settings.check_cluster(cluster)
         role = settings.role_of(cluster.current_group)
-        log.info("host %s is in instance group %s (%s): %s of a script job", cluster.current_host, cluster.current_group,
-                 cluster.current_instance_type, "trainer" if role == DNN else "data host")
+    except HyperparameterError as error:
+        return refuse(error)
+    log.info("host %s is in instance group %s (%s): %s of a script job", cluster.current_host, cluster.current_group,
+             cluster.current_instance_type, "trainer" if role == DNN else "data host")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
         code_dir, packages_dir = unpack_on_host(settings)
+        if not settings.workload_requirements and (code_dir / DEFAULT_REQUIREMENTS).is_file():
+            # As the toolkit does: a requirements.txt in the code is installed whether or not the spec names it.
+            packages_dir = install_requirements(code_dir, DEFAULT_REQUIREMENTS)
         start_heartbeat(settings.launcher_heartbeat_timeout_s, cluster.current_host, role)
         os.environ.pop(HEARTBEAT_FD_ENV, None)  # the script's environment is ours: the pipe is not its
-        os.environ.pop(SUPERVISE_ENV, None)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         return run_script_host(cluster, settings, hyperparameters, code_dir, packages_dir, stop)
-    except (HyperparameterError, CodeError) as error:
+    except PortInUseError as error:
+        if role == DATA:  # this host's alone: the trainer hosts hear why now, rather than wait on a data service that never comes
+            return fail_data_host(cluster, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
+        return refuse(error)
+    except (HyperparameterError, CodeError) as error:  # the job's: every host refuses it alike
         return refuse(error)
 
 

@@ -225,4 +225,7 @@ def script_environment(hyperparameters: Mapping[str, Any], code_dir: Path, packa
                        job_name=environ.get("TRAINING_JOB_NAME"), framework_module=environ.get("SAGEMAKER_TRAINING_MODULE"))
     path = [str(code_dir), *([str(packages)] if packages else []), *filter(None, [environ.get("PYTHONPATH", "")])]
     variables = dict(environ) | toolkit_environment(env) | {"PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    if packages:  # the requirements' console scripts (accelerate, deepspeed) on PATH: <environment>/bin
+        scripts = packages.parents[2] / "bin"
+        variables["PATH"] = os.pathsep.join(filter(None, [str(scripts), environ.get("PATH", "")]))
     return variables, command_arguments(env["hyperparameters"])

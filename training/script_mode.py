@@ -15,8 +15,10 @@ no cooperation from the script:
 * **No data host bills on.** The trainer group is the spec's "dnn" group. Each of its hosts' launchers
   keeps every other host told that it runs (keep-alives), and says when its script has ended (Shutdown,
   with the job's token). A data host's launcher ends its script (SIGTERM, then SIGKILL after
-  ``SCRIPT_GRACE_S``) and exits 0 once every trainer host has ended, or none was heard from for
-  ``data_idle_timeout_s`` (they are gone), or none ever came (``data_start_deadline_s``: exit 3).
+  ``SCRIPT_GRACE_S``) and exits 0 once every trainer host has ended or, heard from, went silent for
+  ``data_idle_timeout_s`` (gone); a trainer host never heard from keeps it up to ``data_start_deadline_s``
+  (then exit 3). A trainer host tells no data host when the job is being stopped (SageMaker signals every
+  host), and gives up on one that answered before and answers no more.
 * **Failures that name what failed.** A script that exits non-zero or dies of a signal fails its host with
   ``ScriptFailed: train.py on host algo-2 (instance group dnn_group) was killed by SIGKILL`` and its last
   lines. A data host's script that fails is reported to every trainer host, whose script is then ended:
@@ -56,7 +58,8 @@ from training.cluster import Cluster, base_dir, host_addresses
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import TokenAuth
-from training.data_service.server import SERVER_OPTIONS, Activity, StopReason, bind_port, stop_verdict
+from training.data_service.control import SENDER_METADATA
+from training.data_service.server import SERVER_OPTIONS, StopReason, bind_port
 from training.failure import write_failure
 from training.hyperparameters import DNN, HyperparameterError, PlatformSettings
 from training.metrics import METRIC_DEFINITIONS
@@ -71,10 +74,18 @@ SCRIPT_GRACE_S = 10.0
 STOP_GRACE_S = 100.0
 # A trainer host's script, ended because its data hosts failed, gets this long.
 PEER_GRACE_S = 10.0
+# A data host that answered keep-alives and no longer answers is gone after this long.
+GONE_AFTER_S = 5.0
 # The script's last lines kept for its failure reason (SageMaker's FailureReason holds 1,024 characters).
 TAIL_LINES = 20
 MAX_FAILURE_CHARS = 1000
 SUMMARY_NAME = "summary.json"
+# Where a script's own summary.json goes when the launcher writes the run's (results read summary.json).
+SCRIPT_SUMMARY_NAME = "summary.script.json"
+# The toolkit installs this file of the code whether or not the job names it.
+DEFAULT_REQUIREMENTS = "requirements.txt"
+# The toolkit waits this long for every host's name to resolve before it starts the entry point.
+HOST_RESOLUTION_S = 900.0
 
 
 class ScriptError(HyperparameterError):
@@ -94,7 +105,12 @@ def script_command(settings: PlatformSettings, code_dir: Path, arguments: Sequen
         present = sorted(str(path.relative_to(code_dir)) for path in code_dir.rglob("*") if path.suffix in (".py", ".sh"))[:10]
         raise ScriptError(f"the entry point {settings.script_entry_point!r} is not in the code folder (it holds {present}): "
                           "fix the spec's workload.entry_point")
-    return [python if entry.suffix == ".py" else "/bin/sh", str(entry), *arguments]
+    if entry.suffix == ".py":
+        return [python, str(entry), *arguments]
+    # As the toolkit runs a shell entry point: made executable and run by sh, which honours its #! line
+    # (a script without one runs in sh).
+    entry.chmod(entry.stat().st_mode | 0o111)
+    return ["/bin/sh", "-c", '"$0" "$@"', str(entry), *arguments]
 
 
 def machine_facts() -> MachineFacts:
@@ -161,6 +177,9 @@ def script_summary(values_ms: Sequence[float], seen_at: Sequence[float], started
     timed = list(values_ms[warmup:])
     since = seen_at[warmup - 1] if warmup else started_at
     wall = round((seen_at[-1] - since) * 1000 / len(timed), 3) if timed else None
+    steps = summarize(timed)
+    # Less wall time per line than a step takes: the lines are not one per step (every rank prints them).
+    doubtful = wall is not None and steps is not None and wall < 0.9 * steps["p50"]
     return {
         "mode": "script",
         "program": program,
@@ -170,9 +189,12 @@ def script_summary(values_ms: Sequence[float], seen_at: Sequence[float], started
         "start_step": 0,
         "warmup_steps": warmup,
         "timed_steps": len(timed),
-        "step_time_ms": summarize(timed),
+        "step_time_ms": steps,
         "wall_ms_per_step": wall,
         "exit_code": exit_code,
+        **({"warning": f"{wall:.1f} ms of wall time per step line, less than the median step ({steps['p50']:.1f} ms): the lines are "
+                       "not one per step (does every process print them? print from rank 0 only); the figures are not the run's"}
+           if doubtful else {}),
     }
 
 
@@ -204,6 +226,45 @@ def script_failure(program: str, host: str, group: str, returncode: int, tail: S
     if last:
         text += "; its last lines: " + " | ".join(last)
     return text if len(text) <= MAX_FAILURE_CHARS else text[: MAX_FAILURE_CHARS - 1] + "…"
+
+
+def with_own_failure(reason: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The launcher's reason, with what the script wrote to /opt/ml/output/failure itself (SageMaker's
+    convention for an algorithm's own reason), which it would otherwise overwrite."""
+    from training.failure import failure_path
+
+    path = failure_path(environ)
+    own = path.read_text(errors="replace").strip() if path.is_file() else ""
+    text = f"{reason} (the script's own reason: {own})" if own else reason
+    return text if len(text) <= MAX_FAILURE_CHARS else text[: MAX_FAILURE_CHARS - 1] + "…"
+
+
+def wait_for_host_names(hosts: Sequence[str], bound_s: float = HOST_RESOLUTION_S, retry_s: float = 1.0) -> None:
+    """As the toolkit does before the entry point: every host's name resolves (SageMaker's DNS can take a
+    moment), or ScriptError after ``bound_s``."""
+    import socket
+
+    until = time.monotonic() + bound_s
+    for host in hosts:
+        while True:
+            try:
+                socket.gethostbyname(host)
+                break
+            except OSError as error:
+                if time.monotonic() > until:
+                    raise ScriptError(f"host {host!r} of this job does not resolve after {bound_s:.0f} s: {error}") from None
+                time.sleep(retry_s)
+
+
+def framework_environment(variant: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What the PyTorch container's toolkit (sagemaker-pytorch-training) sets before any entry point, so a
+    multi-node script's env:// rendezvous finds its master: MASTER_ADDR (the first host), MASTER_PORT
+    7777, and its NCCL settings. Other variants' toolkits set none. Pure."""
+    if variant not in ("pytorch", "neuron"):
+        return {}
+    training = json.loads(env["SM_TRAINING_ENV"])
+    return {"MASTER_ADDR": training["master_hostname"], "MASTER_PORT": "7777", "NCCL_SOCKET_IFNAME": training["network_interface_name"],
+            "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
 
 
 class ScriptProcess:
@@ -280,28 +341,44 @@ class ScriptProcess:
 # The data group's hosts -------------------------------------------------------------------------
 
 
+def trainers_gone(started_at: float, heard: Mapping[str, float], ended: set[str], trainers: Sequence[str], now: float, *,
+                  idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
+    """Whether a data host's script may end, from what it heard of each trainer host: SHUTDOWN once every
+    trainer host said its script ended; IDLE once each either said so or, heard from, went silent for
+    ``idle_timeout_s`` (gone), and at least one was heard; START_DEADLINE when a trainer host was never
+    heard from ``start_deadline_s`` after the start (none came). A trainer host still starting (pulling,
+    installing) keeps the data hosts up until the start deadline. Pure."""
+    if set(trainers) <= ended:
+        return StopReason.SHUTDOWN
+    waiting = [host for host in trainers if host not in ended]
+    never = [host for host in waiting if host not in heard]
+    if never:
+        return StopReason.START_DEADLINE if now - started_at > start_deadline_s else None
+    if all(now - heard[host] > idle_timeout_s for host in waiting):
+        return StopReason.IDLE
+    return None
+
+
 class ScriptHostControl(pb_grpc.DataServiceServicer):
-    """A data host's end of the control plane in script mode: keep-alives (Describe) and the trainer
-    hosts' word that their script ended (Shutdown). Every call carries the job's token (TokenAuth)."""
+    """A data host's end of the control plane in script mode: each trainer host's keep-alives (Describe,
+    naming their sender) and its word that its script ended (Shutdown). Every call carries the job's
+    token (TokenAuth)."""
 
     def __init__(self, host: str, trainers: Sequence[str]) -> None:
         self.host, self.trainers = host, tuple(trainers)
-        now = time.monotonic()
-        self.activity = Activity(started_at=now, last_activity=now)
+        self.started_at = time.monotonic()
+        self.heard: dict[str, float] = {}
         self.ended: set[str] = set()
         self._lock = threading.Lock()
 
-    def _touch(self) -> None:
-        with self._lock:
-            self.activity.last_activity = time.monotonic()
-            self.activity.clients_seen += 1
-
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DatasetInfo:
-        self._touch()
+        sender = dict(context.invocation_metadata() or ()).get(SENDER_METADATA, "")
+        if sender in self.trainers:
+            with self._lock:
+                self.heard[sender] = time.monotonic()
         return pb.DatasetInfo(host=self.host)
 
     def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownReply:
-        self._touch()
         with self._lock:
             if request.requester in self.trainers:
                 self.ended.add(request.requester)
@@ -316,7 +393,8 @@ class ScriptHostControl(pb_grpc.DataServiceServicer):
 
     def verdict(self, idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
         with self._lock:
-            return stop_verdict(self.activity, time.monotonic(), idle_timeout_s, start_deadline_s)
+            return trainers_gone(self.started_at, dict(self.heard), set(self.ended), self.trainers, time.monotonic(),
+                                 idle_timeout_s=idle_timeout_s, start_deadline_s=start_deadline_s)
 
 
 def trainer_hosts(cluster: Cluster, settings: PlatformSettings) -> tuple[str, ...]:
@@ -344,17 +422,18 @@ def run_script_data_host(cluster: Cluster, settings: PlatformSettings, script: S
                 forwarded_at = now
             if forwarded_at is not None and now - forwarded_at > STOP_GRACE_S:
                 script.kill()
-            if control.trainers_ended():
+            verdict = control.verdict(settings.data_idle_timeout_s, settings.data_start_deadline_s)
+            if verdict is StopReason.SHUTDOWN:
                 log.info("every trainer host's script has ended: ending this data host's script")
                 script.end(SCRIPT_GRACE_S)
                 return 0
-            verdict = control.verdict(settings.data_idle_timeout_s, settings.data_start_deadline_s)
             if verdict is StopReason.IDLE:
                 log.warning("no trainer host heard from for %.0f s (gone): ending the script", settings.data_idle_timeout_s)
                 script.end(SCRIPT_GRACE_S)
                 return 0
             if verdict is StopReason.START_DEADLINE:
-                message = (f"ScriptHostUnused: no trainer host of {list(control.trainers)} reached data host {cluster.current_host} "
+                absent = [host for host in control.trainers if host not in control.heard]
+                message = (f"ScriptHostUnused: trainer hosts {absent} never reached data host {cluster.current_host} "
                            f"within {settings.data_start_deadline_s:.0f} s: its script was ended")
                 script.end(SCRIPT_GRACE_S)
                 log.error("%s", message)
@@ -365,7 +444,7 @@ def run_script_data_host(cluster: Cluster, settings: PlatformSettings, script: S
         if returncode == 0 or stop.is_set():
             log.info("the script %s by itself", describe_exit(returncode))
             return exit_status(returncode)
-        message = script_failure(script.program, cluster.current_host, cluster.current_group, returncode, list(script.tail))
+        message = with_own_failure(script_failure(script.program, cluster.current_host, cluster.current_group, returncode, list(script.tail)))
         code = exit_status(returncode)
         return fail_data_host(cluster, settings, message, code if code else CONFIG_ERROR_EXIT, stop)
     finally:
@@ -375,14 +454,17 @@ def run_script_data_host(cluster: Cluster, settings: PlatformSettings, script: S
 # The trainer group's hosts ----------------------------------------------------------------------
 
 
-def tell_data_hosts(targets: Sequence[str], token: str, requester: str, *, deadline_s: float, retry_s: float = 1.0) -> list[str]:
-    """Tell every data host that this trainer host's script has ended, asking each again until it answers
-    or ``deadline_s`` passed: a script may end before a data host's launcher is up (it unpacks and installs
-    first), and a host that never heard would wait out its start deadline, billed. Returns the hosts told."""
+def tell_data_hosts(targets: Sequence[str], token: str, requester: str, *, deadline_s: float, retry_s: float = 1.0,
+                    gone_after_s: float = 5.0, heard: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Tell every data host that this trainer host's script has ended, asking each again until it answers:
+    a script may end before a data host's launcher is up (it unpacks and installs first), and a host that
+    never heard would wait out its start deadline, billed; so one never heard from is asked for
+    ``deadline_s``, one in ``heard`` (it answered keep-alives: it is gone now) for ``gone_after_s``.
+    Returns the hosts told."""
     from training.data_service.control import request_shutdown
 
     def one(target: str) -> str | None:
-        until = time.monotonic() + deadline_s
+        until = time.monotonic() + (gone_after_s if target in heard else deadline_s)
         while True:
             try:
                 return request_shutdown(target, token, requester).host
@@ -407,12 +489,14 @@ def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script
     addresses = host_addresses()
     data_targets = settings.data_service_targets(cluster, addresses)
     abort: str | None = None
+    heard: set[str] = set()
     with contextlib.ExitStack() as stack:
-        reports = None
+        reports, keepalive = None, None
         if data_targets:
             bind = f"{addresses.get(cluster.current_host, '0.0.0.0')}:{settings.job_control_port}"
             reports = stack.enter_context(FailureReports(bind, settings.shutdown_token))
-            stack.enter_context(KeepAlive(data_targets, settings.shutdown_token, interval_s=min(5.0, settings.data_idle_timeout_s / 3)))
+            keepalive = stack.enter_context(KeepAlive(data_targets, settings.shutdown_token, interval_s=min(5.0, settings.data_idle_timeout_s / 3),
+                                                      sender=cluster.current_host))
         script.start()
         if steps is not None:
             steps.started_at = script.started_at
@@ -433,25 +517,34 @@ def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script
                 break
             time.sleep(0.1)
         returncode = script.finish()
-    if data_targets:
-        failed = reports.snapshot() if reports is not None else {}
-        serving = [target for host, target in zip(settings.data_hosts(cluster), data_targets, strict=True) if host not in failed]
-        tell_data_hosts(serving, settings.shutdown_token, cluster.current_host, deadline_s=settings.data_start_deadline_s)
+        if keepalive is not None:
+            heard = {target for target in data_targets if keepalive.answered(target)}
     if steps is not None:
         with steps._lock:
             summary = script_summary(steps.values_ms, steps.seen_at, steps.started_at, steps.timing, program=script.program,
                                      exit_code=returncode)
         path = base_dir() / "output" / "data" / SUMMARY_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file():  # the script's own: kept beside the run's, never overwritten
+            path.replace(path.with_name(SCRIPT_SUMMARY_NAME))
+            log.info("the script wrote output/data/%s itself: kept as %s", SUMMARY_NAME, SCRIPT_SUMMARY_NAME)
         path.write_text(json.dumps(summary, indent=2))
         log.info("%d step lines of the script (%d timed past %d warm-up): %s", summary["steps"], summary["timed_steps"],
                  summary["warmup_steps"], summary["step_time_ms"])
+    if data_targets and not stop.is_set():
+        # The data hosts end once every trainer host has told them (SageMaker stops every host itself on
+        # StopTrainingJob). One that answered before and is unreachable now is gone: it is asked for a few
+        # seconds only; one never heard from may still be starting, and is asked until its start deadline.
+        failed = reports.snapshot() if reports is not None else {}
+        serving = [target for host, target in zip(settings.data_hosts(cluster), data_targets, strict=True) if host not in failed]
+        tell_data_hosts(serving, settings.shutdown_token, cluster.current_host, deadline_s=settings.data_start_deadline_s,
+                        gone_after_s=GONE_AFTER_S, heard=heard)
     if abort:
         write_failure(abort)
         return 1
     status = exit_status(returncode)
     if status and not stop.is_set():
-        message = script_failure(script.program, cluster.current_host, cluster.current_group, returncode, list(script.tail))
+        message = with_own_failure(script_failure(script.program, cluster.current_host, cluster.current_group, returncode, list(script.tail)))
         log.error("%s", message)
         write_failure(message)
     elif status:
@@ -463,7 +556,10 @@ def run_script_host(cluster: Cluster, settings: PlatformSettings, hyperparameter
                     packages: Path | None, stop: threading.Event) -> int:
     """A script job's host: the script started with the toolkit's environment, as a data or trainer host."""
     environment, arguments = script_environment(hyperparameters, code_dir, packages, machine_facts())
+    # The framework's variables where the job's environment has none of its own.
+    environment = framework_environment(settings.variant, environment) | environment
     command = script_command(settings, code_dir, arguments)
+    wait_for_host_names(cluster.hosts)
     program = settings.script_entry_point or settings.script_command
     role = settings.role_of(cluster.current_group)
     first_trainer = role == DNN and cluster.current_host == trainer_hosts(cluster, settings)[0]

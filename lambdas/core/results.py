@@ -125,6 +125,8 @@ def run_verdict(job_status: str, summary: Mapping[str, Any] | None, summary_prob
         return "Failed", f"SummaryUnreadable: {summary_problem}"
     if summary is None:
         return "Failed", "NoSummary: the job completed without writing summary.json"
+    if summary.get("mode") == "script" and summary.get("warning"):
+        return "Failed", f"StepLinesNotPerStep: {summary['warning']}"
     if summary.get("mode") == "script" and not summary.get("timed_steps"):
         return "Failed", (f"NoStepsTimed: the script printed {summary.get('steps', 0)} lines matching its step-time regex "
                           f"{summary.get('step_time_regex')!r}, none past its {summary.get('warmup_steps', 0)} warm-up steps: print "

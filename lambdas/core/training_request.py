@@ -133,6 +133,8 @@ def _workload_settings(spec: JobSpec) -> dict[str, Any]:
     return code | {"workload_module": spec.code.module}
 
 
+# The platform images' entrypoint (training/images/Dockerfile), which a script's own image runs too.
+LAUNCHER_ENTRYPOINT = ("python", "-m", "training.launcher")
 # A script's own servers may take the ports the platform's launcher listens on for other jobs (a public
 # heterogeneous sample's tf.data.service dispatcher is on 6000): a script job's launchers listen here.
 SCRIPT_CONTROL_PORTS = {"data_service_port": 29600, "job_control_port": 29601}
@@ -141,8 +143,13 @@ SCRIPT_CONTROL_PORTS = {"data_service_port": 29600, "job_control_port": 29601}
 def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict[str, str]:
     """SageMaker's HyperParameters: the user's trainer settings (a script's own) and the platform's, as
     strings; a script's entry point also as the toolkit's ``sagemaker_program``, which it reads."""
-    user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
-    toolkit = {"sagemaker_program": platform.script_entry_point} if platform.script_entry_point else {}
+    if spec.is_script:
+        # As the SageMaker SDK writes a script's hyperparameters: JSON, which the toolkit decodes, so that
+        # the string "true" reaches the script as true, not as the boolean True ("--flag True").
+        user = {key: json.dumps(value) for key, value in spec.hyperparameters.items()}
+    else:
+        user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
+    toolkit = {"sagemaker_program": json.dumps(platform.script_entry_point)} if platform.script_entry_point else {}
     return user | toolkit | platform.to_hyperparameters()
 
 
@@ -191,13 +198,14 @@ def create_training_job_request(spec: JobSpec, settings: LaunchSettings, *, name
         data_connect_timeout_s=settings.data_connect_timeout_s,
         **_neuron_settings(spec, settings),
     )
+    specification: dict[str, Any] = {"TrainingImage": image, "TrainingInputMode": "File", "MetricDefinitions": metric_definitions(spec)}
+    if spec.is_script and spec.code.image:
+        # A user's image: its entrypoint may be its own (a DLC's toolkit, which would leave no guarantee):
+        # the launcher is the job's, and an image without it fails at once instead of billing unguarded.
+        specification["ContainerEntrypoint"] = list(LAUNCHER_ENTRYPOINT)
     request = {
         "TrainingJobName": name,
-        "AlgorithmSpecification": {
-            "TrainingImage": image,
-            "TrainingInputMode": "File",
-            "MetricDefinitions": metric_definitions(spec),
-        },
+        "AlgorithmSpecification": specification,
         "HyperParameters": container_hyperparameters(spec, platform),
         "RoleArn": settings.role_arn,
         "InputDataConfig": [

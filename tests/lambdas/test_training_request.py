@@ -254,8 +254,8 @@ def test_a_script_request_carries_the_entry_point_the_code_and_the_scripts_own_h
     platform = build(PlatformSettings, {k: v for k, v in hyperparameters.items() if k in PlatformSettings.__dataclass_fields__})
     assert (platform.script_entry_point, platform.workload_sha256, platform.workload_requirements) == ("train.py", SHA, "requirements.txt")
     assert platform.workload_module == "" and platform.distribution == "none"
-    assert hyperparameters["sagemaker_program"] == "train.py"  # as the toolkit reads it: SM_USER_ENTRY_POINT
-    assert hyperparameters["data_group"] == "data_group" and hyperparameters["batch_size"] == "16"  # the script's own, as given
+    assert hyperparameters["sagemaker_program"] == '"train.py"'  # JSON, as the SDK writes it and the toolkit reads it
+    assert hyperparameters["data_group"] == '"data_group"' and hyperparameters["batch_size"] == "16"  # the script's own, JSON as the SDK writes them
     # The launcher's control ports stay away from those scripts use (the public TF sample's dispatcher is on 6000).
     assert (platform.data_service_port, platform.job_control_port) == (29600, 29601)
     assert channels(request)[CODE_CHANNEL]["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]
@@ -266,6 +266,8 @@ def test_a_scripts_own_image_and_step_time_regex_reach_the_request_and_pass_boto
     request = script_request({"image": IMAGE, "step_time_regex": r"iter time: ([0-9.]+)s", "step_time_unit": "s"})
     specification = request["AlgorithmSpecification"]
     assert specification["TrainingImage"] == IMAGE
+    assert specification["ContainerEntrypoint"] == ["python", "-m", "training.launcher"]  # the launcher, whatever the image's own
+    assert "ContainerEntrypoint" not in script_request()["AlgorithmSpecification"]  # the platform's image: its own entrypoint is it
     definitions = {item["Name"]: item["Regex"] for item in specification["MetricDefinitions"]}
     assert definitions["step_time_s"] == r"iter time: ([0-9.]+)s" and "step_time_ms" not in definitions
     assert script_request({"command": "torchrun --nproc_per_node 8 train.py", "entry_point": ""})["HyperParameters"].get("sagemaker_program") is None

@@ -300,7 +300,7 @@ def test_modeltrainer_sends_a_scripts_request_as_the_builder_does(aws, tmp_path:
     assert through_sdk.raw_spec["workload"] | {"code": "", "sha256": ""} == raw["workload"] | {"code": "", "sha256": ""}
     for job, sent in zip((through_sdk, by_boto3), aws.created, strict=True):
         assert sdk.differences(builders_request(dict(job.raw_spec), job.job_name, job.run_id), sent) == []
-        assert sent["HyperParameters"]["script_entry_point"] == "train.py" and sent["HyperParameters"]["sagemaker_program"] == "train.py"
+        assert sent["HyperParameters"]["script_entry_point"] == "train.py" and sent["HyperParameters"]["sagemaker_program"] == '"train.py"'
         assert {"Name": "step_time_ms", "Regex": r"took ([0-9.]+) ms"} in sent["AlgorithmSpecification"]["MetricDefinitions"]
         (code,) = [channel for channel in sent["InputDataConfig"] if channel["ChannelName"] == "code"]
         assert code["DataSource"]["S3DataSource"]["InstanceGroupNames"] == ["data_group", "dnn_group"]

@@ -21,6 +21,7 @@ from lambdas.core.sweep import SweepSpecError, plan_sweep
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import TokenAuth
 from training.data_service.control import request_shutdown
+from training.data_service.server import StopReason
 from training.hyperparameters import PlatformSettings
 from training.local.cluster import EmulationOptions, hosts_file, namespace_command, plan_hosts
 from training.metrics import METRIC_DEFINITIONS
@@ -34,6 +35,7 @@ from training.script_mode import (
     script_summary,
     step_time_ms,
     tell_data_hosts,
+    trainers_gone,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -70,6 +72,30 @@ def test_the_summary_leaves_the_warm_up_out_and_bills_the_wall_time_between_step
     assert no_warmup["wall_ms_per_step"] == pytest.approx(750.0)  # from the script's start
 
 
+def test_step_lines_from_every_rank_are_not_taken_for_steps() -> None:
+    """Two processes printing 100 ms steps: 20 lines in 1 s would bill 50 ms a step."""
+    values = [100.0] * 20
+    seen = [0.1 * (index // 2 + 1) for index in range(20)]
+    summary = script_summary(values, seen, 0.0, StepTiming("x", warmup_steps=0), program="train.py", exit_code=0)
+    assert summary["wall_ms_per_step"] == pytest.approx(50.0) and "print from rank 0 only" in summary["warning"]
+    status, reason = run_verdict("Completed", summary, None)
+    assert status == "Failed" and reason.startswith("StepLinesNotPerStep")
+
+
+def test_a_data_host_waits_for_trainer_hosts_still_starting_and_ends_when_each_ended_or_went_silent() -> None:
+    trainers = ["algo-2", "algo-3"]
+
+    def verdict(heard: dict, ended: set, now: float):
+        return trainers_gone(0.0, heard, ended, trainers, now, idle_timeout_s=10, start_deadline_s=100)
+
+    assert verdict({}, set(), 50) is None
+    assert verdict({"algo-2": 1.0}, {"algo-2"}, 50) is None  # algo-3 still starting (pulling, installing): wait
+    assert verdict({"algo-2": 1.0}, {"algo-2"}, 101) is StopReason.START_DEADLINE
+    assert verdict({"algo-2": 1.0, "algo-3": 45.0}, {"algo-2"}, 50) is None  # algo-3 heard 5 s ago
+    assert verdict({"algo-2": 1.0, "algo-3": 30.0}, {"algo-2"}, 50) is StopReason.IDLE  # gone
+    assert verdict({"algo-2": 1.0, "algo-3": 49.0}, {"algo-2", "algo-3"}, 50) is StopReason.SHUTDOWN
+
+
 def test_a_failure_names_the_program_host_group_and_how_it_ended() -> None:
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
@@ -85,7 +111,8 @@ def test_the_entry_point_starts_as_the_toolkit_starts_it(tmp_path: Path) -> None
     (tmp_path / "train.py").write_text("")
     (tmp_path / "run.sh").write_text("")
     assert script_command(settings(script_entry_point="train.py"), tmp_path, ["--lr", "0.1"], python="/py") == ["/py", str(tmp_path / "train.py"), "--lr", "0.1"]
-    assert script_command(settings(script_entry_point="run.sh"), tmp_path, ["--a", "1"])[:2] == ["/bin/sh", str(tmp_path / "run.sh")]
+    assert script_command(settings(script_entry_point="run.sh"), tmp_path, ["--a", "1"]) == ["/bin/sh", "-c", '"$0" "$@"', str(tmp_path / "run.sh"), "--a", "1"]
+    assert (tmp_path / "run.sh").stat().st_mode & 0o111  # made executable, as the toolkit does: its #! line runs it
     assert script_command(settings(script_command="torchrun t.py --x 1"), tmp_path, ["--lr", "0.1"]) == ["/bin/sh", "-c", "torchrun t.py --x 1"]
     with pytest.raises(ScriptError, match=r"'missing.py' is not in the code folder \(it holds \['run.sh', 'train.py'\]\)"):
         script_command(settings(script_entry_point="missing.py"), tmp_path, [])
@@ -144,6 +171,10 @@ def test_a_trainer_host_whose_script_ended_first_still_reaches_a_data_host_that_
         for server in servers:
             server.stop(0)
     assert tell_data_hosts([f"127.0.0.1:{port}"], TOKEN, "algo-2", deadline_s=0.5, retry_s=0.2) == []  # gone: gives up at its deadline
+    started = time.monotonic()  # one that answered keep-alives and answers no more is gone: asked briefly
+    assert tell_data_hosts([f"127.0.0.1:{port}"], TOKEN, "algo-2", deadline_s=60, gone_after_s=0.5, retry_s=0.2,
+                           heard={f"127.0.0.1:{port}"}) == []
+    assert time.monotonic() - started < 10
 
 
 def test_the_emulated_hosts_resolve_each_other_in_namespaces_of_their_own(tmp_path: Path) -> None:
@@ -152,7 +183,7 @@ def test_the_emulated_hosts_resolve_each_other_in_namespaces_of_their_own(tmp_pa
     spec = validate_job_spec(json.loads((EXAMPLES / "pytorch-script.json").read_text()))
     hosts = plan_hosts(spec, EmulationOptions(workdir=tmp_path, channels={}), [0, 1], subnet=77)
     text = hosts_file(hosts, "127.0.0.1\tlocalhost\n")
-    assert text == "127.0.0.1\tlocalhost\n# the emulated cluster's hosts\n127.0.77.2\talgo-1\n127.0.77.3\talgo-2\n"
+    assert text == "# the emulated cluster's hosts\n127.0.77.2\talgo-1\n127.0.77.3\talgo-2\n127.0.0.1\tlocalhost\n"
     command = namespace_command(tmp_path / "hosts", "algo-2", hosts[1].base_dir, tmp_path / "s", ["python", "-m", "x"], root=True)
     assert command[:5] == ["unshare", "--mount", "--uts", "--", "/bin/sh"] and command[-3:] == ["python", "-m", "x"]
     assert "--map-root-user" in namespace_command(tmp_path / "hosts", "algo-2", tmp_path, tmp_path, ["x"], root=False)

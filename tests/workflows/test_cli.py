@@ -471,8 +471,8 @@ def test_run_of_an_existing_script_uploads_it_and_the_state_machine_runs_it_to_a
     arn = harness.state_machine_arn.replace(":stateMachine:", ":execution:") + ":script-1"
     assert harness.wait(arn)["status"] == "SUCCEEDED"
     job = harness.sagemaker.describe_training_job(TrainingJobName=harness.job_of(arn, raw["run_name"]))
-    assert job["HyperParameters"]["script_entry_point"] == "train.py" and job["HyperParameters"]["sagemaker_program"] == "train.py"
-    assert job["HyperParameters"]["data_group"] == "data_group" and job["HyperParameters"]["workload_module"] == ""
+    assert job["HyperParameters"]["script_entry_point"] == "train.py" and job["HyperParameters"]["sagemaker_program"] == '"train.py"'
+    assert job["HyperParameters"]["data_group"] == '"data_group"' and job["HyperParameters"]["workload_module"] == ""
     result = harness.result("script-1")
     assert result["status"] == "Completed" and result["step_time_ms"]["p50"] == 185.0
     assert result["billed_ms_per_step"] == 200.0 and result["cost_per_1k_steps_usd"] > 0

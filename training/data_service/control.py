@@ -108,6 +108,10 @@ def request_shutdown(address: str, token: str, requester: str, timeout_s: float 
         )
 
 
+# The call metadata that names the host a keep-alive comes from.
+SENDER_METADATA = "x-keepalive-sender"
+
+
 class KeepAlive:
     """Tells every data host, every ``interval_s``, that a trainer is still running on this host, and
     tracks when each last answered.
@@ -116,9 +120,10 @@ class KeepAlive:
     ``answered`` says whether it ever did, ``silent_for`` for how long it has not since.
     """
 
-    def __init__(self, addresses: list[str], token: str, interval_s: float) -> None:
+    def __init__(self, addresses: list[str], token: str, interval_s: float, sender: str = "") -> None:
         self.addresses = addresses
-        self._metadata = call_metadata(token)
+        # ``sender``: this host's name, for a data host that tracks each trainer host (script mode's).
+        self._metadata = call_metadata(token) + (((SENDER_METADATA, sender),) if sender else ())
         self._channels = [grpc.insecure_channel(address, options=CLIENT_OPTIONS) for address in addresses]
         self._interval_s = interval_s
         self._stop = threading.Event()

@@ -283,9 +283,10 @@ def write_shard(source: Path, folder: Path, index: int, hosts: int) -> None:
 
 
 def hosts_file(hosts: list[EmulatedHost], machine: str) -> str:
-    """The job's /etc/hosts: the machine's own lines, then every emulated host's name at its address. Pure."""
+    """The job's /etc/hosts: every emulated host's name at its address, first (the first match wins, over
+    an algo-1 the machine may name), then the machine's own lines. Pure."""
     own = "\n".join(f"{host.address}\t{host.name}" for host in hosts)
-    return f"{machine.rstrip()}\n# the emulated cluster's hosts\n{own}\n"
+    return f"# the emulated cluster's hosts\n{own}\n{machine.rstrip()}\n"
 
 
 # In the host's own mount and UTS namespaces: the job's hosts file over /etc/hosts, the host's name, its
