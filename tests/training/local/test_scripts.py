@@ -316,3 +316,21 @@ def test_a_shell_entry_point_runs_under_its_own_interpreter_with_the_arguments(t
     result = finish(cluster)
     assert result.ok and result.orphans == [], result.report() + "\n".join(watcher.of("algo-2")[-10:])
     assert "args: --epochs 2" in watcher.of("algo-2")
+
+
+@pytest.mark.cluster
+def test_the_scripts_own_failure_reason_and_summary_are_kept(tmp_path: Path, images: Path) -> None:
+    code = write_script(tmp_path / "code", SERVES_FOR_EVER + """
+    from pathlib import Path
+    Path(os.environ["SM_OUTPUT_DATA_DIR"], "summary.json").write_text('{"mine": 1}')
+    Path("/opt/ml/output/failure").write_text("MyReason: the loss diverged")
+    print("step=1/1 step_time_ms=5.0", flush=True)
+    sys.exit(3)
+    """)
+    cluster, _ = start(script_spec(code), tmp_path, {"train": images})
+    result = finish(cluster)
+    assert result.outcome("algo-2").exit_code == 3 and result.orphans == [], result.report()
+    assert failure_of(cluster, "algo-2") == ("ScriptFailed: train.py on host algo-2 (instance group dnn_group) exited with code 3; its last "
+                                             "lines: step=1/1 step_time_ms=5.0 (the script's own reason: MyReason: the loss diverged)")
+    data = cluster.host("algo-2").base_dir / "output" / "data"
+    assert json.loads((data / "summary.script.json").read_text()) == {"mine": 1} and cluster.summary()["mode"] == "script"
