@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,7 +226,9 @@ def script_environment(hyperparameters: Mapping[str, Any], code_dir: Path, packa
                        job_name=environ.get("TRAINING_JOB_NAME"), framework_module=environ.get("SAGEMAKER_TRAINING_MODULE"))
     path = [str(code_dir), *([str(packages)] if packages else []), *filter(None, [environ.get("PYTHONPATH", "")])]
     variables = dict(environ) | toolkit_environment(env) | {"PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
-    if packages:  # the requirements' console scripts (accelerate, deepspeed) on PATH: <environment>/bin
-        scripts = packages.parents[2] / "bin"
-        variables["PATH"] = os.pathsep.join(filter(None, [str(scripts), environ.get("PATH", "")]))
+    # The image's interpreter first (a command's `python`, `torchrun`), then the requirements' console
+    # scripts (accelerate, deepspeed: <environment>/bin), then the rest.
+    interpreter = str(Path(sys.executable).parent)
+    scripts = [str(packages.parents[2] / "bin")] if packages else []
+    variables["PATH"] = os.pathsep.join([interpreter, *scripts, *filter(None, [environ.get("PATH", "")])])
     return variables, command_arguments(env["hyperparameters"])

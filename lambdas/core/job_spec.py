@@ -52,6 +52,7 @@ Nothing here performs I/O.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -317,7 +318,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         instance_groups=groups,
         # Absent: the variant's default, filled in by validate_job_spec.
         distribution=_string(raw, "distribution") if "distribution" in raw else "",
-        hyperparameters=_hyperparameters(raw.get("hyperparameters", {})),
+        hyperparameters=_hyperparameters(raw.get("hyperparameters", {}), script=code is not None and code.is_script),
         inputs=_inputs(raw.get("inputs", {}), groups, PLATFORM_CHANNELS + bool(resume_from) + (code is not None)),
         max_runtime_s=_max_runtime(raw.get("max_runtime_s", 3600)),
         spec_version=SPEC_VERSION,
@@ -341,7 +342,9 @@ def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
         if not script and unknown[0] in SCRIPT_FIELDS:
             raise JobSpecError(f"workload.{unknown[0]}", "belongs to script mode: give the script's entry_point (or command) too")
         kind = "your existing script" if script else "a workload of your own"
-        raise JobSpecError(f"workload.{unknown[0]}", f"unknown field; {kind} has {list(fields_)}")
+        nearest = difflib.get_close_matches(unknown[0], [*SCRIPT_FIELDS, *CODE_FIELDS], n=1)
+        hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+        raise JobSpecError(f"workload.{unknown[0]}", f"unknown field; {hint}{kind} has {list(fields_)}")
     source = raw.get("code")
     if not isinstance(source, str) or not source or any(ord(character) < 32 for character in source):
         raise JobSpecError("workload.code", f"{source!r} must be the folder of your workload's code (relative to the spec's file) "
@@ -457,7 +460,8 @@ def _groups(raw: Any) -> tuple[GroupSpec, ...]:
     return tuple(groups)
 
 
-def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
+def _hyperparameters(raw: Any, script: bool = False) -> Mapping[str, str | int | float | bool]:
+    """``script``: a script's own names may be any SageMaker takes (``batch-size``: argparse's --batch-size)."""
     if not isinstance(raw, Mapping):
         raise JobSpecError("hyperparameters", "must be an object of name → scalar value")
     # SageMaker's limit on HyperParameters counts the platform's settings too.
@@ -466,7 +470,9 @@ def _hyperparameters(raw: Any) -> Mapping[str, str | int | float | bool]:
         raise JobSpecError("hyperparameters", f"{len(raw)} given; the platform's settings leave room for {room}")
     for name, value in raw.items():
         where = f"hyperparameters.{name}"
-        if not HYPERPARAMETER_NAME.fullmatch(name) or limit("HyperParameterKey").problem(name):
+        if script and (limit("HyperParameterKey").problem(name) or not name or any(ord(c) < 32 or c.isspace() for c in name)):
+            raise JobSpecError(where, "a script's hyperparameter names are 1–256 characters without spaces (--name value arguments)")
+        if not script and (not HYPERPARAMETER_NAME.fullmatch(name) or limit("HyperParameterKey").problem(name)):
             raise JobSpecError(where, "names are letters, digits and '_', not starting with a digit, ≤ 256 characters")
         if value is None or not isinstance(value, str | int | float | bool):
             raise JobSpecError(where, f"{value!r} must be a string, number or boolean")

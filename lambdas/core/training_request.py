@@ -147,6 +147,10 @@ def container_hyperparameters(spec: JobSpec, platform: PlatformSettings) -> dict
         # As the SageMaker SDK writes a script's hyperparameters: JSON, which the toolkit decodes, so that
         # the string "true" reaches the script as true, not as the boolean True ("--flag True").
         user = {key: json.dumps(value) for key, value in spec.hyperparameters.items()}
+        if spec.is_heterogeneous:
+            # The trainer group is the one group SageMaker lets a job name for distribution (the SDK's
+            # distribution={"instance_groups": [...]}): the toolkit's master (MASTER_ADDR) is its first host.
+            user["sagemaker_distribution_instance_groups"] = json.dumps([spec.dnn_group.name])
     else:
         user = {key: to_hyperparameter_string(value) for key, value in spec.hyperparameters.items()}
     toolkit = {"sagemaker_program": json.dumps(platform.script_entry_point)} if platform.script_entry_point else {}

@@ -323,6 +323,11 @@ def test_a_script_keeps_its_own_hyperparameters_and_channel_routing() -> None:
     assert spec.is_script and not spec.is_user_workload and spec.distribution == "none"
     assert (spec.code.entry_point, spec.code.step_time_unit, spec.code.warmup_steps, spec.code.module) == ("train.py", "s", 0, "")
     assert spec.hyperparameters["steps"] == "many"  # the script's own: not the platform loop's integer
+    assert validate_job_spec(script(hyperparameters={"batch-size": 8})).hyperparameters["batch-size"] == 8  # argparse's --batch-size
+    with pytest.raises(JobSpecError, match="without spaces"):
+        validate_job_spec(script(hyperparameters={"batch size": 8}))
+    with pytest.raises(JobSpecError, match="did you mean 'entry_point'"):
+        validate_job_spec(script(workload={"entry_point": REMOVE, "entrypoint": "train.py"}))
     command = validate_job_spec(script(workload={"entry_point": REMOVE, "command": "torchrun --nproc_per_node 8 train.py"}))
     assert command.code.command.startswith("torchrun") and command.code.entry_point == ""
     assert validate_job_spec(changed(script(), "variant", "neuron") | {"instance_groups": [

@@ -255,6 +255,7 @@ def test_a_script_request_carries_the_entry_point_the_code_and_the_scripts_own_h
     assert (platform.script_entry_point, platform.workload_sha256, platform.workload_requirements) == ("train.py", SHA, "requirements.txt")
     assert platform.workload_module == "" and platform.distribution == "none"
     assert hyperparameters["sagemaker_program"] == '"train.py"'  # JSON, as the SDK writes it and the toolkit reads it
+    assert json.loads(hyperparameters["sagemaker_distribution_instance_groups"]) == ["dnn_group"]  # the toolkit's master: a trainer
     assert hyperparameters["data_group"] == '"data_group"' and hyperparameters["batch_size"] == "16"  # the script's own, JSON as the SDK writes them
     # The launcher's control ports stay away from those scripts use (the public TF sample's dispatcher is on 6000).
     assert (platform.data_service_port, platform.job_control_port) == (29600, 29601)

@@ -90,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = cluster.summary()
     if summary:
         print(json.dumps(summary, indent=2))
+    if summary and summary.get("mode") == "script":
+        # What the platform would record for this run in the cloud (result.json), said here too.
+        from lambdas.core.results import run_verdict
+
+        status, reason = run_verdict("Completed" if result.ok else "Failed", summary, None)
+        if reason and result.ok:
+            print(f"the platform would record this run as {status}: {reason}", file=sys.stderr)
+            return 1
     print(f"host trees and logs: {options.workdir}")
     return 0 if result.ok else 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import sys
 import textwrap
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def test_every_host_gets_the_toolkits_environment_arguments_host_names_and_its_o
         from pathlib import Path
         host = os.environ["SM_CURRENT_HOST"]
         seen = {"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k.startswith("SM_")},
-                "cwd": os.getcwd(), "hostname": socket.gethostname(),
+                "cwd": os.getcwd(), "hostname": socket.gethostname(), "python": __import__("shutil").which("python"),
                 "resolved": {other: socket.gethostbyname(other) for other in json.loads(os.environ["SM_HOSTS"])},
                 "fixed_path_host": json.loads(Path("/opt/ml/input/config/resourceconfig.json").read_text())["current_host"]}
         Path(os.environ["SM_OUTPUT_DATA_DIR"], f"seen-{host}.json").write_text(json.dumps(seen))
@@ -134,6 +135,8 @@ def test_every_host_gets_the_toolkits_environment_arguments_host_names_and_its_o
         assert seen["argv"] == ["--epochs", "2", "--learning_rate", "0.1", "--name", "x"]
         assert seen["env"]["SM_USER_ENTRY_POINT"] == "train.py" and (unpacked / "train.py").is_file()
         assert seen["hostname"] == host.name and seen["fixed_path_host"] == host.name
+        assert seen["python"] == str(Path(sys.executable).parent / "python")  # a command's python is the image's
+        assert json.loads(seen["env"]["SM_DISTRIBUTION_INSTANCE_GROUPS"]) == ["dnn_group"]  # the master is a trainer host
         assert seen["resolved"] == {other.name: other.address for other in cluster.hosts}
     assert socket.gethostname() not in {host.name for host in cluster.hosts}  # the machine's own name is untouched
 
@@ -288,10 +291,11 @@ def test_a_data_host_whose_script_ends_by_itself_early_holds_no_trainer(tmp_path
     code = write_script(tmp_path / "code", """
         import os, time
         if os.environ["SM_CURRENT_INSTANCE_GROUP"] == "data_group":
+            time.sleep(4)  # up long enough for the trainer host's keep-alives to reach it, then gone
             print("nothing to serve", flush=True)
         else:
             for step in range(1, 4):
-                time.sleep(1)
+                time.sleep(3)
                 print(f"step={step}/3 step_time_ms=1000.0", flush=True)
     """)
     cluster, watcher = start(script_spec(code), tmp_path, {"train": images}, data_start_deadline_s=120.0)
