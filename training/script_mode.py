@@ -278,6 +278,8 @@ class ScriptProcess:
         self.process: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
         self.started_at = 0.0
+        self._forwarded_at: float | None = None
+        self._killed = False
 
     def start(self) -> None:
         log.info("starting the script: %s (in %s)", " ".join(self.command), self.cwd)
@@ -306,6 +308,17 @@ class ScriptProcess:
         assert self.process is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, sig)
+
+    def pass_on(self, stop: threading.Event) -> None:
+        """The job's SIGTERM, once it came, to the script's group; what still runs STOP_GRACE_S later is killed."""
+        if stop.is_set() and self._forwarded_at is None:
+            log.warning("SIGTERM: passed to the script, which gets %.0f s", STOP_GRACE_S)
+            self.signal(signal.SIGTERM)
+            self._forwarded_at = time.monotonic()
+        if self._forwarded_at is not None and not self._killed and time.monotonic() - self._forwarded_at > STOP_GRACE_S:
+            log.error("the script did not end within %.0f s of SIGTERM: killed", STOP_GRACE_S)
+            self._killed = True
+            self.kill()
 
     def kill(self) -> None:
         """SIGKILL the group and every process of the script's tree (torchrun's ranks leave the group)."""
@@ -412,16 +425,9 @@ def run_script_data_host(cluster: Cluster, settings: PlatformSettings, script: S
     bind_port(server, f"{host_addresses().get(cluster.current_host, '0.0.0.0')}:{settings.data_service_port}")
     server.start()
     script.start()
-    forwarded_at: float | None = None
     try:
         while (returncode := script.poll()) is None:
-            now = time.monotonic()
-            if stop.is_set() and forwarded_at is None:
-                log.warning("SIGTERM: passed to the script, which gets %.0f s", STOP_GRACE_S)
-                script.signal(signal.SIGTERM)
-                forwarded_at = now
-            if forwarded_at is not None and now - forwarded_at > STOP_GRACE_S:
-                script.kill()
+            script.pass_on(stop)
             verdict = control.verdict(settings.data_idle_timeout_s, settings.data_start_deadline_s)
             if verdict is StopReason.SHUTDOWN:
                 log.info("every trainer host's script has ended: ending this data host's script")
@@ -500,16 +506,8 @@ def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script
         script.start()
         if steps is not None:
             steps.started_at = script.started_at
-        forwarded_at: float | None = None
         while (returncode := script.poll()) is None:
-            now = time.monotonic()
-            if stop.is_set() and forwarded_at is None:
-                log.warning("SIGTERM: passed to the script, which gets %.0f s", STOP_GRACE_S)
-                script.signal(signal.SIGTERM)
-                forwarded_at = now
-            if forwarded_at is not None and now - forwarded_at > STOP_GRACE_S:
-                log.error("the script did not end within %.0f s of SIGTERM: killed", STOP_GRACE_S)
-                script.kill()
+            script.pass_on(stop)
             if reports is not None and (abort := data_failure_verdict(reports.snapshot(), settings.data_hosts(cluster))):
                 abort = f"DataHostFailed: {abort}"
                 log.error("%s: ending the script", abort)
