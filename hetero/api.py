@@ -40,7 +40,15 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError, ProfileNotFound
 
-from lambdas.core.job_spec import DEFAULT_MODULE, RUN_ID, JobSpecError, WorkloadCode, code_key, validate_job_spec
+from lambdas.core.job_spec import (
+    DEFAULT_MODULE,
+    RUN_ID,
+    JobSpecError,
+    WorkloadCode,
+    code_key,
+    is_script_workload,
+    validate_job_spec,
+)
 from lambdas.core.sweep import SweepSpecError, plan_sweep
 from training.metrics import parse_metric_line
 from training.workload.code import CodeError, PackedCode, pack_code, stored_archive_problem
@@ -256,7 +264,7 @@ def _local_code(spec: Any) -> WorkloadCode | None:
     workload = spec.get("workload") if isinstance(spec, Mapping) else None
     if not isinstance(workload, Mapping) or not isinstance(workload.get("code"), str):
         return None
-    script = "entry_point" in workload or "command" in workload
+    script = is_script_workload(workload)
     code = WorkloadCode(workload["code"], "" if script else workload.get("module", DEFAULT_MODULE), workload.get("requirements", ""),
                         entry_point=workload.get("entry_point", ""), command=workload.get("command", ""))
     return code if code.is_local else None

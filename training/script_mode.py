@@ -167,6 +167,10 @@ class StepLog:
                 self.values_ms.append(value)
                 self.seen_at.append(now)
 
+    def summary(self, *, program: str, exit_code: int | None) -> dict[str, Any]:
+        with self._lock:
+            return script_summary(self.values_ms, self.seen_at, self.started_at, self.timing, program=program, exit_code=exit_code)
+
 
 def script_summary(values_ms: Sequence[float], seen_at: Sequence[float], started_at: float, timing: StepTiming, *,
                    program: str, exit_code: int | None) -> dict[str, Any]:
@@ -202,8 +206,8 @@ def script_summary(values_ms: Sequence[float], seen_at: Sequence[float], started
 
 
 def describe_exit(returncode: int) -> str:
-    """'exited with code 3', 'was killed by SIGKILL', 'exited with code 137 (128 + SIGKILL: a shell's
-    child)'. Pure."""
+    """'exited with code 3', 'was killed by SIGKILL', 'exited with code 137 (128 + SIGKILL: a process it
+    ran was killed)'. Pure."""
     if returncode < 0:
         return f"was killed by {_signal_name(-returncode)}"
     if 128 < returncode < 128 + 65:
@@ -218,6 +222,11 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def within_failure_reason(text: str) -> str:
+    """``text`` cut to MAX_FAILURE_CHARS, within SageMaker's FailureReason. Pure."""
+    return text if len(text) <= MAX_FAILURE_CHARS else text[: MAX_FAILURE_CHARS - 1] + "…"
+
+
 def script_failure(program: str, host: str, group: str, returncode: int, tail: Sequence[str]) -> str:
     """The failure reason of a host whose script failed, with its last lines, within SageMaker's
     FailureReason. Pure."""
@@ -225,7 +234,7 @@ def script_failure(program: str, host: str, group: str, returncode: int, tail: S
     last = [line for line in tail if line.strip()][-5:]
     if last:
         text += "; its last lines: " + " | ".join(last)
-    return text if len(text) <= MAX_FAILURE_CHARS else text[: MAX_FAILURE_CHARS - 1] + "…"
+    return within_failure_reason(text)
 
 
 def with_own_failure(reason: str, environ: Mapping[str, str] = os.environ) -> str:
@@ -235,8 +244,7 @@ def with_own_failure(reason: str, environ: Mapping[str, str] = os.environ) -> st
 
     path = failure_path(environ)
     own = path.read_text(errors="replace").strip() if path.is_file() else ""
-    text = f"{reason} (the script's own reason: {own})" if own else reason
-    return text if len(text) <= MAX_FAILURE_CHARS else text[: MAX_FAILURE_CHARS - 1] + "…"
+    return within_failure_reason(f"{reason} (the script's own reason: {own})" if own else reason)
 
 
 def wait_for_host_names(hosts: Sequence[str], bound_s: float = HOST_RESOLUTION_S, retry_s: float = 1.0) -> None:
@@ -400,10 +408,6 @@ class ScriptHostControl(pb_grpc.DataServiceServicer):
                  f"waiting for {left}" if left else "every trainer host has ended")
         return pb.ShutdownReply(host=self.host)
 
-    def trainers_ended(self) -> bool:
-        with self._lock:
-            return set(self.trainers) <= self.ended
-
     def verdict(self, idle_timeout_s: float, start_deadline_s: float) -> StopReason | None:
         with self._lock:
             return trainers_gone(self.started_at, dict(self.heard), set(self.ended), self.trainers, time.monotonic(),
@@ -518,9 +522,7 @@ def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script
         if keepalive is not None:
             heard = {target for target in data_targets if keepalive.answered(target)}
     if steps is not None:
-        with steps._lock:
-            summary = script_summary(steps.values_ms, steps.seen_at, steps.started_at, steps.timing, program=script.program,
-                                     exit_code=returncode)
+        summary = steps.summary(program=script.program, exit_code=returncode)
         path = base_dir() / "output" / "data" / SUMMARY_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_file():  # the script's own: kept beside the run's, never overwritten

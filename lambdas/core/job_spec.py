@@ -335,7 +335,7 @@ def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
                                        '{"code": "<folder>", "module": "workload"} instead')
     if not isinstance(raw, Mapping):
         return _string({"workload": raw}, "workload"), None
-    script = "entry_point" in raw or "command" in raw
+    script = is_script_workload(raw)
     fields_ = SCRIPT_FIELDS if script else CODE_FIELDS
     unknown = sorted(set(raw) - set(fields_))
     if unknown:
@@ -372,6 +372,11 @@ def _workload(raw: Any) -> tuple[str, WorkloadCode | None]:
         raise JobSpecError("workload.sha256", f"{sha256!r} must be the 64 lowercase hex digits of the archive's SHA-256 "
                                               "(every host refuses another archive): required with an s3:// code")
     return USER_WORKLOAD, code
+
+
+def is_script_workload(raw: Any) -> bool:
+    """Whether a spec's raw ``workload`` is a script's (it names an entry point or a command). Pure."""
+    return isinstance(raw, Mapping) and ("entry_point" in raw or "command" in raw)
 
 
 def _script(raw: Mapping[str, Any], code: WorkloadCode) -> WorkloadCode:

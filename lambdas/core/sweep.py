@@ -39,6 +39,7 @@ from lambdas.core.job_spec import (
     JobSpecError,
     SpecPolicy,
     ceiling_usd,
+    is_script_workload,
     positive_usd,
     trainer_config,
     validate_job_spec,
@@ -96,7 +97,7 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
         spec["instance_groups"] = dnn
         spec["inputs"] = {name: {key: value for key, value in channel.items() if key not in ("groups", "distribution")}
                           for name, channel in dict(spec.get("inputs", {})).items()}
-    elif _is_script(spec):
+    elif is_script_workload(spec.get("workload")):
         # A script names its groups and routes its channels itself: its data group keeps the base's name
         # (the script may read it, as the public samples do) and the channels keep their routing.
         named = [group.get("name") for group in spec.get("instance_groups", []) if isinstance(group, dict) and group.get("role") == "data"]
@@ -111,11 +112,6 @@ def with_data_hosts(base: Mapping[str, Any], count: int, data_instance_type: str
         spec["inputs"] = {name: dict(channel) | {"groups": [dnn[0].get("name")] if name == evaluation else ["data_group"]}
                           for name, channel in dict(spec.get("inputs", {})).items()}
     return spec
-
-
-def _is_script(spec: Mapping[str, Any]) -> bool:
-    workload = spec.get("workload")
-    return isinstance(workload, Mapping) and ("entry_point" in workload or "command" in workload)
 
 
 def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:

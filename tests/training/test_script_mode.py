@@ -135,9 +135,9 @@ def test_a_data_host_ends_only_once_every_trainer_host_said_so_with_the_jobs_tok
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED and not control.ended
         request_shutdown(target, TOKEN, "algo-2")
         request_shutdown(target, TOKEN, "intruder")  # holds the token but is no trainer host: not counted
-        assert not control.trainers_ended()
+        assert control.verdict(60, 600) is not StopReason.SHUTDOWN
         request_shutdown(target, TOKEN, "algo-3")
-        assert control.trainers_ended()
+        assert control.verdict(60, 600) is StopReason.SHUTDOWN
     finally:
         server.stop(0)
 
@@ -165,7 +165,7 @@ def test_a_trainer_host_whose_script_ended_first_still_reaches_a_data_host_that_
     thread.start()
     try:
         assert tell_data_hosts([f"127.0.0.1:{port}"], TOKEN, "algo-2", deadline_s=60.0, retry_s=0.2) == ["algo-1"]
-        assert control.trainers_ended()
+        assert control.verdict(60, 600) is StopReason.SHUTDOWN
     finally:
         thread.join()
         for server in servers:
