@@ -51,8 +51,9 @@ from lambdas.core.job_spec import (
 )
 from lambdas.core.sweep import SweepSpecError, plan_sweep
 from training.metrics import parse_metric_line
+from training.variants import VARIANTS
 from training.workload.code import CodeError, PackedCode, pack_code, stored_archive_problem
-from training.workload.contract import source_problem
+from training.workload.contract import CONTRACTS, source_problem
 
 DEFAULT_STACK = "HeteroTrainingPlatform"
 # SageMaker's log group for training jobs; each host writes the stream <job>/<host>-<epoch seconds>.
@@ -276,7 +277,7 @@ def module_files(module: str) -> tuple[str, str]:
     return f"{path}.py", f"{path}/__init__.py"
 
 
-def _check_packed(label: str, where: str, code: WorkloadCode, packed: PackedCode, folder: Path) -> None:
+def _check_packed(label: str, where: str, code: WorkloadCode, packed: PackedCode, folder: Path, variant: str = "pytorch") -> None:
     """The module and the requirements file must be among what was packed: else every host would fail
     at its start, billed, on what the client can see now. A script's entry point likewise."""
     if code.is_script:
@@ -292,7 +293,8 @@ def _check_packed(label: str, where: str, code: WorkloadCode, packed: PackedCode
     if code.requirements and code.requirements not in packed.files:
         raise SpecRefused(label, f"{where}workload.requirements", f"{code.requirements!r} is not a file of {folder}")
     module_file = next(folder / name for name in module_files(code.module) if name in packed.files)
-    problem = source_problem(module_file.read_text(errors="replace"), str(module_file))
+    framework = VARIANTS[variant].contract if variant in VARIANTS else "pytorch"
+    problem = source_problem(module_file.read_text(errors="replace"), str(module_file), CONTRACTS[framework])
     if problem is not None:  # what the source alone shows (`hetero validate` runs the hooks themselves)
         raise SpecRefused(label, f"{where}workload.module", problem)
 
@@ -311,7 +313,7 @@ def pack_local_code(label: str, raw: Any, base: Path, sweep: bool = False) -> di
                 packed[folder] = pack_code(folder)
             except CodeError as error:
                 raise SpecRefused(label, f"{where}workload.code", str(error)) from None
-        _check_packed(label, where, code, packed[folder], folder)
+        _check_packed(label, where, code, packed[folder], folder, str(spec.get("variant", "pytorch")))
     return packed
 
 

@@ -135,7 +135,7 @@ def workload_check(path: Path, raw: Any, code: Path | None, channels: dict[str, 
 
     spec = validate_job_spec(raw)
     if not isinstance(raw.get("workload"), dict):
-        if not channels or not VARIANTS[spec.variant].user_workloads:
+        if not channels or not VARIANTS[spec.variant].user_workloads or VARIANTS[spec.variant].contract != "pytorch":
             return None
         try:
             return _dry_run_module().dry_run_builtin(spec, channels)

@@ -21,7 +21,7 @@ from training.local.cluster import EmulatedCluster, LineWatcher, process_tree
 
 LAUNCHER = "training.launcher"
 TORCHRUN = "training.torchrun"
-TRAINERS = ("training.trainers.pytorch_runtime", "training.trainers.tf_vision")
+TRAINERS = ("training.trainers.pytorch_runtime", "training.trainers.keras_runtime")
 
 
 def command_line(pid: int) -> str:

@@ -87,6 +87,7 @@ from training.hyperparameters import (
     load_hyperparameters,
     load_settings,
     load_shutdown_token,
+    parse_settings,
     platform_keys,
 )
 from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
@@ -104,6 +105,7 @@ from training.workload.host import (
     unpack_on_host,
 )
 from training.workload.samples import check_evaluation_classes, classes_of
+from training.workload.tf_contract import file_pattern, list_channel_files
 
 if TYPE_CHECKING:
     from training.data_service.control import FailureReports
@@ -256,10 +258,13 @@ def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
         list(pool.map(one, targets))
 
 
-def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, config: Any, stop: threading.Event) -> int:
+def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, config: Any, stop: threading.Event,
+                  keras_workload: KerasWorkloadCode | None = None) -> int:
     """Serve a tf.data.service variant's channel (the tensorflow one's) until stopped: the batches go from
     tf.data.service's workers to the trainers, and our server answers the control calls (Describe,
-    keep-alive, Shutdown). Every other variant's data hosts serve a workload (run_workload_data_host)."""
+    keep-alive, Shutdown). ``keras_workload``: a user's, whose dataset the dispatcher host builds and
+    registers (the other hosts' workers run its graph: they need no code). Every other variant's data
+    hosts serve a workload (run_workload_data_host)."""
     if variant.data_service != "tf.data.service":  # the launcher gives every other variant a workload
         raise HyperparameterError(f"variant {variant.name!r} has no workload for its data hosts to serve")
     from training.data_service.server import ServerSettings, default_workers, serve
@@ -268,7 +273,10 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     root = channel_dir(settings.data_channel)
     sharded = channel_is_sharded(settings.data_channel)
     try:
-        folder = CHANNEL_CHECKS[variant.input_format](root, settings.data_channel, cluster.current_group)
+        if keras_workload is not None:
+            folder = list_channel_files(root, settings.data_channel, file_pattern(keras_workload.code_dir, keras_workload.module))
+        else:
+            folder = CHANNEL_CHECKS[variant.input_format](root, settings.data_channel, cluster.current_group)
     except EmptyChannelError as error:  # not a compressed shard or a layout refused: those say so themselves
         if not sharded:
             raise
@@ -293,7 +301,8 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         # The data hosts split a replicated channel's epochs between them; a sharded one, each serves its own.
         hosts=len(data_hosts),
         sharded=sharded,
-        sample_shape=config.augment_config.sample_shape,  # what the trainer checks its tf.data.service elements against
+        # What the built-in's trainer checks its elements against (a user's come with their spec from the dispatcher).
+        sample_shape=config.augment_config.sample_shape if keras_workload is None else (),
     )
     dispatcher, workers = settings.tf_data_service_addresses(cluster, addresses)
     source = TfDataService(
@@ -303,12 +312,26 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
             channel_dir=root,
             dispatcher=host_index == 0,
             batch_size=config.batch_size,
-            image_size=config.image_size,
-            augment=config.augment,
+            image_size=getattr(config, "image_size", 0),
+            augment=getattr(config, "augment", ""),
             seed=config.seed + host_index,
+            **(keras_workload.service_arguments() if keras_workload is not None else {}),
         )
     )
     return serve(server_settings, folder, stop, source=source).exit_code
+
+
+@dataclass(frozen=True)
+class KerasWorkloadCode:
+    """A user's TensorFlow workload as the launcher has it: unpacked, installed, never imported here (the
+    launcher does not load TensorFlow; the dispatcher host's tf.data.service child and the trainers do)."""
+
+    code_dir: Path
+    packages_dir: Path | None
+    module: str
+
+    def service_arguments(self) -> dict[str, str]:
+        return {"workload_dir": str(self.code_dir), "workload_packages": str(self.packages_dir or ""), "workload_module": self.module}
 
 
 def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: threading.Event, packages_dir: Path | None) -> int:
@@ -382,7 +405,8 @@ def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0,
-                 workload: PreparedWorkload | None = None, trainer_env: Mapping[str, str] | None = None) -> int:
+                 workload: PreparedWorkload | None = None, trainer_env: Mapping[str, str] | None = None,
+                 keras_workload: KerasWorkloadCode | None = None) -> int:
     """Train across the DNN group; ``workload``: a user's (checked on this host), whose trainer is the one
     PyTorch runtime, started with ``trainer_env`` (where its code is)."""
     seed_checkpoints()
@@ -401,6 +425,9 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
                 evaluation = workload.list(workload.config.eval_channel, training=False, classes=classes_of(samples))
                 check_evaluation_classes(workload.config.eval_channel, evaluation, classes_of(samples))
                 workload.features(evaluation, training=False)
+        elif not data_targets and keras_workload is not None:
+            list_channel_files(channel_dir(settings.data_channel), settings.data_channel,
+                               file_pattern(keras_workload.code_dir, keras_workload.module))
         elif not data_targets:
             # Homogeneous: the channel must be here; fail now rather than after the trainer started.
             CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
@@ -1097,6 +1124,7 @@ def main() -> int:
     # the container's own disk; every process on the host inherits it.
     os.environ.setdefault(CACHE_DIR_ENV, str(base_dir() / "cache"))
     workload: PreparedWorkload | None = None
+    keras_workload: KerasWorkloadCode | None = None
     packages_dir: Path | None = None
     trainer_env: dict[str, str] = {}
     try:
@@ -1105,7 +1133,12 @@ def main() -> int:
         if hyperparameters.get("script_entry_point") or hyperparameters.get("script_command"):
             return run_script(cluster, hyperparameters)
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
-        if hyperparameters.get("workload_module") or variant.user_workloads:
+        if hyperparameters.get("workload_module") and variant.contract == "tensorflow":
+            # A user's TensorFlow workload: unpacked and installed here; its module is imported and checked
+            # by the processes that run TensorFlow (the dispatcher host's tf.data.service child, the trainers).
+            settings, config, keras_workload = keras_job_on_host(hyperparameters)
+            trainer_env = {WORKLOAD_DIR_ENV: str(keras_workload.code_dir), WORKLOAD_PACKAGES_ENV: str(keras_workload.packages_dir or "")}
+        elif hyperparameters.get("workload_module") or (variant.user_workloads and variant.contract == "pytorch"):
             # A PyTorch workload, before the role split: a user's code unpacked, installed, imported and
             # checked on every host (a built-in's is in the image), and the job's hyperparameters split
             # between platform, loop and workload.
@@ -1141,7 +1174,7 @@ def main() -> int:
             try:
                 if workload is not None:
                     return run_workload_data_host(cluster, workload, stop, packages_dir)
-                return run_data_host(cluster, settings, variant, config, stop)
+                return run_data_host(cluster, settings, variant, config, stop, keras_workload)
             except WorkloadError as error:
                 return fail_data_host(cluster, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
             except (ChannelError, TfServiceError, DataHostError, PortInUseError) as error:
@@ -1156,9 +1189,22 @@ def main() -> int:
                                StopReason.FAILED.exit_code, stop)
                 raise
         return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0), workload=workload,
-                            trainer_env=trainer_env)
+                            trainer_env=trainer_env, keras_workload=keras_workload)
     except (HyperparameterError, ChannelError, PortInUseError, WorkloadError) as error:
         return refuse(error)
+
+
+def keras_job_on_host(hyperparameters: Mapping[str, Any]) -> tuple[PlatformSettings, Any, KerasWorkloadCode]:
+    """A TensorFlow user workload's code unpacked and installed on this host, and the job's settings: the
+    platform's and the loop's (KerasWorkloadConfig); the module's own are checked where it is imported."""
+    from training.trainers.config import KerasWorkloadConfig
+
+    known = platform_keys() | {item.name for item in dataclasses.fields(KerasWorkloadConfig)} | {"variant"}
+    token = load_shutdown_token()
+    settings, config = parse_settings({key: value for key, value in hyperparameters.items() if key in known}, KerasWorkloadConfig,
+                                      token, also_known=frozenset(hyperparameters) - known)
+    code_dir, packages_dir = unpack_on_host(settings)
+    return settings, config, KerasWorkloadCode(code_dir, packages_dir, settings.workload_module)
 
 
 def run_script(cluster: Cluster, hyperparameters: Mapping[str, Any]) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.trainers.config import KerasVisionConfig, TextConfig, VisionConfig, WorkloadConfig
+from training.trainers.config import KerasVisionConfig, KerasWorkloadConfig, TextConfig, VisionConfig, WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,12 @@ class Variant:
     input_format: str  # what its training channel holds: "images" (files or tar shards), "image_files" or "text" (.csv/.jsonl)
     # What data hosts run for it: "grpc" (training/data_service/server.py) or "tf.data.service".
     data_service: str = "grpc"
-    # Whether it trains user workloads (training/workload/): they run on the one PyTorch runtime, GPU or XLA,
-    # with the gRPC data service on any data groups.
+    # Whether it trains user workloads (training/workload/), and to which contract: "pytorch" (the one PyTorch
+    # runtime, GPU or XLA, the gRPC data service on any data groups) or "tensorflow" (the Keras loop,
+    # tf.data.service on the data groups; training/workload/tf_contract.py).
     user_workloads: bool = False
+    contract: str = "pytorch"
+    workload_config: type = WorkloadConfig  # the platform loop's settings for a user workload
 
 
 # The trainer of every PyTorch workload, built-in or a user's, and its settings; the workload's own
@@ -40,6 +43,8 @@ USER_WORKLOAD = "user"
 # The built-in PyTorch workloads: contract modules (vision.py, text.py) in this folder of the image, loaded
 # exactly as a user's code folder is (on the import path, by module name, checked against the contract).
 BUILTIN_WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
+# The tensorflow variant's built-in, a module of the TensorFlow contract in the same folder.
+KERAS_BUILTIN = "keras_vision"
 
 
 VARIANTS: dict[str, Variant] = {
@@ -56,7 +61,7 @@ VARIANTS: dict[str, Variant] = {
     ),
     "tensorflow": Variant(
         name="tensorflow",
-        module="training.trainers.tf_vision",
+        module="training.trainers.keras_runtime",
         config=KerasVisionConfig,
         workloads=("vision",),
         distributions=("horovod", "mirrored", "none"),
@@ -64,6 +69,9 @@ VARIANTS: dict[str, Variant] = {
         accelerator="gpu",
         input_format="image_files",  # tf.data reads files by name: no tar shards
         data_service="tf.data.service",
+        user_workloads=True,
+        contract="tensorflow",
+        workload_config=KerasWorkloadConfig,
     ),
     "neuron": Variant(
         name="neuron",

@@ -80,7 +80,7 @@ from training.hyperparameters import (
     platform_keys,
     to_hyperparameter_string,
 )
-from training.variants import USER_WORKLOAD, VARIANTS, WORKLOAD_CONFIG
+from training.variants import USER_WORKLOAD, VARIANTS
 
 SPEC_VERSION = 1
 ROLES = ("data", "dnn")
@@ -595,8 +595,8 @@ def validate_job_spec(raw: Any, policy: SpecPolicy = NO_POLICY) -> JobSpec:
         return _validate_script(spec, variant, policy)
     if spec.is_user_workload and not variant.user_workloads:
         takers = sorted(name for name, other in VARIANTS.items() if other.user_workloads)
-        raise JobSpecError("workload", f"variant {variant.name!r} trains only its built-in workloads {list(variant.workloads)} (its "
-                                       f"TensorFlow contract for user workloads is a later issue): use variant {' or '.join(map(repr, takers))}")
+        raise JobSpecError("workload", f"variant {variant.name!r} trains only its built-in workloads {list(variant.workloads)}: "
+                                       f"use variant {' or '.join(map(repr, takers))}")
     if not spec.is_user_workload and spec.workload not in variant.workloads:
         raise JobSpecError("workload", f"variant {variant.name!r} trains {list(variant.workloads)}, not {spec.workload!r}")
     if not spec.distribution:
@@ -790,11 +790,12 @@ def _check_sharded(spec: JobSpec, channel: ChannelSpec) -> None:
 def trainer_config(spec: JobSpec, strict: bool = False) -> Any:
     """The trainer's settings as the trainer itself reads this spec's hyperparameters (its config
     dataclass; defaults for what the spec leaves out). For a user workload, the platform loop's settings
-    (WORKLOAD_CONFIG) from its keys alone: the others are the module's own. Raises HyperparameterError."""
+    (the variant's workload_config) from its keys alone: the others are the module's own. Raises HyperparameterError."""
     raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
     if spec.is_user_workload:
-        loop = {item.name for item in dataclasses.fields(WORKLOAD_CONFIG)}
-        return build(WORKLOAD_CONFIG, {name: value for name, value in raw.items() if name in loop})
+        config = VARIANTS[spec.variant].workload_config
+        loop = {item.name for item in dataclasses.fields(config)}
+        return build(config, {name: value for name, value in raw.items() if name in loop})
     return build(VARIANTS[spec.variant].config, raw, strict=strict)
 
 

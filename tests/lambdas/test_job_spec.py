@@ -230,7 +230,7 @@ INVALID: list[tuple[str, Any, str]] = [
     ("requirements outside the folder", user(hetero(), UPLOADED | {"requirements": "../requirements.txt"}), "workload.requirements"),
     ("absolute requirements", user(hetero(), UPLOADED | {"requirements": "/etc/requirements.txt"}), "workload.requirements"),
     ("requirements not a string", user(hetero(), UPLOADED | {"requirements": ["torch"]}), "workload.requirements"),
-    ("user workload on tensorflow", user(tensorflow()), "workload"),
+    ("tensorflow user workload validating on nothing", user(tensorflow(), hyperparameters={"eval_every": 10}), "hyperparameters"),
     ("input named code", changed(hetero(), "inputs.code", {"s3_uri": "s3://datasets-bucket/x/", "groups": ["data_group"]}), "inputs.code"),
     ("the code channel counted in the limit", user(changed(homogeneous(), "inputs", {f"c{i}": {"s3_uri": "s3://datasets-bucket/x/"}
                                                                                       for i in range(18)} | {"train": {"s3_uri": "s3://datasets-bucket/t/"}})), "inputs"),
@@ -545,3 +545,11 @@ def test_a_channel_says_how_it_reaches_its_hosts() -> None:
     assert (streamed.inputs[0].input_mode, streamed.inputs[0].distribution) == ("fastfile", "sharded")
     # fastfile suits every reader, the DNN group's ranks included.
     assert validate_job_spec(changed(homogeneous(), "inputs.train.input_mode", "fastfile")).inputs[0].input_mode == "fastfile"
+
+
+def test_a_tensorflow_user_workload_is_validated_against_the_keras_loops_settings() -> None:
+    spec = validate_job_spec(user(tensorflow(), hyperparameters={"batch_size": 16, "steps": 60, "eval_channel": "validation",
+                                                                 "learning_rate": 0.003, "width": 16})
+                             | {"inputs": tensorflow()["inputs"] | {"validation": {"s3_uri": "s3://my-datasets/v/", "groups": ["dnn_group"]}}})
+    assert spec.is_user_workload and spec.variant == "tensorflow"
+    assert trainer_config(spec).__class__.__name__ == "KerasWorkloadConfig" and trainer_config(spec).eval_channel == "validation"

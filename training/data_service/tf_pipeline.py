@@ -50,14 +50,15 @@ def register(dispatcher: str, dataset: tf.data.Dataset) -> None:
     tf.data.experimental.service.register_dataset(f"grpc://{dispatcher}", dataset, dataset_id=DATASET_ID, compression=None)
 
 
-def read_from_service(dispatcher: str, batch_size: int, image_size: int) -> tf.data.Dataset:
+def read_from_service(dispatcher: str, spec: object = None) -> tf.data.Dataset:
     """The registered pipeline as a trainer reads it: one job shared by every trainer process (each batch
-    to one of them), the file list sharded dynamically across the data hosts' workers."""
+    to one of them), the file list sharded dynamically across the data hosts' workers. ``spec``: the
+    batches' element spec; None asks the dispatcher for the registered dataset's."""
     return tf.data.experimental.service.from_dataset_id(
         processing_mode=tf.data.experimental.service.ShardingPolicy.DYNAMIC,
         service=f"grpc://{dispatcher}",
         dataset_id=DATASET_ID,
-        element_spec=element_spec(batch_size, image_size),
+        element_spec=spec,
         job_name=JOB_NAME,
     ).prefetch(2)
 
@@ -95,6 +96,39 @@ def group_files(paths: list[str], labels: list[int], seed: int) -> tuple[np.ndar
     return padded_paths.reshape(groups, size).astype(str), padded_labels.reshape(groups, size)
 
 
+def file_source(paths: list[str], labels: list[int], seed: int, *, shard: tuple[int, int] = (0, 1), skip: int = 0,
+                repeat: bool = True) -> tf.data.Dataset:
+    """The channel's files as a workload's build_dataset receives them: elements {"path": string, "label":
+    int32}, endless and shuffled (``repeat``), or each file once in order (``repeat=False``, validation).
+
+    The source is a list of file groups (``group_files``): the unit tf.data.service's dynamic sharding
+    hands to a worker. ``shard`` (rank, ranks): a homogeneous multi-process job gives each rank its own
+    part of the files. ``skip``: files this rank already read (a resumed job), passed over before any is
+    read; the order is the same seeded sequence as in the first run, so the resumed run reads on."""
+    rank, ranks = shard
+    paths, labels = paths[rank::ranks], labels[rank::ranks]
+    if not paths:
+        raise ValueError("the pipeline needs at least one file")
+    if not repeat:
+        return tf.data.Dataset.from_tensor_slices({"path": paths, "label": np.asarray(labels, np.int32)})
+    group_paths, group_labels = group_files(paths, labels, seed)
+    dataset = tf.data.Dataset.from_tensor_slices((group_paths, group_labels))
+    dataset = dataset.shuffle(len(group_paths), seed=seed, reshuffle_each_iteration=True).repeat()
+    dataset = dataset.flat_map(lambda group, group_label: tf.data.Dataset.from_tensor_slices({"path": group, "label": group_label}))
+    dataset = dataset.filter(lambda file: tf.strings.length(file["path"]) > 0)  # the last group's padding
+    return dataset.shuffle(max(1, min(SHUFFLE_BUFFER, len(paths) // HELD_BACK_FRACTION)), seed=seed).skip(skip)
+
+
+def batched(elements: tf.data.Dataset, batch_size: int, *, drop_remainder: bool = True, prefetch: bool = True) -> tf.data.Dataset:
+    """A workload's elements as the trainers take them: a sample whose preprocessing raised is left out (the
+    batch is filled from the next ones, as the PyTorch data service replaces them), full batches.
+    ``prefetch=False`` for a dataset registered with tf.data.service: its workers buffer batches of their
+    own, and every batch more held on a worker blurs an epoch's edge further (training/data_service/
+    tf_service.py)."""
+    batches = elements.ignore_errors().batch(batch_size, drop_remainder=drop_remainder)
+    return batches.prefetch(tf.data.AUTOTUNE) if prefetch else batches
+
+
 def augmentation_pipeline(
     paths: list[str],
     labels: list[int],
@@ -105,26 +139,14 @@ def augmentation_pipeline(
     shard: tuple[int, int] = (0, 1),
     skip: int = 0,
 ) -> tf.data.Dataset:
-    """Endless shuffled batches of augmented images. Files that do not decode are skipped (the batch is
-    filled from the next ones), as the PyTorch data service replaces them.
+    """The built-in vision workload's batches (training/workloads/keras_vision.py builds the same):
+    endless shuffled batches of augmented images from ``file_source``."""
+    return batched(augmented(file_source(paths, labels, seed, shard=shard, skip=skip), augment), batch_size)
 
-    The source is a list of file groups (``group_files``): the unit tf.data.service's dynamic sharding
-    hands to a worker. ``shard`` (rank, ranks): a homogeneous multi-process job gives each rank its own
-    part of the files. ``skip``: files this rank already read (a resumed job), passed over before any is
-    decoded; the order is the same seeded sequence as in the first run, so the resumed run reads on."""
-    rank, ranks = shard
-    paths, labels = paths[rank::ranks], labels[rank::ranks]
-    if not paths:
-        raise ValueError("the pipeline needs at least one image")
-    group_paths, group_labels = group_files(paths, labels, seed)
-    dataset = tf.data.Dataset.from_tensor_slices((group_paths, group_labels))
-    dataset = dataset.shuffle(len(group_paths), seed=seed, reshuffle_each_iteration=True).repeat()
-    dataset = dataset.flat_map(lambda group, group_label: tf.data.Dataset.from_tensor_slices((group, group_label)))
-    dataset = dataset.filter(lambda path, _label: tf.strings.length(path) > 0)  # the last group's padding
-    dataset = dataset.shuffle(max(1, min(SHUFFLE_BUFFER, len(paths) // HELD_BACK_FRACTION)), seed=seed).skip(skip)
-    dataset = dataset.map(lambda path, label: (load_and_augment(path, augment), label), num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = dataset.ignore_errors()
-    return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+def augmented(files: tf.data.Dataset, augment: AugmentConfig) -> tf.data.Dataset:
+    """(uint8 image, label) per file of ``files`` (file_source's elements)."""
+    return files.map(lambda file: (load_and_augment(file["path"], augment), file["label"]), num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def load_and_augment(path: tf.Tensor, config: AugmentConfig) -> tf.Tensor:

@@ -46,6 +46,9 @@ WORKER_HEARTBEAT_MS = 1000
 WORKER_TIMEOUT_MS = 10_000
 # Printed by the child once its servers run (and, on the dispatcher host, the dataset is registered).
 READY_LINE = "tf.data.service ready"
+# Printed by the child, before it exits, when the workload cannot be served (the reason follows).
+REFUSED_LINE = "tf.data.service refused the workload: "
+REFUSED_EXIT = 3
 # Seconds between SIGTERM and SIGKILL when the host stops.
 STOP_GRACE_S = 3.0
 
@@ -64,6 +67,11 @@ class TfServiceSettings:
     image_size: int
     augment: str
     seed: int
+    # A user's TensorFlow workload (training/workload/tf_contract.py): its unpacked code, installed
+    # requirements and module; the dispatcher host registers its dataset instead of the built-in's.
+    workload_dir: str = ""
+    workload_packages: str = ""
+    workload_module: str = ""
 
     def command(self, python: str = sys.executable, parent_pid: int | None = None) -> list[str]:
         command = [
@@ -76,6 +84,9 @@ class TfServiceSettings:
             "--augment", self.augment,
             "--seed", str(self.seed),
         ]
+        if self.workload_module:
+            command += ["--workload-dir", self.workload_dir, "--workload-module", self.workload_module,
+                        "--workload-packages", self.workload_packages]
         return command + (["--dispatcher"] if self.dispatcher else [])
 
 
@@ -112,6 +123,7 @@ class TfDataService:
         self._process: subprocess.Popen | None = None
         self._ready = threading.Event()
         self._stopping = False
+        self._refusal: str | None = None
 
     def start(self) -> None:
         self._process = start_child(
@@ -121,6 +133,9 @@ class TfDataService:
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._ready.wait(timeout=0.2):
             if self._process.poll() is not None:
+                time.sleep(0.2)  # the relay's last lines
+                if self._refusal:
+                    raise TfServiceError(self._refusal)
                 raise TfServiceError(f"tf.data.service exited with code {self._process.returncode} before it was ready")
             if time.monotonic() > deadline:
                 self.stop()
@@ -133,6 +148,8 @@ class TfDataService:
             sys.stdout.write(line)
             if line.rstrip().endswith(READY_LINE):
                 self._ready.set()
+            elif line.startswith(REFUSED_LINE):
+                self._refusal = line[len(REFUSED_LINE):].rstrip()
 
     def begin(self, request: object, served: bool = False) -> None:
         """Nothing to fix: no stream of this server carries batches (tf.data.service's own does)."""
@@ -187,7 +204,9 @@ def run_servers(args: argparse.Namespace) -> None:
         )
     )
     log.info("worker %s serving for dispatcher %s", args.worker_address, args.dispatcher_address)
-    if dispatcher is not None:
+    if dispatcher is not None and args.workload_module:
+        register_workload(args)
+    elif dispatcher is not None:
         folder = scan_images(Path.cwd(), "train", "data")
         paths, labels = relative_samples(folder)
         augment = AugmentConfig(image_size=args.image_size, augment=args.augment)
@@ -196,6 +215,33 @@ def run_servers(args: argparse.Namespace) -> None:
         log.info("registered the augmentation pipeline (%d images, %d classes) as %r", len(paths), len(folder.classes), DATASET_ID)
     print(READY_LINE, flush=True)
     worker.join()
+
+
+def register_workload(args: argparse.Namespace) -> None:
+    """Build a user's dataset over this host's channel (the child's working directory) and register it,
+    checked as tf_contract says; a refusal is printed as REFUSED_LINE and the child exits REFUSED_EXIT."""
+    from training.data_service.dataset import ChannelError
+    from training.data_service.tf_pipeline import DATASET_ID, batched, file_source, register, relative_samples
+    from training.hyperparameters import HyperparameterError, load_hyperparameters, load_shutdown_token
+    from training.trainers.config import KerasWorkloadConfig
+    from training.workload.contract import WorkloadError
+    from training.workload.host import split_settings
+    from training.workload.tf_contract import KerasContext, build_elements, file_pattern, list_channel_files, load_keras_workload
+
+    try:
+        code_dir = Path(args.workload_dir)
+        workload = load_keras_workload(code_dir, args.workload_module, Path(args.workload_packages) if args.workload_packages else None)
+        settings, config, hyperparameters = split_settings(load_hyperparameters(), workload, load_shutdown_token(), KerasWorkloadConfig)
+        listing = list_channel_files(Path.cwd(), settings.data_channel, file_pattern(code_dir, args.workload_module))
+        paths, labels = relative_samples(listing)
+        ctx = KerasContext(dict(hyperparameters), classes=listing.classes, num_samples=len(listing), steps=config.steps,
+                           batch_size=args.batch_size, seed=args.seed)
+        dataset = batched(build_elements(workload, file_source(paths, labels, args.seed), ctx), args.batch_size, prefetch=False)
+    except (WorkloadError, HyperparameterError, ChannelError) as error:
+        print(f"{REFUSED_LINE}{type(error).__name__}: {error}", flush=True)
+        os._exit(REFUSED_EXIT)
+    register(args.dispatcher_address, dataset)
+    log.info("registered %s's dataset (%d files, %d classes) as %r", workload.name, len(paths), len(listing.classes), DATASET_ID)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, required=True)
     parser.add_argument("--augment", default="standard")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload-dir", default="")
+    parser.add_argument("--workload-module", default="")
+    parser.add_argument("--workload-packages", default="")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the servers hold no state worth a slow stop

@@ -169,7 +169,7 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload
     if workload is None:
         overrides = LOCAL_OVERRIDES | {"steps": steps}
         # The PyTorch built-in validates at the end on held-out images, as a user workload does.
-        validation = "validation" if VARIANTS[variant].user_workloads else ""
+        validation = "validation" if VARIANTS[variant].user_workloads and VARIANTS[variant].contract == "pytorch" else ""
         homogeneous, heterogeneous = (load_spec(f"{variant}-{kind}.json", overrides, validation) for kind in ("homogeneous", "heterogeneous"))
         if validation:
             channels["validation"] = write_dataset(workdir / "held-out", classes=4, per_class=8, size=320, seed=1)

@@ -106,7 +106,7 @@ class ImageClassificationConfig(LoopConfig):
 
 @dataclass(frozen=True)
 class KerasVisionConfig(ImageClassificationConfig):
-    """The TensorFlow (Keras 3) image-classification trainer (training/trainers/tf_vision.py): "cnn" or
+    """The TensorFlow (Keras 3) image-classification trainer (training/trainers/keras_runtime.py): "cnn" or
     "resnet50" (keras.applications, untrained); preprocessing in training/data_service/tf_pipeline.py."""
 
     models: ClassVar[tuple[str, ...]] = KERAS_MODELS
@@ -153,6 +153,39 @@ class WorkloadConfig(LoopConfig):
             raise ValueError("eval_every needs an eval_channel to validate on")
         if not 0 <= self.precompile_steps <= self.steps:
             raise ValueError(f"precompile_steps must be in 0..steps ({self.steps}), got {self.precompile_steps}")
+
+
+@dataclass(frozen=True)
+class KerasWorkloadConfig(LoopConfig):
+    """What the platform's TensorFlow loop takes for a workload (training/trainers/keras_runtime.py); the
+    workload's own hyperparameters are the ones its module declares, as for WorkloadConfig."""
+
+    limits: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "learning_rate": (1e-8, 10.0), "momentum": (0.0, 0.999), "weight_decay": (0.0, 1.0), "lr_warmup_fraction": (0.0, 0.99),
+        "eval_every": (0, 10_000_000), "eval_batch_size": (0, 65_536), "cached_input_batches": (0, 100_000),
+    }
+    # The default optimizer's (SGD with momentum), when the module defines no build_optimizer: per worker,
+    # scaled by the workers after a linear warm-up, as the built-in's. A build_optimizer's rate is its own.
+    learning_rate: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    scale_lr: bool = True
+    lr_warmup_fraction: float = 0.05
+    precision: str = "auto"  # see PRECISIONS: the Keras mixed-precision policy (loss scaling for fp16)
+    jit_compile: str = "auto"  # XLA-compile the forward and backward pass: "auto" on GPUs only
+    eval_channel: str = ""  # the validation channel (read on the DNN group), evaluated every eval_every steps and at the end
+    eval_every: int = 0  # steps between validations; 0: only at the end (when there is an eval_channel)
+    eval_batch_size: int = 0  # 0: batch_size
+    cached_input_batches: int = 0  # N > 0: cycle the first N real batches in memory; the model alone
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.jit_compile not in ("auto", "true", "false"):
+            raise ValueError(f"jit_compile must be auto, true or false, got {self.jit_compile!r}")
+        if self.eval_every and not self.eval_channel:
+            raise ValueError("eval_every needs an eval_channel to validate on")
 
 
 # The built-in workloads' settings, for the platform's spec validation (which imports no torch): the

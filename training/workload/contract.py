@@ -51,6 +51,33 @@ OPTIONAL_HOOKS: Mapping[str, tuple[str, ...]] = {
     "device_transform": ("batch", "ctx"),
 }
 HOOKS = {**REQUIRED_HOOKS, **OPTIONAL_HOOKS}
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One framework's hooks, and the loop settings (a dataclass of training/trainers/config.py, by name)
+    that a module's LOOP_DEFAULTS may set."""
+
+    framework: str
+    required: Mapping[str, tuple[str, ...]]
+    optional: Mapping[str, tuple[str, ...]]
+    loop_config: str
+
+    @property
+    def hooks(self) -> dict[str, tuple[str, ...]]:
+        return {**self.required, **self.optional}
+
+
+PYTORCH = Contract("pytorch", REQUIRED_HOOKS, OPTIONAL_HOOKS, "WorkloadConfig")
+# The TensorFlow side (training/workload/tf_contract.py says what each hook does): the dataset is a tf.data
+# graph that tf.data.service's workers run, so preprocessing is one hook over the platform's file dataset.
+TENSORFLOW = Contract(
+    "tensorflow",
+    {"build_dataset": ("files", "ctx"), "build_model": ("ctx",), "train_step": ("model", "batch", "ctx")},
+    {"build_optimizer": ("model", "ctx"), "eval_step": ("model", "batch", "ctx")},
+    "KerasWorkloadConfig",
+)
+CONTRACTS = {contract.framework: contract for contract in (PYTORCH, TENSORFLOW)}
 # The platform's top-level packages: a workload imports none of them at module scope (inside a function,
 # for a reader, it may).
 PLATFORM_PACKAGES = frozenset({"training", "lambdas", "infra", "hetero"})
@@ -119,7 +146,7 @@ def add_to_path(code_dir: Path, packages_dir: Path | None = None) -> None:
         site.addsitedir(str(packages_dir))  # appended, with its .pth files read (namespace packages, editable installs)
 
 
-def load_workload(code_dir: Path, module: str, packages_dir: Path | None = None) -> Workload:
+def load_workload(code_dir: Path, module: str, packages_dir: Path | None = None, contract: Contract = PYTORCH) -> Workload:
     """Import ``module`` from ``code_dir`` and check it against the contract (check_module)."""
     code_dir = Path(code_dir).resolve()
     if module.endswith(".py") or "/" in module:
@@ -138,22 +165,22 @@ def load_workload(code_dir: Path, module: str, packages_dir: Path | None = None)
                                   "not installed: add it to the workload's requirements file") from None
     except Exception as error:  # noqa: BLE001 — whatever the user's module raises is theirs to fix, by name
         raise WorkloadImportError(f"importing workload module {module!r} ({code_dir}) raised {type(error).__name__}: {error}") from None
-    return check_module(loaded, module, code_dir)
+    return check_module(loaded, module, code_dir, contract)
 
 
-def check_module(loaded: types.ModuleType, name: str, code_dir: Path) -> Workload:
+def check_module(loaded: types.ModuleType, name: str, code_dir: Path, contract: Contract = PYTORCH) -> Workload:
     """The hooks of an imported module, each checked: present, a function of this module taking the
     contract's arguments; and its HYPERPARAMETERS, if any, a dict of scalars."""
     where = getattr(loaded, "__file__", name)
     hooks: dict[str, Callable[..., Any]] = {}
-    for hook, parameters in HOOKS.items():
+    for hook, parameters in contract.hooks.items():
         function = getattr(loaded, hook, None)
         if function is None:
-            if hook in REQUIRED_HOOKS:
-                raise MissingHookError(_missing(hook, loaded, where))
+            if hook in contract.required:
+                raise MissingHookError(_missing(hook, loaded, where, contract))
             continue
         hooks[hook] = _checked_hook(hook, function, parameters, name, where)
-    _misspelt_optional(loaded, where)
+    _misspelt_optional(loaded, where, contract)
     declared = getattr(loaded, "HYPERPARAMETERS", {})
     if not isinstance(declared, Mapping) or not all(isinstance(key, str) and key.isidentifier() for key in declared):
         raise WorkloadError(f"HYPERPARAMETERS in {where} must be a dict of name → default value")
@@ -161,20 +188,20 @@ def check_module(loaded: types.ModuleType, name: str, code_dir: Path) -> Workloa
     if bad:
         raise WorkloadError(f"HYPERPARAMETERS in {where}: {bad} are not bool, int, float or str (SageMaker passes hyperparameters as strings)")
     return Workload(loaded, name, code_dir, types.MappingProxyType(hooks), types.MappingProxyType(dict(declared)),
-                    types.MappingProxyType(_loop_defaults(loaded, where)))
+                    types.MappingProxyType(_loop_defaults(loaded, where, contract)))
 
 
-def _loop_defaults(loaded: types.ModuleType, where: str) -> dict[str, Any]:
-    """The module's LOOP_DEFAULTS, checked: names of the loop's settings (WorkloadConfig), each of the
-    setting's type (a misspelt one would silently be ignored)."""
+def _loop_defaults(loaded: types.ModuleType, where: str, contract: Contract) -> dict[str, Any]:
+    """The module's LOOP_DEFAULTS, checked: names of the loop's settings (the contract's loop config), each
+    of the setting's type (a misspelt one would silently be ignored)."""
     from dataclasses import MISSING, fields
 
-    from training.trainers.config import WorkloadConfig
+    from training.trainers import config
 
     declared = getattr(loaded, "LOOP_DEFAULTS", {})
     if not isinstance(declared, Mapping):
         raise WorkloadError(f"LOOP_DEFAULTS in {where} must be a dict of loop setting → default value")
-    settings = {item.name: item.default for item in fields(WorkloadConfig) if item.default is not MISSING}
+    settings = {item.name: item.default for item in fields(getattr(config, contract.loop_config)) if item.default is not MISSING}
     for key, value in declared.items():
         if key not in settings:
             close = difflib.get_close_matches(str(key), list(settings), n=1)
@@ -188,24 +215,24 @@ def _loop_defaults(loaded: types.ModuleType, where: str) -> dict[str, Any]:
     return dict(declared)
 
 
-def _defined(loaded: types.ModuleType) -> list[str]:
-    return [name for name, value in vars(loaded).items() if callable(value) and not name.startswith("_") and name not in HOOKS]
+def _defined(loaded: types.ModuleType, contract: Contract) -> list[str]:
+    return [name for name, value in vars(loaded).items() if callable(value) and not name.startswith("_") and name not in contract.hooks]
 
 
-def _missing(hook: str, loaded: types.ModuleType, where: str) -> str:
-    close = difflib.get_close_matches(hook, _defined(loaded), n=1)
+def _missing(hook: str, loaded: types.ModuleType, where: str, contract: Contract) -> str:
+    close = difflib.get_close_matches(hook, _defined(loaded, contract), n=1)
     hint = f" (it defines {close[0]}(): rename it {hook})" if close else ""
-    return (f"the workload module {where} defines no {hook}(){hint}; a workload defines "
-            f"{', '.join(REQUIRED_HOOKS)} (and optionally {', '.join(OPTIONAL_HOOKS)})")
+    return (f"the workload module {where} defines no {hook}(){hint}; a {contract.framework} workload defines "
+            f"{', '.join(contract.required)} (and optionally {', '.join(contract.optional)})")
 
 
-def _misspelt_optional(loaded: types.ModuleType, where: str) -> None:
+def _misspelt_optional(loaded: types.ModuleType, where: str, contract: Contract) -> None:
     """An optional hook misspelt would be silently unused (build_optimiser: the default optimizer, no
     scheduler): a function named within a letter or two of one that is not defined is refused."""
-    for hook in OPTIONAL_HOOKS:
+    for hook in contract.optional:
         if hasattr(loaded, hook):
             continue
-        close = difflib.get_close_matches(hook, _defined(loaded), n=1, cutoff=0.85)
+        close = difflib.get_close_matches(hook, _defined(loaded, contract), n=1, cutoff=0.85)
         if close:
             raise MissingHookError(f"{where} defines {close[0]}(), not {hook}(): the platform calls {hook} by that name; rename it "
                                    "(or give a helper a name further from it)")
@@ -290,7 +317,7 @@ def batch_keys_hint(error: BaseException, args: tuple[Any, ...]) -> str:
     return f" (the batch has {sorted(batches[0])})" if batches else ""
 
 
-def source_problem(source: str, filename: str) -> str | None:
+def source_problem(source: str, filename: str, contract: Contract = PYTORCH) -> str | None:
     """What the contract refuses that reading the module's source alone shows (no import: the client
     that launches need not have the workload's packages): a syntax error, a required hook that is no
     top-level function, a hook that takes another number of arguments. None when the source passes;
@@ -303,11 +330,11 @@ def source_problem(source: str, filename: str) -> str | None:
     bound = {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets if isinstance(target, ast.Name)}
     imported = {(alias.asname or alias.name).split(".")[0] for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)
                 for alias in node.names}
-    for hook in REQUIRED_HOOKS:
+    for hook in contract.required:
         if hook not in defined and hook not in bound and hook not in imported and "*" not in imported:
             close = difflib.get_close_matches(hook, list(defined), n=1)
             return f"{filename} defines no {hook}()" + (f" (it defines {close[0]}(): rename it {hook})" if close else "")
-    for hook, parameters in HOOKS.items():
+    for hook, parameters in contract.hooks.items():
         node = defined.get(hook)
         if node is None or node.args.vararg is not None:
             continue

@@ -27,11 +27,13 @@ import numpy as np
 
 from training.data_service.dataset import ChannelError
 from training.hyperparameters import to_hyperparameter_string
+from training.variants import VARIANTS
 from training.workload.code import CodeError, install_requirements, pack_code, unpack_code
 from training.workload.contexts import ChannelContext, TrainContext
 from training.workload.contract import WorkloadError, batch_keys_hint, load_workload, user_frame
 from training.workload.host import split_settings
 from training.workload.samples import BatchRecipe, check_evaluation_classes, classes_of, list_channel, make_batch, probe_features
+from training.workload.tf_contract import load_keras_workload
 
 DRY_RUN_SAMPLES = 4
 
@@ -57,8 +59,11 @@ def dry_run(spec: Any, code_dir: Path, channels: Mapping[str, Path], *, samples:
                 # the module imports with them, as on a host.
                 packages = install_requirements(unpacked, code.requirements, Path(scratch) / "environment")
                 report["requirements"] = "installed"
-            workload = load_workload(unpacked, code.module, packages)
-            report |= _check_loaded(workload, spec, packed.sha256, channels, samples)
+            if VARIANTS[spec.variant].contract == "tensorflow":
+                report |= _check_keras(load_keras_workload(unpacked, code.module, packages), spec, packed.sha256, channels, samples)
+            else:
+                workload = load_workload(unpacked, code.module, packages)
+                report |= _check_loaded(workload, spec, packed.sha256, channels, samples)
         except (WorkloadError, CodeError) as error:
             # Name the user's own files, not the dry run's copy of them.
             raise type(error)(str(error).replace(str(unpacked.resolve()), str(code_dir)).replace(str(unpacked), str(code_dir))) from None
@@ -130,6 +135,30 @@ def _check_loaded(workload: Any, spec: Any, sha256: str, channels: Mapping[str, 
     else:
         report["not_checked"].append("the hooks on samples (no --channel train=DIR)")
     return report
+
+
+def _check_keras(workload: Any, spec: Any, sha256: str, channels: Mapping[str, Path], samples: int) -> dict[str, Any]:
+    """A TensorFlow workload: its hyperparameters split as the hosts split them, then (with a train
+    channel) two steps of the platform's own Keras loop on this machine's CPU, over the local files, with
+    the validation channel when given: the dataset's graph, the model, the steps and eval_step, exactly as
+    a host runs them (training/trainers/keras_runtime.py's keras_trial)."""
+    from training.trainers.config import KerasWorkloadConfig
+
+    report: dict[str, Any] = {"hooks": sorted(workload.hooks), "not_checked": []}
+    raw = {name: to_hyperparameter_string(value) for name, value in spec.hyperparameters.items()}
+    raw |= {"role_map": '{"dry-run": "dnn"}', "workload_module": workload.name, "workload_sha256": sha256 or "0" * 64}
+    _, config, hyperparameters = split_settings(raw, workload, "dry-run-token-of-sixteen", KerasWorkloadConfig)
+    report["hyperparameters"] = dict(hyperparameters)
+    if config.eval_channel and not workload.has("eval_step"):
+        raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
+    if "train" not in channels:
+        report["not_checked"].append("the hooks on samples (no --channel train=DIR)")
+        return report
+    if config.eval_channel and config.eval_channel not in channels:
+        report["not_checked"].append(f"eval_step on {config.eval_channel!r} (no --channel {config.eval_channel}=DIR)")
+    from training.trainers.keras_runtime import keras_trial
+
+    return report | keras_trial(workload, config, hyperparameters, channels, batch_size=samples)
 
 
 def _dry_run_data(workload: Any, config: Any, hyperparameters: Mapping[str, Any], channels: Mapping[str, Path], samples: int) -> dict[str, Any]:

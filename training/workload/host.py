@@ -61,17 +61,19 @@ def workload_keys(workload: Workload) -> frozenset[str]:
     return frozenset(workload.hyperparameters)
 
 
-def split_settings(raw: Mapping[str, Any], workload: Workload, token: str) -> tuple[PlatformSettings, WorkloadConfig, types.MappingProxyType]:
-    """The platform's settings, the loop's (WorkloadConfig) and the workload's own hyperparameters from the
-    job's. A key that the workload declares and the loop also has is refused: it would mean two things."""
-    platform_keys_ = {item.name for item in fields(WorkloadConfig)} | {item.name for item in fields(PlatformSettings)} | {"variant"}
+def split_settings(raw: Mapping[str, Any], workload: Workload, token: str,
+                   loop_config: type = WorkloadConfig) -> tuple[PlatformSettings, Any, types.MappingProxyType]:
+    """The platform's settings, the loop's (``loop_config``: WorkloadConfig for PyTorch, KerasWorkloadConfig
+    for TensorFlow) and the workload's own hyperparameters from the job's. A key that the workload declares
+    and the loop also has is refused: it would mean two things."""
+    platform_keys_ = {item.name for item in fields(loop_config)} | {item.name for item in fields(PlatformSettings)} | {"variant"}
     clashes = sorted(workload_keys(workload) & platform_keys_)
     if clashes:
         raise HyperparameterError(f"the workload declares {clashes} in HYPERPARAMETERS ({workload.file}), which the platform's loop "
                                   "or launcher sets: rename them (they would mean two things), or read the loop's from ctx")
     # The module's LOOP_DEFAULTS under the job's own values (SageMaker passes strings; so do these).
     loop = {key: str(value) for key, value in workload.loop_defaults.items()} | dict(raw)
-    platform, config = parse_settings({key: value for key, value in loop.items() if key not in workload_keys(workload)}, WorkloadConfig,
+    platform, config = parse_settings({key: value for key, value in loop.items() if key not in workload_keys(workload)}, loop_config,
                                       token, also_known=workload_keys(workload))
     return platform, config, resolve_hyperparameters(workload, raw)
 

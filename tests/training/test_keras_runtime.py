@@ -15,13 +15,15 @@ from training.data_service.dataset import scan_images
 from training.data_service.tf_pipeline import (
     HELD_BACK_FRACTION,
     augmentation_pipeline,
+    element_spec,
     read_from_service,
     register,
     relative_samples,
 )
 from training.trainers.config import AugmentConfig, KerasVisionConfig
+from training.trainers.keras_runtime import Distribution, KerasTrainer, builtin_workload, local_dataset
 from training.trainers.loop import OutputPaths
-from training.trainers.tf_vision import Distribution, KerasVisionTrainer, local_dataset
+from training.workload.tf_contract import KerasContext
 
 SMALL = dict(model="cnn", cnn_width=8, image_size=32, batch_size=8, learning_rate=0.05)
 
@@ -40,7 +42,7 @@ def test_two_tf_data_service_workers_send_each_file_once_per_epoch(images: Path)
     paths = [path for path, _ in folder.samples][:48]
     batch = 4
     register(address, augmentation_pipeline(paths, list(range(48)), batch, AugmentConfig(16), seed=0))
-    seen = labels_of(read_from_service(address, batch, 16), 3 * 48 // batch)
+    seen = labels_of(read_from_service(address, element_spec(batch, 16)), 3 * 48 // batch)
     assert all(count >= 1 for count in collections.Counter(seen).values()) and len(set(seen)) == 48
     # Dynamic sharding hands the next epoch's files out as soon as this one's are handed out, so an
     # epoch's edge is blurred by what a slower worker still holds: a batch and its shuffle buffer (1/16
@@ -64,8 +66,8 @@ def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(image
 
         rank_0, rank_1 = labels_of(pipeline(0), 12), labels_of(pipeline(1), 12)  # two epochs each: 48 files
         resumed = labels_of(pipeline(0, skip=16), 4)
-        via_trainer = labels_of(local_dataset(scan_images(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(16), 4)
-        uninterrupted = labels_of(local_dataset(scan_images(Path("."), "train", "data"), KerasVisionConfig(**SMALL), 0, 1)(0), 6)
+        via_trainer = labels_of(builtin_dataset(scan_images(Path("."), "train", "data"), KerasVisionConfig(**SMALL))(16), 4)
+        uninterrupted = labels_of(builtin_dataset(scan_images(Path("."), "train", "data"), KerasVisionConfig(**SMALL))(0), 6)
     finally:
         os.chdir(cwd)
     assert set(rank_0) == set(range(0, len(paths), 2)) and set(rank_1) == set(range(1, len(paths), 2))  # disjoint halves
@@ -73,11 +75,19 @@ def test_homogeneous_ranks_read_disjoint_shards_and_a_resumed_run_reads_on(image
     assert via_trainer == uninterrupted[16:48]  # and through the trainer's factory, whose seeds do not move
 
 
-def trainer(images: Path, base: Path, **overrides) -> KerasVisionTrainer:
+def builtin_dataset(folder, config: KerasVisionConfig):  # noqa: ANN001, ANN201
+    """The built-in's input as a one-rank homogeneous trainer builds it."""
+    workload, hyperparameters = builtin_workload(config)
+    ctx = KerasContext(hyperparameters, classes=folder.classes, num_samples=len(folder), batch_size=config.batch_size)
+    return local_dataset(workload, ctx, folder, config.batch_size, config.seed, 0, 1)
+
+
+def trainer(images: Path, base: Path, **overrides) -> KerasTrainer:
     folder = scan_images(images, "train", "data")
     config = KerasVisionConfig(**(SMALL | overrides))
-    return KerasVisionTrainer(config, OutputPaths.under(base), distribution=Distribution(), classes=list(folder.classes),
-                              dataset=local_dataset(folder, config, 0, 1), source="local")
+    workload, hyperparameters = builtin_workload(config)
+    return KerasTrainer(config, OutputPaths.under(base), distribution=Distribution(), workload=workload, hyperparameters=hyperparameters,
+                        classes=list(folder.classes), dataset=builtin_dataset(folder, config), source="local", num_samples=len(folder))
 
 
 def test_a_resumed_tensorflow_run_reads_on_from_its_checkpoint(images: Path, tmp_path: Path) -> None:
@@ -117,7 +127,7 @@ def test_the_tensorflow_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_p
 
 def test_a_resumed_tf_data_service_run_counts_what_each_earlier_job_repeats() -> None:
     """Each job's hosts start the order afresh: what every earlier job trained of its last epoch comes again."""
-    from training.trainers.tf_vision import service_resume_summary
+    from training.trainers.keras_runtime import service_resume_summary
 
     assert service_resume_summary([50, 50], 96) == {"resumed": "from the start of the data hosts' order",
                                                      "why": "tf.data.service keeps no position a new job can resume from",
