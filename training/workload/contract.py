@@ -332,7 +332,7 @@ def source_problem(source: str, filename: str, contract: Contract = PYTORCH) -> 
                 for alias in node.names}
     for hook in contract.required:
         if hook not in defined and hook not in bound and hook not in imported and "*" not in imported:
-            close = difflib.get_close_matches(hook, list(defined), n=1)
+            close = difflib.get_close_matches(hook, [name for name in defined if name not in contract.hooks], n=1)
             return f"{filename} defines no {hook}()" + (f" (it defines {close[0]}(): rename it {hook})" if close else "")
     for hook, parameters in contract.hooks.items():
         node = defined.get(hook)
