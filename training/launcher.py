@@ -105,7 +105,7 @@ from training.workload.host import (
     unpack_on_host,
 )
 from training.workload.samples import check_evaluation_classes, classes_of
-from training.workload.tf_contract import file_pattern, list_channel_files
+from training.workload.tf_contract import file_pattern, list_channel_files, module_constant
 
 if TYPE_CHECKING:
     from training.data_service.control import FailureReports
@@ -1201,9 +1201,17 @@ def keras_job_on_host(hyperparameters: Mapping[str, Any]) -> tuple[PlatformSetti
 
     known = platform_keys() | {item.name for item in dataclasses.fields(KerasWorkloadConfig)} | {"variant"}
     token = load_shutdown_token()
-    settings, config = parse_settings({key: value for key, value in hyperparameters.items() if key in known}, KerasWorkloadConfig,
-                                      token, also_known=frozenset(hyperparameters) - known)
-    code_dir, packages_dir = unpack_on_host(settings)
+    platform, _ = parse_settings({key: value for key, value in hyperparameters.items() if key in known}, KerasWorkloadConfig,
+                                 token, also_known=frozenset(hyperparameters) - known)
+    code_dir, packages_dir = unpack_on_host(platform)
+    # The module's LOOP_DEFAULTS under the job's values, as the trainer splits them (a batch_size set there
+    # is the data hosts' too): read from its source, since this process does not import TensorFlow.
+    defaults = module_constant(code_dir, platform.workload_module, "LOOP_DEFAULTS") or {}
+    if not isinstance(defaults, Mapping):
+        raise WorkloadError(f"LOOP_DEFAULTS in {platform.workload_module} must be a dict of loop setting → default value")
+    raw = {key: str(value) for key, value in defaults.items()} | dict(hyperparameters)
+    settings, config = parse_settings({key: value for key, value in raw.items() if key in known}, KerasWorkloadConfig,
+                                      token, also_known=frozenset(raw) - known)
     return settings, config, KerasWorkloadCode(code_dir, packages_dir, settings.workload_module)
 
 

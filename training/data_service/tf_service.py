@@ -129,11 +129,12 @@ class TfDataService:
         self._process = start_child(
             self.settings.command(), cwd=self.settings.channel_dir, env=dict(os.environ) | {"PYTHONPATH": _code_root()}
         )
-        threading.Thread(target=self._relay, name="tf-service-output", daemon=True).start()
+        self._relay_thread = threading.Thread(target=self._relay, name="tf-service-output", daemon=True)
+        self._relay_thread.start()
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._ready.wait(timeout=0.2):
             if self._process.poll() is not None:
-                time.sleep(0.2)  # the relay's last lines
+                self._relay_thread.join(timeout=10)  # it ends at the pipe's end: every line read, the refusal's too
                 if self._refusal:
                     raise TfServiceError(self._refusal)
                 raise TfServiceError(f"tf.data.service exited with code {self._process.returncode} before it was ready")
@@ -186,7 +187,7 @@ def run_servers(args: argparse.Namespace) -> None:
 
     from training.data_service.augmentation import AugmentConfig
     from training.data_service.dataset import scan_images
-    from training.data_service.tf_pipeline import DATASET_ID, augmentation_pipeline, register, relative_samples
+    from training.data_service.tf_pipeline import DATASET_ID, register, relative_samples
 
     service = tf.data.experimental.service
     dispatcher = None
@@ -206,12 +207,25 @@ def run_servers(args: argparse.Namespace) -> None:
     log.info("worker %s serving for dispatcher %s", args.worker_address, args.dispatcher_address)
     if dispatcher is not None and args.workload_module:
         register_workload(args)
+    elif args.workload_module:
+        # A worker-only host runs the graph alone, but the module's imports register the custom ops it may
+        # use (tensorflow-text, tensorflow-io): import it, with its requirements, as the dispatcher host does.
+        from training.workload.tf_contract import load_keras_workload
+
+        load_keras_workload(Path(args.workload_dir), args.workload_module, Path(args.workload_packages) if args.workload_packages else None)
     elif dispatcher is not None:
+        # The built-in, through the contract as a user's is (training/workloads/keras_vision.py's build_dataset).
+        from training.data_service.tf_pipeline import batched, file_source
+        from training.variants import BUILTIN_WORKLOADS_DIR, KERAS_BUILTIN
+        from training.workload.tf_contract import KerasContext, build_elements, load_keras_workload
+
         folder = scan_images(Path.cwd(), "train", "data")
         paths, labels = relative_samples(folder)
         augment = AugmentConfig(image_size=args.image_size, augment=args.augment)
-        dataset = augmentation_pipeline(paths, labels, args.batch_size, augment, args.seed)
-        register(args.dispatcher_address, dataset)
+        ctx = KerasContext({"image_size": augment.image_size, "augment": augment.augment}, classes=folder.classes, num_samples=len(paths),
+                           batch_size=args.batch_size, seed=args.seed)
+        elements = build_elements(load_keras_workload(BUILTIN_WORKLOADS_DIR, KERAS_BUILTIN), file_source(paths, labels, args.seed), ctx)
+        register(args.dispatcher_address, batched(elements, args.batch_size, prefetch=False))
         log.info("registered the augmentation pipeline (%d images, %d classes) as %r", len(paths), len(folder.classes), DATASET_ID)
     print(READY_LINE, flush=True)
     worker.join()
@@ -226,7 +240,14 @@ def register_workload(args: argparse.Namespace) -> None:
     from training.trainers.config import KerasWorkloadConfig
     from training.workload.contract import WorkloadError
     from training.workload.host import split_settings
-    from training.workload.tf_contract import KerasContext, build_elements, file_pattern, list_channel_files, load_keras_workload
+    from training.workload.tf_contract import (
+        KerasContext,
+        build_elements,
+        file_pattern,
+        list_channel_files,
+        load_keras_workload,
+        probe_elements,
+    )
 
     try:
         code_dir = Path(args.workload_dir)
@@ -235,7 +256,8 @@ def register_workload(args: argparse.Namespace) -> None:
         listing = list_channel_files(Path.cwd(), settings.data_channel, file_pattern(code_dir, args.workload_module))
         paths, labels = relative_samples(listing)
         ctx = KerasContext(dict(hyperparameters), classes=listing.classes, num_samples=len(listing), steps=config.steps,
-                           batch_size=args.batch_size, seed=args.seed)
+                           batch_size=args.batch_size, seed=args.seed, learning_rate=config.learning_rate)
+        probe_elements(workload, paths, labels, ctx)
         dataset = batched(build_elements(workload, file_source(paths, labels, args.seed), ctx), args.batch_size, prefetch=False)
     except (WorkloadError, HyperparameterError, ChannelError) as error:
         print(f"{REFUSED_LINE}{type(error).__name__}: {error}", flush=True)

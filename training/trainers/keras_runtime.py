@@ -40,6 +40,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,7 +81,7 @@ from training.trainers.precision import resolve_precision  # noqa: E402
 from training.trainers.schedule import Schedule  # noqa: E402
 from training.variants import BUILTIN_WORKLOADS_DIR, KERAS_BUILTIN  # noqa: E402
 from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError, user_frame  # noqa: E402
-from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_PACKAGES_ENV, split_settings  # noqa: E402
+from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_PACKAGES_ENV, channel_folders, split_settings  # noqa: E402
 from training.workload.tf_contract import (  # noqa: E402
     KerasContext,
     ModelBuildError,
@@ -91,6 +92,7 @@ from training.workload.tf_contract import (  # noqa: E402
     flatten_structure,
     list_channel_files,
     load_keras_workload,
+    probe_elements,
     split_loss,
     structure_error,
 )
@@ -220,6 +222,7 @@ class KerasTrainer(TrainingLoop[Batch]):
         epoch_samples: int = 0,
         evaluation: tuple[list[str], list[int]] | None = None,
         sha256: str = "",
+        channels: Mapping[str, Path] | None = None,
     ) -> None:
         super().__init__(config, paths, rank=distribution.rank, world_size=distribution.size)
         self.config = config
@@ -240,7 +243,7 @@ class KerasTrainer(TrainingLoop[Batch]):
         keras.utils.set_random_seed(config.seed)  # the same initial model on every rank
         self.ctx = KerasContext(dict(hyperparameters), classes=tuple(classes), num_samples=num_samples, rank=distribution.rank,
                                 world_size=distribution.size, steps=config.steps, batch_size=config.batch_size, seed=config.seed,
-                                learning_rate=config.learning_rate, precision=self.precision)
+                                learning_rate=config.learning_rate, precision=self.precision, channels=dict(channels or {}))
         self.schedule = Schedule(config.learning_rate, config.steps, config.lr_warmup_fraction, workers=distribution.size,
                                  scale_with_workers=config.scale_lr)
         self.own_rate = not workload.has("build_optimizer")  # a build_optimizer's rate (or schedule) is the module's
@@ -284,9 +287,16 @@ class KerasTrainer(TrainingLoop[Batch]):
             loss, metrics = split_loss(self.workload.train_step(self.model, batch, self.ctx))
             loss = tf.cast(loss, tf.float32)
             scaled = self.optimizer.scale_loss(loss) if self.precision == "fp16" else loss
+        if loss.shape.rank not in (0, None):
+            raise StepOutputError(f"train_step in {self.workload.file} returned a loss of shape {loss.shape}: return a scalar (reduce_mean it)")
+        bad = [name for name, value in metrics.items() if tf.convert_to_tensor(value).shape.rank not in (0, None)]
+        if bad:
+            raise StepOutputError(f"train_step in {self.workload.file} returned non-scalar metrics {bad}: return scalars")
         gradients = tape.gradient(scaled, variables)
         if all(gradient is None for gradient in gradients):
             raise StepOutputError(f"train_step in {self.workload.file} returned a loss that does not depend on the model's weights")
+        # A weight the step does not use (a head left out) has no gradient; Horovod's all-reduce takes tensors only.
+        gradients = [tf.zeros_like(variable) if gradient is None else gradient for gradient, variable in zip(gradients, variables, strict=True)]
         return loss, {name: tf.cast(value, tf.float32) for name, value in metrics.items()}, gradients
 
     def _step(self, batch: Batch) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
@@ -303,8 +313,14 @@ class KerasTrainer(TrainingLoop[Batch]):
                 loss, metrics = self.distribution.run(self._compiled_step, batch)
             except (StepOutputError, WorkloadError):
                 raise
-            except (TypeError, ValueError, KeyError, IndexError, AttributeError, tf.errors.InvalidArgumentError) as error:
-                raise structure_error(error, self._element_spec, self.model, batch) from error
+            except Exception as error:
+                # Raised while tracing, our own refusal comes back wrapped by autograph (StagingError): unwrap it.
+                own = re.search(r"\bStepOutputError: (.+)", str(error))
+                if own:
+                    raise StepOutputError(own.group(1).strip()) from None
+                if isinstance(error, TypeError | ValueError | KeyError | IndexError | AttributeError | tf.errors.InvalidArgumentError):
+                    raise structure_error(error, self._element_spec, self.model, batch) from error
+                raise
             self.distribution.after_first_step(self.model, self.optimizer)
             self._first_step = False
         else:
@@ -457,6 +473,7 @@ def local_dataset(workload: Workload, ctx: KerasContext, folder: ImageDataset, b
     run skips positions of the first run's order."""
 
     paths, labels = file_samples(folder)
+    probe_elements(workload, paths, labels, ctx)
 
     def make(skip: int) -> tf.data.Dataset:
         tf.random.set_seed(seed * 1_000_003 + rank)
@@ -520,7 +537,9 @@ def build_trainer(environ: dict[str, str]) -> KerasTrainer:
     paths = OutputPaths.from_environment(environ)
     addresses = host_addresses(environ)
     control = settings.data_service_targets(cluster, addresses)
-    common: dict[str, Any] = dict(distribution=distribution, workload=job.workload, hyperparameters=job.hyperparameters, sha256=job.sha256)
+    channels = channel_folders(environ)
+    common: dict[str, Any] = dict(distribution=distribution, workload=job.workload, hyperparameters=job.hyperparameters, sha256=job.sha256,
+                                  channels=channels)
     if control:
         dispatcher, _ = settings.tf_data_service_addresses(cluster, addresses)
         # The dispatcher host's control server answers only once its dataset is registered.
@@ -545,7 +564,8 @@ def build_trainer(environ: dict[str, str]) -> KerasTrainer:
                             **common)
     folder = job.listing(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
     ctx = KerasContext(dict(job.hyperparameters), classes=folder.classes, num_samples=len(folder), rank=distribution.rank,
-                       world_size=distribution.size, steps=config.steps, batch_size=config.batch_size, seed=config.seed)
+                       world_size=distribution.size, steps=config.steps, batch_size=config.batch_size, seed=config.seed,
+                       learning_rate=config.learning_rate, channels=channels)
     dataset = local_dataset(job.workload, ctx, folder, config.batch_size, config.seed, distribution.rank, distribution.size)
     return KerasTrainer(config, paths, classes=list(folder.classes), dataset=dataset, source="local", num_samples=len(folder),
                         evaluation=_evaluation(job, cluster, list(folder.classes), environ), **common)
@@ -578,7 +598,7 @@ def keras_trial(workload: Workload, config: KerasWorkloadConfig, hyperparameters
         trainer = KerasTrainer(trial, OutputPaths.under(Path(scratch)), distribution=Distribution(), workload=workload,
                                hyperparameters=hyperparameters, classes=listing.classes,
                                dataset=local_dataset(workload, ctx, listing, trial.batch_size, trial.seed, 0, 1), source="local",
-                               num_samples=len(listing), evaluation=evaluation, sha256="0" * 64)
+                               num_samples=len(listing), evaluation=evaluation, sha256="0" * 64, channels=dict(channels))
         summary = trainer.run()
     return {"samples": len(listing), "classes": list(listing.classes), "trial_loss": summary["final_loss"],
             "trial_eval": (trainer.validation or {}).get("metrics", {}), "features": {path: str(spec) for path, spec in flatten_structure(trainer._element_spec)}}

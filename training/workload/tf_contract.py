@@ -97,18 +97,42 @@ def load_keras_workload(code_dir: Path, module: str, packages_dir: Path | None =
 def file_pattern(code_dir: Path, module: str) -> str:
     """The module's FILE_PATTERN, read from its source (a string literal: the launcher lists the channel
     without importing TensorFlow), "*" when it sets none."""
-    import ast
 
     base = Path(code_dir).joinpath(*module.split("."))
     source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
     if not source.is_file():
         return "*"
-    for node in ast.parse(source.read_text(), filename=str(source)).body:
-        if isinstance(node, ast.Assign) and any(isinstance(target, ast.Name) and target.id == "FILE_PATTERN" for target in node.targets):
-            if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str) and node.value.value):
-                raise WorkloadError(f"FILE_PATTERN in {source} line {node.lineno} must be a string literal, a glob of file names like '*.jpg'")
-            return node.value.value
-    return "*"
+    value = module_constant(code_dir, module, "FILE_PATTERN")
+    if value is None:
+        return "*"
+    if not isinstance(value, str) or not value:
+        raise WorkloadError(f"FILE_PATTERN in {source} must be a string literal, a glob of file names like '*.jpg'")
+    return value
+
+
+def module_constant(code_dir: Path, module: str, name: str) -> Any:
+    """A module-level constant (``NAME = <literal>``, annotated or not) read from the module's source without
+    importing it: the launcher lists channels and settles the loop's settings without TensorFlow. None
+    when the module does not set it; WorkloadError when it is not a literal or the source does not parse."""
+    import ast
+
+    base = Path(code_dir).joinpath(*module.split("."))
+    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+    if not source.is_file():
+        return None
+    try:
+        tree = ast.parse(source.read_text(errors="replace"), filename=str(source))
+    except SyntaxError as error:
+        raise WorkloadError(f"{source} line {error.lineno}: {error.msg}") from None
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
+        if any(isinstance(target, ast.Name) and target.id == name for target in targets):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                raise WorkloadError(f"{name} in {source} line {node.lineno} must be a literal (the launcher reads it without importing "
+                                    "the module)") from None
+    return None
 
 
 def list_channel_files(root: Path, channel: str, pattern: str = "*", classes: Sequence[str] | None = None) -> ImageDataset:
@@ -213,8 +237,50 @@ def structure_error(error: Exception, element_spec: Any, model: Any, batch: Any)
     inputs = getattr(model, "inputs", None)
     takes = f"; the model takes {[tuple(tensor.shape) for tensor in inputs]}" if inputs else ""
     return ElementStructureError(f"train_step raised {type(error).__name__}{user_frame(error)} on the first batch: "
-                                 f"{str(error).splitlines()[0] if str(error) else ''}{batch_keys_hint(error, (batch,))} "
-                                 f"(the elements are {element_spec}{takes})")
+                                 f"{reason_of(error)}{batch_keys_hint(error, (batch,))} (the elements are {element_spec}{takes})")
+
+
+def reason_of(error: BaseException) -> str:
+    """The error's own words, without what TensorFlow wraps them in: an op error's first line (its node
+    follows); for an error raised while tracing ("in user code:", the frames), the exception's line and
+    Keras's explanation after it, up to its list of arguments. Pure."""
+    import re
+
+    text = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    own = [i for i, line in enumerate(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", line) and i > 0]
+    if lines[0].startswith("in user code") and own:
+        tail = lines[own[-1]:]
+        ends = [i for i, line in enumerate(tail) if line.startswith("Arguments received")]
+        return " ".join(tail[:ends[0]] if ends else tail)[:600]
+    return lines[0][:600]
+
+
+def probe_elements(workload: Workload, paths: Sequence[str], labels: Sequence[int], ctx: KerasContext, count: int = 8) -> None:
+    """The dataset's elements made from the first files once, without the batching's ignore_errors: a
+    dataset whose every element fails (a wrong decode op, a bad path) would otherwise be retried over an
+    endless source and never yield a batch. Refused when all of the first ``count`` fail, with the first reason."""
+    import tensorflow as tf
+
+    from training.data_service.tf_pipeline import file_source
+
+    count = min(count, len(paths))
+    files = file_source(list(paths[:count]), list(labels[:count]), seed=0, repeat=False)
+    iterator = iter(build_elements(workload, files, ctx))
+    reasons = []
+    for _ in range(count):
+        try:
+            next(iterator)
+            return
+        except StopIteration:
+            break
+        except tf.errors.OpError as error:
+            reasons.append(reason_of(error))
+    if reasons:
+        raise WorkloadError(f"build_dataset's elements fail on each of the first {len(reasons)} files: {reasons[0]}")
+
 
 
 def split_loss(output: Any) -> tuple[Any, dict[str, Any]]:
