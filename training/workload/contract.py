@@ -262,12 +262,19 @@ def _checked_hook(hook: str, function: Any, parameters: tuple[str, ...], module:
     return function
 
 
+def module_source(code_dir: Path, module: str) -> Path | None:
+    """The file a dotted module is imported from inside the code folder (a module, or a package's
+    __init__.py); None when there is neither (import_module then says what is missing)."""
+    base = Path(code_dir).joinpath(*module.split("."))
+    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+    return source if source.is_file() else None
+
+
 def _refuse_platform_imports(code_dir: Path, module: str) -> None:
     """A workload imports nothing of the platform at module scope: the saved model then loads without the
     platform, and a data host's workers import it with nothing else set up. Read from its source."""
-    base = code_dir.joinpath(*module.split("."))
-    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
-    if not source.is_file():
+    source = module_source(code_dir, module)
+    if source is None:
         return  # import_module says what is missing
     try:
         tree = ast.parse(source.read_text(), filename=str(source))

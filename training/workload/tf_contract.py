@@ -40,7 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from training.data_service.dataset import ChannelError, EmptyChannelError, ImageDataset
-from training.workload.contract import TENSORFLOW, Workload, WorkloadError, batch_keys_hint, load_workload, user_frame
+from training.workload.contract import (
+    TENSORFLOW,
+    Workload,
+    WorkloadError,
+    batch_keys_hint,
+    load_workload,
+    module_source,
+    user_frame,
+)
 
 # tf.data ops that run Python, and what the user wrote to get them.
 PYTHON_OPS = {"EagerPyFunc": "tf.py_function", "PyFunc": "tf.numpy_function", "PyFuncStateless": "tf.numpy_function",
@@ -97,16 +105,11 @@ def load_keras_workload(code_dir: Path, module: str, packages_dir: Path | None =
 def file_pattern(code_dir: Path, module: str) -> str:
     """The module's FILE_PATTERN, read from its source (a string literal: the launcher lists the channel
     without importing TensorFlow), "*" when it sets none."""
-
-    base = Path(code_dir).joinpath(*module.split("."))
-    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
-    if not source.is_file():
-        return "*"
     value = module_constant(code_dir, module, "FILE_PATTERN")
     if value is None:
         return "*"
     if not isinstance(value, str) or not value:
-        raise WorkloadError(f"FILE_PATTERN in {source} must be a string literal, a glob of file names like '*.jpg'")
+        raise WorkloadError(f"FILE_PATTERN in {module_source(code_dir, module)} must be a string literal, a glob of file names like '*.jpg'")
     return value
 
 
@@ -116,9 +119,8 @@ def module_constant(code_dir: Path, module: str, name: str) -> Any:
     when the module does not set it; WorkloadError when it is not a literal or the source does not parse."""
     import ast
 
-    base = Path(code_dir).joinpath(*module.split("."))
-    source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
-    if not source.is_file():
+    source = module_source(code_dir, module)
+    if source is None:
         return None
     try:
         tree = ast.parse(source.read_text(errors="replace"), filename=str(source))
