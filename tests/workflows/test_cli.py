@@ -477,3 +477,54 @@ def test_run_of_an_existing_script_uploads_it_and_the_state_machine_runs_it_to_a
     result = harness.result("script-1")
     assert result["status"] == "Completed" and result["step_time_ms"]["p50"] == 185.0
     assert result["billed_ms_per_step"] == 200.0 and result["cost_per_1k_steps_usd"] > 0
+
+
+def test_a_sweep_of_an_existing_script_varies_its_data_group_and_costs_each_size_from_the_scripts_own_step_times(run, tmp_path: Path) -> None:
+    """A sweep of a script job (no workload contract): `hetero sweep` packs the script's folder once, each
+    configuration's job carries the entry point and its data group's size, and the report prices each size
+    from the step times the script printed (its own regex), recommending the cheapest per step."""
+    import shutil
+
+    from training.script_mode import StepTiming, script_summary
+
+    timing = StepTiming(r"took ([0-9.]+) ms", warmup_steps=1)
+
+    def summary(step_ms: float) -> dict:
+        return script_summary([900.0] + [step_ms] * 20, [1.0 + i * step_ms / 1000 for i in range(21)], 0.0, timing,
+                              program="train.py", exit_code=0)
+
+    harness = run(Scenario(summary=summary(1193.0), runs_for_s=0.5))
+    deploy(harness)
+    project = tmp_path / "project"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "scripts" / "grpc_feed", project / "feed")
+    base = json.loads((Path(__file__).resolve().parents[2] / "examples" / "pytorch-script.json").read_text())
+    base["workload"] = {"code": "../feed", "entry_point": "train.py", "step_time_regex": timing.regex, "warmup_steps": 1}
+    base["inputs"]["train"]["s3_uri"] = SPEC["inputs"]["train"]["s3_uri"]
+    (project / "sweeps").mkdir()
+    sweep = project / "sweeps" / "script.json"
+    sweep.write_text(json.dumps({"sweep_name": "script-sizes", "base": base, "data_hosts": [1, 2]}))
+    harness.scenario.summaries = {"existing-script-hetero-d1": summary(184.0), "existing-script-hetero-d2": summary(180.0)}
+    started = runner().invoke(app, ["sweep", str(sweep), "--name", "script-sizes-1"])
+    assert started.exit_code == 0, started.output
+    ((key, versions),) = code_objects(harness)
+    assert versions == 1
+    arn = harness.sweep_arn.replace(":stateMachine:", ":execution:") + ":script-sizes-1"
+    sent = json.loads(harness.sfn.describe_execution(executionArn=arn)["input"])
+    assert sent["base"]["workload"]["code"] == f"s3://{RESULTS_BUCKET}/{key}" and sent["base"]["workload"]["entry_point"] == "train.py"
+    execution = harness.wait(arn, timeout_s=120)
+    assert execution["status"] == "SUCCEEDED", execution
+    report = json.loads(execution["output"])["report"]
+    assert report["failed"] == [] and report["recommended"] == "existing-script-hetero-d1"
+    published = json.loads(harness.s3.get_object(Bucket=RESULTS_BUCKET, Key="benchmarks/script-sizes-1/report.json")["Body"].read())
+    rows = {row["name"]: row for row in published["configurations"]}
+    # Billed per step from the wall time between the script's own step lines; d2's extra host costs more than its 4 ms save.
+    assert [round(rows[f"existing-script-hetero-d{n}"]["billed_ms_per_step"]) for n in (1, 2)] == [184, 180]
+    assert rows["existing-script-hetero-d1"]["cost_per_1k_steps_usd"] < rows["existing-script-hetero-d2"]["cost_per_1k_steps_usd"]
+    assert {harness.result(f"script-sizes-1-{index}")["status"] for index in (0, 1)} == {"Completed"}
+    sizes = {}
+    for job_name in harness.training_jobs():
+        job = harness.sagemaker.describe_training_job(TrainingJobName=job_name)
+        assert job["HyperParameters"]["script_entry_point"] == "train.py"
+        (data,) = [g for g in job["ResourceConfig"]["InstanceGroups"] if g["InstanceGroupName"] == "data_group"]
+        sizes[job_name.split("-hetero-")[1][:2]] = data["InstanceCount"]
+    assert sizes == {"d1": 1, "d2": 2}
