@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # keyed by the build script and the TensorFlow pin, so a rebuilt venv reinstalls it without compiling.
 HOROVOD_BUILD := training/images/tensorflow/build-horovod.sh
 HOROVOD_WHEELS := .cache/horovod-$(shell cat $(HOROVOD_BUILD) requirements/dlc-tensorflow.txt | sha256sum | cut -c1-16)
-REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt \
+REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt requirements/docs.txt \
                 requirements/dlc-tensorflow.txt training/images/pytorch/requirements.txt training/images/neuron/requirements.txt \
                 training/images/tensorflow/requirements.txt $(HOROVOD_BUILD)
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
@@ -27,7 +27,7 @@ NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json
 # jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv sdk-venv scan-venv node test demo bench bench-gpu lint proto synth deploy clean
+.PHONY: venv sdk-venv scan-venv node test demo docs docs-serve bench bench-gpu lint proto synth deploy clean
 
 venv: $(STAMP)
 
@@ -74,6 +74,15 @@ demo: venv
 	$(PY) -m training.local.demo --variant tensorflow
 	$(PY) -m training.local.demo --workload examples/workloads/augmented_cnn
 	$(PY) app.py > /dev/null && echo "synthesized the platform stack into cdk.out/ (cdk-nag clean)"
+
+# The docs site into build/site (warnings, broken links and anchors are errors); the generated reference
+# pages first (docs/generate.py: the CLI from the Typer app, the settings from the validator and trainers).
+docs: venv
+	$(PY) docs/generate.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 synth: venv node
 	node_modules/.bin/cdk synth --quiet

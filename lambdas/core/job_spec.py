@@ -108,8 +108,24 @@ PLATFORM_CHANNELS = 1
 # The names the platform's channels take: a spec's inputs may not.
 RESERVED_CHANNELS = (PLATFORM_CHANNEL, RESUME_CHANNEL, CODE_CHANNEL)
 # A user workload's fields (``"workload": {...}``) and the module imported when it names none; a script's.
-CODE_FIELDS = ("code", "module", "requirements", "sha256")
-SCRIPT_FIELDS = ("code", "entry_point", "command", "requirements", "sha256", "image", "step_time_regex", "step_time_unit", "warmup_steps")
+# Each field with what it is: the validator's own lists, and the spec reference's tables (docs/generate.py).
+CODE_FIELDS: Mapping[str, str] = {
+    "code": "the workload's folder (relative to the spec's file), or `s3://<results bucket>/code/<sha256>/sourcedir.tar.gz` once uploaded",
+    "module": "the module to import from the folder (default `workload`)",
+    "requirements": "a requirements file in the folder, installed on every host (from `wheels/` alone in vpc_mode)",
+    "sha256": "the archive's SHA-256 (64 hex digits), with an `s3://` code; `hetero run` fills it in",
+}
+SCRIPT_FIELDS: Mapping[str, str] = {
+    "code": CODE_FIELDS["code"],
+    "entry_point": "the script to run, a `.py` (the image's python) or `.sh` file in the folder",
+    "command": "instead of `entry_point`: one line of shell run in the code folder (`torchrun --nproc_per_node 8 train.py`)",
+    "requirements": CODE_FIELDS["requirements"] + "; a `requirements.txt` in the folder is installed anyway",
+    "sha256": CODE_FIELDS["sha256"],
+    "image": "an ECR image built on the platform's, from a repository cdk.json's `script_image_repositories` names",
+    "step_time_regex": "a regex with one group, the step time in the script's log lines (default: the platform's `step_time_ms=`)",
+    "step_time_unit": "`ms` (default) or `s`: the unit of the regex's group",
+    "warmup_steps": "the script's first steps left out of step-time figures (default 0)",
+}
 DEFAULT_MODULE = "workload"
 # What an entry point may be, as the toolkit runs it: a Python file with the image's python, a shell script with sh.
 ENTRY_POINT_SUFFIXES = (".py", ".sh")
@@ -124,10 +140,21 @@ ECR_IMAGE = re.compile(rf"(?P<repository>\d{{12}}\.dkr\.ecr\.[a-z0-9-]+\.amazona
 # and the archive's name.
 CODE_PREFIX = "code/"
 ARCHIVE_NAME = CODE_ARCHIVE
-KNOWN_FIELDS = frozenset(
-    {"spec_version", "run_name", "variant", "workload", "instance_groups", "distribution", "hyperparameters", "inputs", "max_runtime_s",
-     "resume_from", "max_cost_usd"}
-)
+SPEC_FIELDS: Mapping[str, str] = {
+    "spec_version": f"the spec's version; default and only value {SPEC_VERSION}",
+    "run_name": "letters, digits and hyphens, at most 40 characters: the jobs' names start with it",
+    "variant": "which image and trainer: `pytorch`, `tensorflow` or `neuron` (Trainium)",
+    "workload": "what trains: a built-in (`vision`, `text`), a user's module (`{\"code\": ..., \"module\": ...}`) or an existing script "
+                "(`{\"code\": ..., \"entry_point\": ...}`): the workload fields below",
+    "instance_groups": "1 to 5 groups of `{name, role, instance_type, count}`, exactly one with role `dnn`; `data` groups are CPU instances",
+    "distribution": "how the DNN hosts' processes start: `torchrun`, `horovod`, `mirrored` or `none` (per variant; default its first)",
+    "hyperparameters": "scalar values only: the loop's settings, the workload's own, and the platform's (see Settings)",
+    "inputs": "channels: `{name: {s3_uri, groups, ...}}`, at most 20; `train` goes to every data host (or the DNN group alone)",
+    "max_runtime_s": "60 s to 5 days: SageMaker stops the job then; the worst-case cost bills every instance for all of it",
+    "max_cost_usd": "optional: lowers the deployment's cost ceiling for this run (never raises it)",
+    "resume_from": "optional: the run id of an earlier run whose checkpoints this run carries on from",
+}
+KNOWN_FIELDS = frozenset(SPEC_FIELDS)
 
 
 @dataclass(frozen=True)

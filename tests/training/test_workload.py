@@ -352,8 +352,8 @@ def test_requirements_paths_stay_inside_the_folder():
     assert not any(is_relative_path(path) for path in ("/etc/x", "../x", "a//b", "a\\b", ""))
 
 
-def test_the_readmes_complete_workload_passes_the_dry_run_hetero_validate_runs(tmp_path):
-    """The README's example file, as printed, on a small dataset: imported, listed, preprocessed, one step."""
+def test_the_workload_guides_complete_workload_passes_the_dry_run_hetero_validate_runs(tmp_path):
+    """The workload guide's example file, as printed, on a small dataset: imported, listed, preprocessed, one step."""
     import importlib.util
     import re
 
@@ -361,8 +361,8 @@ def test_the_readmes_complete_workload_passes_the_dry_run_hetero_validate_runs(t
     from training.workload.dry_run import dry_run
 
     repo = Path(__file__).resolve().parents[2]
-    readme = (repo / "README.md").read_text()
-    block = re.search(r"A complete workload.*?```python\n(.*?)```", readme, re.S).group(1)
+    guide = (repo / "docs" / "guides" / "workload.md").read_text()
+    block = re.search(r"A complete workload.*?```python\n(.*?)```", guide, re.S).group(1)
     folder = tmp_path / "readme-workload"
     folder.mkdir()
     (folder / "workload.py").write_text(block)

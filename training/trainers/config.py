@@ -60,7 +60,7 @@ class LoopConfig:
     batch_size: int = 32  # per trainer process
     log_every: int = 1  # a metrics line every N steps
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
-    seed: int = 0
+    seed: int = 0  # the run's seed: the model's initial weights, the samples' order, the augmentations' draws
 
     def __post_init__(self) -> None:
         check_limits(self)

@@ -1,0 +1,138 @@
+"""The documentation: the site builds strictly (a warning, a broken link or anchor fails), the generated
+reference pages are what the code generates now, the README's links resolve, and the quick start's and
+the workload guide's commands and the README's code run as a reader would run them (the guide's example
+module: tests/training/test_workload.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "docs"))
+import generate  # noqa: E402  (docs/generate.py)
+
+from hetero.cli import app  # noqa: E402
+
+# Commands of the guides that need a deployed stack and an AWS account: shown, not run here (the workflow
+# tests run them against moto).
+NEEDS_AWS = ("hetero run", "hetero sweep", "hetero follow", "make deploy")
+
+
+def code_blocks(page: Path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", page.read_text(encoding="utf-8"), re.S | re.M)
+
+
+def commands(block: str) -> list[str]:
+    """A bash block's commands: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    lines = [line.split("  #")[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env=os.environ | {"NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, built.stderr
+    assert "WARNING" not in built.stderr, built.stderr
+    assert (tmp_path / "site" / "reference" / "cli" / "index.html").is_file()
+
+
+def test_the_generated_reference_pages_are_the_codes(tmp_path: Path) -> None:
+    assert generate.stale_pages() == [], "run `.venv/bin/python docs/generate.py`"
+    # And the check can fail: a page edited by hand is stale.
+    for name in generate.PAGES:
+        shutil.copy(ROOT / "docs" / "reference" / name, tmp_path / name)
+    (tmp_path / "cli.md").write_text((tmp_path / "cli.md").read_text() + "\nedited by hand\n")
+    assert generate.stale_pages(tmp_path) == ["cli.md"]
+
+
+def test_every_command_and_option_of_the_cli_is_in_its_reference() -> None:
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    for name in ("validate", "run", "runs", "show", "follow", "stop", "logs", "sweep", "report", "prices", "local"):
+        assert f"## `hetero {name}`" in page
+    assert "`--channel`" in page and "`--json`" in page
+
+
+def test_the_readmes_links_lead_to_pages_and_headings_that_exist() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README links to {link}, which does not exist"
+        if anchor:
+            headings = [re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+                        for line in target.read_text().splitlines() if line.startswith("#")]
+            assert anchor in headings, f"README links to {link}: no such heading in {path}"
+
+
+def run_commands(block_commands: list[str], timeout_s: float) -> None:
+    environment = os.environ | {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    for command in block_commands:
+        if command.startswith(NEEDS_AWS) or command.startswith("make "):
+            continue
+        words = shlex.split(command)
+        if words[0].startswith(".venv/bin/") or words[0] == "hetero":  # the reader's .venv is this test's interpreter's
+            words[0] = str(Path(sys.executable).parent / Path(words[0]).name)
+        elif words[0] == "python":
+            words[0] = sys.executable
+        done = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=environment)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(1200)
+def test_the_quick_start_runs_as_written() -> None:
+    """Every command of the quick start, in order, from the repository's root (the data lands in
+    build/quickstart/, as the reader's would), the comparison included."""
+    page = ROOT / "docs" / "guides" / "quickstart.md"
+    shutil.rmtree(ROOT / "build" / "quickstart", ignore_errors=True)
+    run_commands([command for block in code_blocks(page, "bash") for command in commands(block)], timeout_s=900)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+def test_the_workload_guides_commands_run_as_written() -> None:
+    """The guide's first commands: make the example's data, validate it, run it on the emulated cluster."""
+    (block,) = [block for block in code_blocks(ROOT / "docs" / "guides" / "workload.md", "bash") if "make_data.py" in block][:1]
+    ran = commands(block)
+    assert any(command.startswith("hetero local") for command in ran)
+    run_commands(ran, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from training.local.images import write_dataset
+
+    root = tmp_path_factory.mktemp("shapes")
+    write_dataset(root / "train", per_class=8, size=48)
+    return root
+
+
+def test_the_readmes_example_module_is_a_working_workload(tmp_path: Path, images: Path) -> None:
+    """The README's complete workload, as printed, passes `hetero validate` (its hooks run on a few images)."""
+    (example,) = code_blocks(ROOT / "README.md", "python")
+    code = tmp_path / "readme"
+    code.mkdir()
+    (code / "workload.py").write_text(example)
+    spec = ROOT / "examples" / "workloads" / "augmented_cnn" / "homogeneous.json"
+    own = tmp_path / "spec.json"
+    parsed = json.loads(spec.read_text())
+    parsed["hyperparameters"] = {key: value for key, value in parsed["hyperparameters"].items() if key in ("batch_size", "steps", "log_every")}
+    parsed["inputs"].pop("validation", None)
+    own.write_text(json.dumps(parsed))
+    result = CliRunner().invoke(app, ["validate", str(own), "--code", str(code), "--channel", f"train={images / 'train'}"])
+    assert result.exit_code == 0 and result.stdout.startswith("ok"), result.output
