@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from lambdas.core.catalog import CATALOG
+from lambdas.core.catalog import CATALOG, CPU_ONLY, TRAINIUM, families
 from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.service_limits import limit, training_instance_types
 from training.cluster import HOMOGENEOUS_GROUP
@@ -732,13 +732,16 @@ def _check_instance_type(index: int, group: GroupSpec, accelerator: str, variant
     where = f"instance_groups[{index}].instance_type"
     instance = CATALOG.get(group.instance_type)
     if instance is None:
-        raise JobSpecError(where, f"{group.instance_type!r} is not in the platform's catalog; use one of {sorted(CATALOG)}")
+        raise JobSpecError(where, f"{group.instance_type!r} is not in the platform's catalog (lambdas/core/catalog.py); its families: "
+                                  f"{', '.join(families())}")
     if group.role == "data" and not instance.is_cpu_only:
-        raise JobSpecError(where, f"data group on {group.instance_type} would pay for idle accelerators: use a CPU type (ml.c5.*)")
+        raise JobSpecError(where, f"data group on {group.instance_type} would pay for idle accelerators: use a CPU type "
+                                  f"({', '.join(f'{family}.*' for family in families(CPU_ONLY)[:4])}, ...)")
     if group.role == "dnn" and instance.is_trainium and accelerator != "trainium":
         raise JobSpecError(where, f"{group.instance_type} is a Trainium instance: it needs variant 'neuron', not {variant!r}")
     if group.role == "dnn" and accelerator == "trainium" and not instance.is_trainium:
-        raise JobSpecError(where, f"variant {variant!r} trains on Trainium: use an ml.trn1.* instance type")
+        raise JobSpecError(where, f"variant {variant!r} trains on Trainium: use an instance type of "
+                                  f"{', '.join(f'{family}.*' for family in families(TRAINIUM))}")
 
 
 def code_key(sha256: str) -> str:

@@ -553,3 +553,30 @@ def test_a_tensorflow_user_workload_is_validated_against_the_keras_loops_setting
                              | {"inputs": tensorflow()["inputs"] | {"validation": {"s3_uri": "s3://my-datasets/v/", "groups": ["dnn_group"]}}})
     assert spec.is_user_workload and spec.variant == "tensorflow"
     assert trainer_config(spec).__class__.__name__ == "KerasWorkloadConfig" and trainer_config(spec).eval_channel == "validation"
+
+
+def test_a_g5_dnn_group_with_c6i_data_hosts_is_accepted_and_priced_by_the_ceiling() -> None:
+    spec = changed(changed(hetero(), "instance_groups.0.instance_type", "ml.c6i.8xlarge"), "instance_groups.1.instance_type", "ml.g5.2xlarge")
+    validated = validate_job_spec(spec)
+    assert [group.instance_type for group in validated.instance_groups] == ["ml.c6i.8xlarge", "ml.g5.2xlarge"]
+    priced = SpecPolicy(run_cost_ceiling_usd=1000, prices_usd_per_hour={"ml.c6i.8xlarge": 2.0, "ml.g5.2xlarge": 1.5})
+    hours = validated.max_runtime_s / 3600
+    assert worst_case_cost_usd(validate_job_spec(spec, priced), priced) == pytest.approx((validated.instance_groups[0].count * 2.0 + 1.5) * hours)
+    # Under a ceiling, a type priced nowhere is refused by name, pointing at where its price goes.
+    with pytest.raises(JobSpecError, match="no price known for ml.c6i.8xlarge.*ceiling_prices_usd_per_hour"):
+        validate_job_spec(spec, SpecPolicy(run_cost_ceiling_usd=1000))
+
+
+def test_a_data_group_on_a_new_gpu_type_is_refused_naming_cpu_families() -> None:
+    with pytest.raises(JobSpecError, match=r"idle accelerators: use a CPU type \(ml\.c4\.\*") as error:
+        validate_job_spec(changed(hetero(), "instance_groups.0.instance_type", "ml.g6.xlarge"))
+    assert error.value.field == "instance_groups[0].instance_type"
+
+
+@pytest.mark.parametrize("instance_type", ["ml.trn1n.32xlarge", "ml.trn2.48xlarge"])
+def test_every_trainium_type_takes_the_neuron_variant_and_only_it(instance_type: str) -> None:
+    assert validate_job_spec(changed(neuron(), "instance_groups.0.instance_type", instance_type)).dnn_group.instance_type == instance_type
+    with pytest.raises(JobSpecError, match="needs variant 'neuron'"):
+        validate_job_spec(changed(homogeneous(), "instance_groups.0.instance_type", instance_type))
+    with pytest.raises(JobSpecError, match=r"ml\.trn1\.\*, ml\.trn1n\.\*, ml\.trn2\.\*"):
+        validate_job_spec(changed(neuron(), "instance_groups.0.instance_type", "ml.p5.48xlarge"))
