@@ -42,14 +42,18 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, 
 
 from lambdas.core.job_spec import (
     DEFAULT_MODULE,
+    NO_POLICY,
     RUN_ID,
     JobSpecError,
+    SpecPolicy,
     WorkloadCode,
     code_key,
+    cost_ceiling_usd,
     is_script_workload,
     validate_job_spec,
+    worst_case_cost_usd,
 )
-from lambdas.core.sweep import SweepSpecError, plan_sweep
+from lambdas.core.sweep import SweepSpecError, plan_sweep, sweep_ceiling_usd
 from training.metrics import parse_metric_line
 from training.variants import VARIANTS
 from training.workload.code import CodeError, PackedCode, pack_code, stored_archive_problem
@@ -207,29 +211,89 @@ def read_json(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
         raise InputRefused(f"{path}: not JSON (line {error.lineno}: {error.msg})") from None
 
 
-def validate(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """The spec, checked with the platform's own rules (offline: the deployment's bucket allow-list and
-    cost ceiling are checked again when the run starts). Raises SpecRefused naming the field."""
-    return _checked(*read_json(source), sweep=False)
+def validate(source: str | Path | Mapping[str, Any], policy: SpecPolicy = NO_POLICY) -> dict[str, Any]:
+    """The spec, checked with the platform's own rules and ``policy`` (deployment_policy(): a checkout's
+    cost ceilings; the bucket allow-list and the ceilings are checked again when the run starts). Raises
+    SpecRefused naming the field."""
+    return _checked(*read_json(source), sweep=False, policy=policy)
 
 
-def validate_sweep(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def validate_sweep(source: str | Path | Mapping[str, Any], policy: SpecPolicy = NO_POLICY) -> dict[str, Any]:
     """A sweep's input, checked as the plan step checks it (every configuration as a run)."""
-    return _checked(*read_json(source), sweep=True)
+    return _checked(*read_json(source), sweep=True, policy=policy)
 
 
-def validate_any(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def validate_any(source: str | Path | Mapping[str, Any], policy: SpecPolicy = NO_POLICY) -> dict[str, Any]:
     """A run's spec, or a sweep's input when it has a sweep_name: the file read once."""
     name, raw = read_json(source)
-    return _checked(name, raw, sweep=isinstance(raw, dict) and "sweep_name" in raw)
+    return _checked(name, raw, sweep=is_sweep(raw), policy=policy)
 
 
-def _checked(name: str, raw: Any, sweep: bool) -> Any:
+def is_sweep(raw: Any) -> bool:
+    return isinstance(raw, dict) and "sweep_name" in raw
+
+
+def _checked(name: str, raw: Any, sweep: bool, policy: SpecPolicy = NO_POLICY) -> Any:
     try:
-        plan_sweep(raw) if sweep else validate_job_spec(raw)
+        plan_sweep(raw, policy) if sweep else validate_job_spec(raw, policy)
     except (JobSpecError, SweepSpecError) as error:
         raise SpecRefused(name, error.field, error.problem) from None
     return raw
+
+
+# Cost before deploying ------------------------------------------------------------------------------
+
+
+def deployment_policy(start: Path | None = None) -> tuple[SpecPolicy, Path | None]:
+    """The spec policy a deployment of the checkout around ``start`` (default: the working directory)
+    applies, and the cdk.json it comes from: the nearest cdk.json in ``start`` or above it with the
+    platform's context, read as the CDK app reads it (infra/config.py, defaults included), so an offline
+    check refuses what the deployed launch function would. Its bucket allow-list is left out (the datasets
+    bucket is named at deployment), as is anything given with ``cdk deploy -c``. No such cdk.json:
+    NO_POLICY (no ceiling), and None."""
+    from infra.config import CONTEXT_KEY, PlatformConfig, PlatformConfigError
+
+    folder = (start or Path.cwd()).resolve()
+    for candidate in (folder, *folder.parents):
+        path = candidate / "cdk.json"
+        if not path.is_file():
+            continue
+        try:
+            context = json.loads(path.read_text(encoding="utf-8")).get("context") or {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+            raise InputRefused(f"{path}: not a readable cdk.json ({error})") from None
+        if not isinstance(context, dict) or CONTEXT_KEY not in context:
+            continue  # another CDK app's
+        raw = context[CONTEXT_KEY]
+        try:
+            config = PlatformConfig.from_context(json.loads(raw) if isinstance(raw, str) else raw)
+        except (PlatformConfigError, SweepSpecError, TypeError, ValueError) as error:
+            raise InputRefused(f"{path}: its {CONTEXT_KEY!r} settings cannot be deployed: {error}") from None
+        return config.policy_for_synthesis(), path
+    return NO_POLICY, None
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """A spec's (or a sweep's) worst case: every instance billed for the whole max_runtime_s."""
+
+    worst_case_usd: float | None  # None: a type has no price to compute it with
+    ceiling_usd: float | None  # the ceiling that applies (the deployment's, lowered by the spec's own); None: none
+    unpriced: tuple[str, ...] = ()  # the types without a price (fallback table, cdk.json's ceiling prices)
+    runs: int = 1
+
+
+def estimate_cost(raw: Any, policy: SpecPolicy = NO_POLICY) -> CostEstimate:
+    """The worst case of an already valid spec or sweep input under ``policy``, with the same functions
+    the validator's ceiling check uses (lambdas/core/job_spec.py, lambdas/core/sweep.py). Pure."""
+    specs = [validate_job_spec(spec, policy) for spec in plan_sweep(raw, policy).configurations] if is_sweep(raw) else [validate_job_spec(raw, policy)]
+    unpriced = tuple(sorted({group.instance_type for spec in specs for group in spec.instance_groups if policy.price(group.instance_type) is None}))
+    total = None if unpriced else sum(worst_case_cost_usd(spec, policy) for spec in specs)
+    if is_sweep(raw):
+        ceiling = sweep_ceiling_usd(raw.get("max_cost_usd"), policy)
+    else:
+        ceiling = cost_ceiling_usd(specs[0], policy)
+    return CostEstimate(total, ceiling, unpriced, len(specs))
 
 
 # A user workload's code ----------------------------------------------------------------------------

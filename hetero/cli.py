@@ -6,7 +6,7 @@
     hetero runs                                             # recent runs: status, billed ms per step, $ per 1k steps
     hetero show RUN | hetero follow RUN | hetero stop RUN | hetero logs RUN --host algo-2 --group data_group
     hetero sweep examples/sweep.json --follow ; hetero report SWEEP_ID --open
-    hetero prices ml.p4d.24xlarge ml.c5.18xlarge
+    hetero prices g5 ml.c6i.8xlarge --json                    # hardware and $/hour, offline (--live: the Price List API)
     hetero local examples/pytorch-heterogeneous.json --channel train=build/images ; hetero demo
 
 The deployed stack (`--stack`, default HeteroTrainingPlatform) is found in `--region` with `--profile`'s
@@ -83,18 +83,30 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
                  "--channel", metavar="NAME=DIR", help="A local folder for a channel: the workload's hooks (a user's, or a PyTorch built-in's) then run on its first samples.")] = None,
              code: Annotated[Path | None, typer.Option(help="A user workload's code folder, in place of the spec's.")] = None,
              install: Annotated[bool, typer.Option(help="Check that the workload's requirements resolve (pip --dry-run).")] = True,
+             deployment: Annotated[bool, typer.Option(help="Apply the cost policy a deployment of this checkout would: cdk.json's "
+                                                          "ceilings and ceiling prices, found from the working directory up.")] = True,
              as_json: AsJson = False) -> None:
     """Check specs with the platform's own rules, offline; each refusal names its field.
 
     A spec of a user workload is checked as every host will check it: its code imported and checked
     against the workload contract, its hyperparameters split, and with `--channel train=DIR` its hooks
-    run on a few local samples (listing, preprocessing, one training step on the CPU)."""
+    run on a few local samples (listing, preprocessing, one training step on the CPU).
+
+    Each spec's worst case is printed: every instance billed for its whole max_runtime_s. Run inside the
+    repository (a cdk.json with the platform's settings in the working directory or above), a spec is
+    held to the run and sweep ceilings the deployment would hold it to, and refused (exit 2) above them."""
+    from lambdas.core.job_spec import NO_POLICY
+
     folders = dict(key_value(item) for item in channel or [])
+    policy, settings = guarded(api.deployment_policy) if deployment else (NO_POLICY, None)
+    if settings is not None and not as_json:
+        err.print(f"policy of {escape(str(settings))}: run ceiling {usd(policy.run_cost_ceiling_usd)}, sweep ceiling "
+                  f"{usd(policy.sweep_cost_ceiling_usd)} (--no-deployment: none)", highlight=False, soft_wrap=True)
     verdicts = []
     for path in specs:
         try:
-            raw = api.validate_any(path)
-            verdict: dict[str, Any] = {"spec": str(path), "ok": True}
+            raw = api.validate_any(path, policy)
+            verdict: dict[str, Any] = {"spec": str(path), "ok": True} | cost_fields(api.estimate_cost(raw, policy))
             workload = workload_check(path, raw, code, folders, install)
             if workload:
                 verdict["workload"] = workload
@@ -109,12 +121,32 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
         for verdict in verdicts:
             if verdict["ok"]:
                 out.print(f"[green]ok[/]      {escape(verdict['spec'])}", highlight=False)
+                out.print(f"        {escape(cost_line(verdict))}", highlight=False, soft_wrap=True)
                 if "workload" in verdict:
                     out.print(f"        {escape(workload_line(verdict['workload']))}", highlight=False, soft_wrap=True)
             else:
                 out.print(f"[red]refused[/] {escape(verdict['error'])}", highlight=False, soft_wrap=True)
     if not all(verdict["ok"] for verdict in verdicts):
         raise typer.Exit(2)
+
+
+def usd(value: float | None) -> str:
+    return "none" if value is None else f"${value:,.2f}"
+
+
+def cost_fields(estimate: api.CostEstimate) -> dict[str, Any]:
+    return {"worst_case_usd": None if estimate.worst_case_usd is None else round(estimate.worst_case_usd, 2),
+            "ceiling_usd": estimate.ceiling_usd, "unpriced": list(estimate.unpriced), "runs": estimate.runs}
+
+
+def cost_line(verdict: dict[str, Any]) -> str:
+    """The worst case of a valid spec, in a line. Pure."""
+    runs = f"its {verdict['runs']} runs together, " if verdict["runs"] > 1 else ""
+    if verdict["worst_case_usd"] is None:
+        return (f"worst case unknown: no price for {', '.join(verdict['unpriced'])} in the fallback table (see `hetero prices --live`; "
+                "a deployment's ceiling prices it from cdk.json's ceiling_prices_usd_per_hour)")
+    ceiling = f"; ceiling {usd(verdict['ceiling_usd'])}" if verdict["ceiling_usd"] is not None else "; no ceiling"
+    return f"worst case {usd(verdict['worst_case_usd'])} ({runs}every instance for the whole max_runtime_s){ceiling}"
 
 
 def key_value(text: str) -> tuple[str, Path]:
@@ -365,30 +397,61 @@ def report(ctx: typer.Context, sweep_id: Annotated[str, typer.Argument(metavar="
 
 
 @app.command()
-def prices(ctx: typer.Context, types: Annotated[list[str] | None, typer.Argument(help="Instance types (default: the catalog's).", show_default=False)] = None,
-           stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
-    """$/hour of SageMaker training instances: the Price List API (cached by the platform), else the dated
-    fallback table; always with the source and date."""
-    from lambdas.core.catalog import CATALOG
-    from lambdas.core.pricing import prices_for
+def prices(ctx: typer.Context,
+           types: Annotated[list[str] | None, typer.Argument(help="Instance types or families (ml.g5.xlarge, ml.g5, g5; default: every type).",
+                                                             show_default=False)] = None,
+           live: Annotated[bool, typer.Option("--live", help="Today's prices from the AWS Price List API (needs AWS credentials).")] = False,
+           region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
+    """Every SageMaker training instance type: its hardware and $/hour, offline from the dated fallback
+    table (none for a type it has no sourced price for), or with `--live` from the AWS Price List API for
+    `--region` (default us-east-1); always with the source and date.
 
-    target = platform(ctx, stack, region, profile)
-    wanted = list(types or sorted(CATALOG))
-    day = datetime.now(UTC).strftime("%Y-%m-%d")
-    from lambdas.core.pricing import PRICING_REGION
+    Example: `hetero prices g5 c6i` · `hetero prices ml.p4d.24xlarge --live --json`"""
+    from lambdas.core.catalog import HARDWARE_DATE, HARDWARE_SOURCE, UnknownInstanceTypeError, select
+    from lambdas.core.price_performance import FALLBACK_PRICES
 
-    # The Price List API answers in a few regions only; the prices asked for are the stack's region's.
-    pricing = target.session.client("pricing", region_name=PRICING_REGION, config=api.RETRIES)
-    quoted = guarded(lambda: prices_for(wanted, region=target.session.region_name or "us-east-1", day=day,
-                                       pricing=pricing, s3=target.client("s3"), bucket=target.results_bucket))
-    rows = {name: quoted.usd_per_hour.get(name) for name in wanted}
+    try:
+        chosen = select(tuple(types or ()))
+    except UnknownInstanceTypeError as error:
+        fail(error.args[0], 2)
+    quoted = live_prices_of(ctx, [item.name for item in chosen], region, profile) if live else FALLBACK_PRICES
+    rows = [{"instance_type": item.name, "family": item.family, "vcpus": item.vcpus, "memory_gib": item.memory_gib,
+             "accelerator_kind": item.accelerator_kind or "cpu", "accelerators": item.accelerators, "accelerator": item.accelerator,
+             "accelerator_memory_gb": item.accelerator_memory_gb, "neuron_cores": item.neuron_cores,
+             "usd_per_hour": quoted.usd_per_hour.get(item.name)} for item in chosen]
     if as_json:
-        emit_json({"source": quoted.source, "date": quoted.date, "usd_per_hour": rows})
+        emit_json({"source": quoted.source, "date": quoted.date, "usd_per_hour": {row["instance_type"]: row["usd_per_hour"] for row in rows},
+                   "hardware": {"source": HARDWARE_SOURCE, "date": HARDWARE_DATE}, "instance_types": rows})
         return
-    table = Table("instance type", "$/hour", caption=f"{quoted.source}, {quoted.date}")
-    for name, price in rows.items():
-        table.add_row(name, number(price, 3))
+    table = Table("instance type", "vCPUs", "memory GiB", "accelerators", "NeuronCores", "$/hour",
+                  caption=f"$/hour: {quoted.source}, {quoted.date} (–: none known{'' if live else '; try --live'}). "
+                          f"Hardware: AWS's EC2 instance-type specifications, compiled {HARDWARE_DATE} (lambdas/core/catalog.py).")
+    for row in rows:
+        accelerators = (f"{row['accelerators']}× {row['accelerator']} {row['accelerator_memory_gb']:g} GB" if row["accelerators"] else "")
+        table.add_row(row["instance_type"], str(row["vcpus"]), f"{row['memory_gib']:g}", accelerators,
+                      str(row["neuron_cores"] or ""), number(row["usd_per_hour"], 3))
     out.print(table)
+
+
+def live_prices_of(ctx: typer.Context, names: list[str], region: str | None, profile: str | None) -> Any:
+    """Today's Price List API prices of ``names`` in the region (the fallback table's for any it does not
+    price, as the source then says), with the caller's credentials; one line and exit 1 without them."""
+    from lambdas.core.pricing import PRICING_REGION, PriceListError, combine, live_prices
+
+    target = platform(ctx, None, region, profile)
+    session = guarded(lambda: target.session)
+    if session.get_credentials() is None:
+        fail("live prices need AWS credentials: run `aws configure` or `aws sso login`, or pass --profile "
+             "(without --live, the dated fallback table needs none)")
+    # The Price List API answers in a few regions only, for every region.
+    pricing = session.client("pricing", region_name=PRICING_REGION, config=api.RETRIES)
+    where = session.region_name or "us-east-1"
+    err.print(f"asking the AWS Price List API for {len(names)} types in {where} ...", highlight=False)
+    try:
+        live = guarded(lambda: api.call(live_prices, pricing=pricing, region=where, instance_types=names))
+    except PriceListError as error:
+        fail(f"the Price List API's answer is unreadable: {error}")
+    return combine(live, datetime.now(UTC).strftime("%Y-%m-%d"), names)
 
 
 # The emulated cluster ------------------------------------------------------------------------------

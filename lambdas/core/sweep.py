@@ -156,11 +156,17 @@ def _spec_list(raw: Mapping[str, Any], key: str) -> list[Any]:
     return list(value)
 
 
-def _check_total_cost(own_ceiling: Any, specs: Sequence[Any], policy: SpecPolicy) -> None:
+def sweep_ceiling_usd(own_ceiling: Any, policy: SpecPolicy) -> float | None:
+    """The ceiling on a sweep's configurations together: the deployment's, lowered by the sweep's own
+    ``max_cost_usd``; None when neither is set."""
     try:
-        ceiling = ceiling_usd(positive_usd(own_ceiling), policy.sweep_cost_ceiling_usd, "sweep ceiling", "a sweep")
+        return ceiling_usd(positive_usd(own_ceiling), policy.sweep_cost_ceiling_usd, "sweep ceiling", "a sweep")
     except JobSpecError as error:
         raise SweepSpecError(error.field, error.problem) from None
+
+
+def _check_total_cost(own_ceiling: Any, specs: Sequence[Any], policy: SpecPolicy) -> None:
+    ceiling = sweep_ceiling_usd(own_ceiling, policy)
     if ceiling is None:
         return
     try:
