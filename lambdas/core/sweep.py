@@ -321,7 +321,9 @@ def render_markdown(report: Mapping[str, Any], title: str) -> str:
             f"{_number(row.get('step_p50_ms'), 1)} / {_number(row.get('step_p90_ms'), 1)} | {_number(row['first_batch_s'], 1)} | {_number(row['usd_per_hour'], 3)} | {_number(row['cost_per_1k_steps_usd'], 4)} | {_percent(row['improvement_vs_baseline'])} |"
         )
     lines.append("")
-    if report["recommended"]:
+    if report.get("disturbed"):  # an emulated sweep measured on a busy machine (training/local/demo.py)
+        lines.append(f"**No recommendation:** too busy to measure: {report['disturbed']}.")
+    elif report["recommended"]:
         rule = f"within the {target:g} ms step-time target" if target else "with no step-time target"
         lines.append(f"**Recommended:** {report['recommended']} ({report['recommended_data_hosts']} data hosts): the lowest cost per step {rule}.")
     else:

@@ -8,6 +8,10 @@
    service for pytorch, through tf.data.service for tensorflow);
 4. prints step time, samples/s, speed-up against the ideal, and cost per 1k steps;
    (with ``--workload``, a user workload's own specs instead, validated on held-out images);
+   the two configurations run in interleaved rounds (A B B A ...: a drift of the machine's speed
+   falls on both), each figure the median round's, with the rounds' spread; while they run, the CPU
+   that other programs take is measured (training/local/machine_load.py), and a busy machine or rounds
+   that disagree give "too busy to measure" instead of a recommendation;
 5. writes the same report a cloud benchmark sweep writes (report.json, report.md, chart.png, through
    lambdas/core/sweep.py and chart.py) into the work folder, prices labelled as emulated.
 
@@ -16,7 +20,7 @@ LOCAL_OVERRIDES. Costs are *emulated*: local step times × SageMaker list prices
 types, a price-performance estimate of the same shape as the cloud's, not a cloud measurement. Data hosts
 that share cores here (2 data hosts on one spare core) count for the cores they really have in the ideal.
 
-    python -m training.local.demo [--variant pytorch|tensorflow] [--workdir build/demo] [--steps 80]
+    python -m training.local.demo [--variant pytorch|tensorflow] [--workdir build/demo] [--steps 40] [--rounds 2]
     python -m training.local.demo --workload examples/workloads/augmented_cnn     # a user workload's specs
 """
 
@@ -38,6 +42,7 @@ from lambdas.core.sweep import compare, render_markdown
 from training.local.__main__ import resolve_code
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions
 from training.local.images import write_dataset
+from training.local.machine_load import OtherLoad
 from training.local.profile import (
     Profile,
     data_host_cpus,
@@ -52,6 +57,11 @@ EXAMPLES = REPO / "examples"
 # The example specs train resnet18 on 224 px crops, sized for a GPU. On one CPU core per host we keep
 # the shape of the problem (preprocessing and training of similar cost) at a size that runs in seconds.
 LOCAL_OVERRIDES = {"model": "cnn", "cnn_width": 8, "image_size": 64, "augment": "heavy", "batch_size": 32, "warmup_steps": 10}
+# When a measurement cannot back a recommendation: other programs took this many CPUs on average while
+# the jobs ran (a quarter of a core is a quarter of a data host here), or one configuration's rounds
+# differ by this fraction of their median.
+BUSY_CORES = 0.25
+SPREAD_LIMIT = 0.20
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,12 @@ class RunFigures:
     step_ms: float  # billed: the wall time per timed step (lambdas/core/results.billed_ms_per_step)
     samples_per_s: float
     p50_ms: float | None = None  # the step-time median, shown beside it
+    rounds_ms: tuple[float, ...] = ()  # each round's billed ms per step (step_ms is their median)
+
+    @property
+    def spread(self) -> float:
+        """(slowest − fastest round) / the median: 0 for one round."""
+        return spread(self.rounds_ms)
 
     @property
     def usd_per_hour(self) -> float:
@@ -82,6 +98,8 @@ class Comparison:
     heterogeneous: RunFigures
     # Data hosts' worth of CPUs the emulated data group really has (hosts sharing a core count once).
     effective_data_hosts: float = 0.0
+    # Mean CPUs' worth other programs used while the jobs ran (machine_load.OtherLoad).
+    other_cores: float = 0.0
 
     @property
     def data_capacity(self) -> float:
@@ -101,6 +119,31 @@ class Comparison:
         data service costs nothing. A speed ratio: the billed figures price the runs."""
         step = self.heterogeneous.p50_ms if self.heterogeneous.p50_ms is not None else self.heterogeneous.step_ms
         return step / self.profile.ideal_step_ms(self.data_capacity)
+
+
+def spread(values: tuple[float, ...]) -> float:
+    if len(values) < 2:
+        return 0.0
+    ordered = sorted(values)
+    return (ordered[-1] - ordered[0]) / median(ordered)
+
+
+def median(values: list[float] | tuple[float, ...]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def disturbance(comparison: Comparison) -> str | None:
+    """Why this measurement cannot back a recommendation, or None. Pure."""
+    reasons = []
+    if comparison.other_cores > BUSY_CORES:
+        reasons.append(f"other programs used {comparison.other_cores:.2f} CPUs on average while the jobs ran (limit {BUSY_CORES:g})")
+    for run in (comparison.homogeneous, comparison.heterogeneous):
+        if run.spread > SPREAD_LIMIT:
+            rounds = ", ".join(f"{value:.1f}" for value in run.rounds_ms)
+            reasons.append(f"the {run.label} rounds disagree by {run.spread:.0%} ({rounds} ms/step; limit {SPREAD_LIMIT:.0%})")
+    return "; ".join(reasons) or None
 
 
 class Progress:
@@ -161,9 +204,26 @@ def run_job(label: str, spec: JobSpec, options: EmulationOptions, progress: bool
     return RunFigures(label, spec, billed_ms_per_step(summary), summary["samples_per_s"], summary["step_time_ms"]["p50"])
 
 
-def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload: Path | None = None) -> Comparison:
+def interleaved(rounds: int) -> list[tuple[str, int]]:
+    """(configuration, round) in the order they run: A B, B A, A B, ... Pure."""
+    order = []
+    for index in range(rounds):
+        pair = ("homogeneous", "heterogeneous") if index % 2 == 0 else ("heterogeneous", "homogeneous")
+        order += [(label, index) for label in pair]
+    return order
+
+
+def combined(label: str, spec: JobSpec, runs: list[RunFigures]) -> RunFigures:
+    """One configuration's rounds as one figure: the median round's, with every round's."""
+    rounds = tuple(run.step_ms for run in runs)
+    middle = sorted(runs, key=lambda run: run.step_ms)[(len(runs) - 1) // 2]
+    return RunFigures(label, spec, median(rounds), middle.samples_per_s, middle.p50_ms, rounds)
+
+
+def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload: Path | None = None, rounds: int = 2) -> Comparison:
     """The comparison of a variant's example specs, or of a user workload's (``workload``: its folder, with
-    homogeneous.json and heterogeneous.json beside its code, as examples/workloads/* have them)."""
+    homogeneous.json and heterogeneous.json beside its code, as examples/workloads/* have them), in
+    ``rounds`` interleaved rounds."""
     images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
     channels = {"train": images}
     if workload is None:
@@ -191,24 +251,29 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload
     train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
     profile = Profile(preprocess, train)
     print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
-    print("running the example specs on the emulated cluster", flush=True)
-    return Comparison(
-        profile,
-        run_job("homogeneous", homogeneous, options("homogeneous")),
-        run_job("heterogeneous", heterogeneous, options("heterogeneous")),
-        effective_data_hosts=effective,
-    )
+    print(f"running the example specs on the emulated cluster, {rounds} interleaved round{'s' if rounds > 1 else ''}", flush=True)
+    specs = {"homogeneous": homogeneous, "heterogeneous": heterogeneous}
+    runs: dict[str, list[RunFigures]] = {label: [] for label in specs}
+    with OtherLoad() as load:
+        for label, index in interleaved(rounds):
+            # The first round's folders keep the plain names (the validation is read from "heterogeneous").
+            name = label if index == 0 else f"{label}-round{index + 1}"
+            runs[label].append(run_job(f"{label} {index + 1}" if rounds > 1 else label, specs[label], options(name)))
+    return Comparison(profile, combined("homogeneous", homogeneous, runs["homogeneous"]),
+                      combined("heterogeneous", heterogeneous, runs["heterogeneous"]),
+                      effective_data_hosts=effective, other_cores=load.other_cores)
 
 
 def render(comparison: Comparison) -> str:
     base = comparison.homogeneous
-    header = f"{'configuration':<52} {'ms/step':>10} {'samples/s':>10} {'speed-up':>9} {'ideal':>7} {'$/hour':>8} {'$ per 1k steps':>15}"
+    header = (f"{'configuration':<52} {'ms/step':>10} {'spread':>7} {'samples/s':>10} {'speed-up':>9} {'ideal':>7} {'$/hour':>8} "
+              f"{'$ per 1k steps':>15}")
     rows = [header, "-" * len(header)]
     for run, ideal in ((base, 1.0), (comparison.heterogeneous, comparison.ideal_speed_up)):
         groups = " + ".join(f"{g.count}× {g.instance_type}" for g in run.spec.instance_groups)
         rows.append(
-            f"{run.label + ': ' + groups:<52} {run.step_ms:>7.1f} ms {run.samples_per_s:>10.1f} {base.step_ms / run.step_ms:>8.2f}× "
-            f"{ideal:>6.2f}× {run.usd_per_hour:>8.3f} {run.cost_per_1k_steps:>15.4f}"
+            f"{run.label + ': ' + groups:<52} {run.step_ms:>7.1f} ms {run.spread:>6.0%} {run.samples_per_s:>10.1f} "
+            f"{base.step_ms / run.step_ms:>8.2f}× {ideal:>6.2f}× {run.usd_per_hour:>8.3f} {run.cost_per_1k_steps:>15.4f}"
         )
     saving = 1 - comparison.heterogeneous.cost_per_1k_steps / base.cost_per_1k_steps
     rows += [
@@ -222,6 +287,8 @@ def render(comparison: Comparison) -> str:
         f"heterogeneous median step / ideal step = {comparison.offload_efficiency:.3f}",
         f"price-performance: {abs(saving):.0%} {'lower' if saving >= 0 else 'higher'} cost per step with the data host "
         f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
+        f"rounds: {len(base.rounds_ms) or 1} per configuration, interleaved; ms/step is the median round's, spread (slowest − "
+        f"fastest) / median; other programs used {comparison.other_cores:.2f} CPUs on average meanwhile",
     ]
     return "\n".join(rows)
 
@@ -265,6 +332,11 @@ def write_report(comparison: Comparison, folder: Path, title: str) -> tuple[Path
         for run in (comparison.homogeneous, comparison.heterogeneous)
     ]
     report = compare(outcomes, emulated_prices(), step_time_target_ms=None)
+    disturbed = disturbance(comparison)
+    if disturbed:
+        report |= {"recommended": None, "recommended_data_hosts": None, "disturbed": disturbed}
+    report["measurement"] = {"rounds": {run.label: list(run.rounds_ms) for run in (comparison.homogeneous, comparison.heterogeneous)},
+                             "other_cpus": round(comparison.other_cores, 3)}
     markdown = render_markdown(report, title)
     folder.mkdir(parents=True, exist_ok=True)
     paths = (folder / "report.json", folder / "report.md", folder / "chart.png")
@@ -277,7 +349,8 @@ def write_report(comparison: Comparison, folder: Path, title: str) -> tuple[Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo")
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=40, help="steps per job")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of each configuration (median and spread)")
     parser.add_argument("--variant", choices=[name for name, variant in VARIANTS.items() if variant.has_data_service], default="pytorch")
     parser.add_argument("--workload", type=Path, help="a user workload's folder (homogeneous.json and heterogeneous.json beside its code)")
     args = parser.parse_args(argv)
@@ -287,14 +360,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         workdir = args.workdir / args.variant if args.variant != "pytorch" else args.workdir
         title = f"Emulated {args.variant} sweep"
-    comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload, rounds=args.rounds)
     print()
     print(render(comparison))
     accuracy = (comparison_validation(workdir) or {}).get("accuracy")
     if accuracy is not None:
         print(f"validation accuracy of the heterogeneous run's model: {accuracy:.3f} (4 classes: chance 0.25)")
     *_, chart, markdown = write_report(comparison, workdir / "report", title)
-    print(f"\n{markdown}\nreport: {workdir / 'report'}/report.md, chart: {chart}")
+    disturbed = disturbance(comparison)
+    if disturbed:
+        # A figure taken on a busy machine says nothing of the saving: no recommendation, and why.
+        print(f"\nTOO BUSY TO MEASURE: {disturbed}.\nNo recommendation from this run: run it again on a quiet machine "
+              "(nothing else using the CPUs), or with more --steps and --rounds.")
+        print(f"\nreport (not a recommendation): {workdir / 'report'}/report.md, chart: {chart}")
+    else:
+        print(f"\n{markdown}\nreport: {workdir / 'report'}/report.md, chart: {chart}")
     print(f"host trees and logs: {workdir}")
     return 0
 

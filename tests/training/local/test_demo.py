@@ -1,4 +1,4 @@
-"""The demo's arithmetic, and the demo itself end to end at a small size."""
+"""The demo's arithmetic, its guard against a busy machine, and the demo itself end to end at a small size."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lambdas.core.job_spec import validate_job_spec
-from training.local.demo import Comparison, RunFigures, main, render, write_report
+from training.local.demo import BUSY_CORES, Comparison, RunFigures, combined, disturbance, interleaved, main, render, write_report
 from training.local.profile import Profile
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -89,7 +89,7 @@ def test_data_hosts_sharing_a_core_count_once_in_the_ideal() -> None:
 
 @pytest.mark.cluster
 def test_the_tensorflow_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["--variant", "tensorflow", "--workdir", str(tmp_path), "--steps", "16"]) == 0
+    assert main(["--variant", "tensorflow", "--workdir", str(tmp_path), "--steps", "16", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p4d.24xlarge" in out and "heterogeneous: 2× ml.c5.18xlarge + 1× ml.p4d.24xlarge" in out
     assert re.search(r"preprocessing \d+\.\d ms/batch", out) and "EMULATED" in out
@@ -99,8 +99,63 @@ def test_the_tensorflow_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.Capt
 def test_the_demo_of_a_user_workload_runs_its_own_specs_and_validates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`make demo`'s third part: the example workload's own specs (examples/workloads/augmented_cnn), compared."""
     workload = Path(__file__).resolve().parents[3] / "examples" / "workloads" / "augmented_cnn"
-    assert main(["--workload", str(workload), "--workdir", str(tmp_path), "--steps", "12"]) == 0
+    assert main(["--workload", str(workload), "--workdir", str(tmp_path), "--steps", "12", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "homogeneous: 1× ml.p3.2xlarge" in out and "heterogeneous: 1× ml.c5.9xlarge + 1× ml.p3.2xlarge" in out
     assert re.search(r"validation accuracy of the heterogeneous run's model: \d\.\d{3}", out)
     assert (tmp_path / "workload-augmented_cnn" / "report" / "report.md").exists()
+
+
+def test_rounds_interleave_and_each_figure_is_the_median_rounds() -> None:
+    assert interleaved(3) == [("homogeneous", 0), ("heterogeneous", 0), ("heterogeneous", 1), ("homogeneous", 1),
+                              ("homogeneous", 2), ("heterogeneous", 2)]
+    spec = figures("x", "pytorch-heterogeneous.json", 1).spec
+    runs = [RunFigures("heterogeneous", spec, ms, 1000 / ms, ms - 1) for ms in (70.0, 50.0, 60.0)]
+    figure = combined("heterogeneous", spec, runs)
+    assert figure.step_ms == 60.0 and figure.p50_ms == 59.0 and figure.rounds_ms == (70.0, 50.0, 60.0)
+    assert figure.spread == pytest.approx(20 / 60)
+
+
+def test_a_busy_machine_or_rounds_that_disagree_give_no_recommendation(tmp_path: Path) -> None:
+    steady = Comparison(Profile(60, 40), dataclasses.replace(figures("homogeneous", "pytorch-homogeneous.json", 100), rounds_ms=(99.0, 101.0)),
+                        dataclasses.replace(figures("heterogeneous", "pytorch-heterogeneous.json", 23), rounds_ms=(23.0, 23.5)),
+                        other_cores=0.05)
+    assert disturbance(steady) is None
+    *_, markdown = write_report(steady, tmp_path / "steady", "t")
+    assert "**Recommended:** heterogeneous" in markdown
+    busy = dataclasses.replace(steady, other_cores=BUSY_CORES + 0.5)
+    assert "other programs used 0.75 CPUs" in disturbance(busy)
+    drifting = dataclasses.replace(steady, heterogeneous=dataclasses.replace(steady.heterogeneous, rounds_ms=(23.0, 40.0)))
+    assert "the heterogeneous rounds disagree by 54%" in disturbance(drifting)
+    report_json, _, _, markdown = write_report(busy, tmp_path / "busy", "t")
+    report = json.loads(report_json.read_text())
+    assert report["recommended"] is None and "other programs used" in report["disturbed"]
+    assert report["measurement"]["other_cpus"] == 0.75 and "**No recommendation:** too busy to measure" in markdown
+    assert "**Recommended:**" not in markdown and "spread" in render(busy)
+
+
+@pytest.mark.cluster
+def test_the_demo_on_a_machine_that_others_load_says_it_is_too_busy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two programs outside the demo's process tree spin on the CPUs while it measures: it names the
+    load and recommends nothing."""
+    import os
+    import subprocess
+    import sys
+
+    # Double-forked (sh backgrounds them and exits): they are not the demo's descendants, as another user's job is not.
+    spin = "import time\nend = time.time() + 600\nwhile time.time() < end: pass\n"
+    marker = tmp_path / "spinners"
+    subprocess.run(["sh", "-c", f"for i in 1 2; do {sys.executable} -c '{spin}' & echo $! >> {marker}; done"], check=True)
+    try:
+        assert main(["--workdir", str(tmp_path / "demo"), "--steps", "12", "--rounds", "1"]) == 0
+    finally:
+        for pid in marker.read_text().split():
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+    out = capsys.readouterr().out
+    assert "TOO BUSY TO MEASURE: other programs used" in out and "No recommendation from this run" in out
+    assert "**Recommended:**" not in out
+    report = json.loads((tmp_path / "demo" / "report" / "report.json").read_text())
+    assert report["recommended"] is None and report["measurement"]["other_cpus"] > BUSY_CORES
