@@ -4,6 +4,11 @@
 # requirements installs nothing; a changed file updates the environment in place.
 
 PYTHON ?= python3
+# Environments are installed by uv (about 10× faster than pip here: the whole .venv in about a minute
+# from a warm network), itself installed into each environment by its pip, pinned.
+UV_VERSION := 0.13.9
+# $(call uv_install,VENV): uv pip install into that environment (arguments follow).
+uv_install = $(1)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION) && $(1)/bin/uv pip install --quiet --python $(1)/bin/python
 VENV := .venv
 PY := $(VENV)/bin/python
 # Horovod is built from source against the venv's TensorFlow (≈100 s); the wheel is kept under .cache/,
@@ -37,8 +42,8 @@ sdk-venv: $(SDK_STAMP)
 
 $(SDK_STAMP):
 	@test -x $(SDK_PY) || $(PYTHON) -m venv $(SDK_VENV)
-	$(SDK_PY) -m pip install --quiet --disable-pip-version-check -r requirements/sdk-test.txt
-	$(SDK_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(call uv_install,$(SDK_VENV)) -r requirements/sdk-test.txt
+	$(SDK_VENV)/bin/uv pip install --quiet --python $(SDK_PY) --no-deps -e .
 	@rm -f $(SDK_VENV)/.requirements-*
 	@touch $@
 
@@ -46,7 +51,7 @@ scan-venv: $(SCAN_STAMP)
 
 $(SCAN_STAMP):
 	@test -x $(SCAN_VENV)/bin/python || $(PYTHON) -m venv $(SCAN_VENV)
-	$(SCAN_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements/scan.txt
+	$(call uv_install,$(SCAN_VENV)) -r requirements/scan.txt
 	@rm -f $(SCAN_VENV)/.requirements-*
 	@touch $@
 
@@ -57,10 +62,10 @@ $(NODE_STAMP):
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
+	$(call uv_install,$(VENV)) -r requirements/dev.txt
 	@ls $(HOROVOD_WHEELS)/horovod-*.whl >/dev/null 2>&1 || $(HOROVOD_BUILD) $(PY) $(HOROVOD_WHEELS)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(HOROVOD_WHEELS)/horovod-*.whl
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --reinstall $(HOROVOD_WHEELS)/horovod-*.whl
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
