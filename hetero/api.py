@@ -469,10 +469,12 @@ def default_run_name(spec: Mapping[str, Any], now: datetime | None = None) -> st
     return f"{str(spec.get('run_name', 'run'))[:64]}-{stamp}"
 
 
-def check_name(name: str, limit: int = 80) -> str:
-    """A run's or sweep's id: what Step Functions, the results' keys and the job names all accept."""
+def check_name(name: str, limit: int = 80, what: str = "--name") -> str:
+    """A run's or sweep's id: what Step Functions (1–80 characters, none of whitespace, brackets,
+    wildcards, ``"#%\\^|~`$&,;:/`` or control characters), the results' keys and the job names all
+    accept. ``what`` is how the caller took it, for the refusal."""
     if not RUN_ID.fullmatch(name) or len(name) > limit:
-        raise InputRefused(f"--name {name!r}: 1–{limit} letters, digits, hyphens or underscores")
+        raise InputRefused(f"{what} {name!r}: 1–{limit} letters, digits, hyphens or underscores")
     return name
 
 
@@ -482,7 +484,7 @@ def launch(spec: str | Path | Mapping[str, Any], platform: Platform | None = Non
     platform = platform or Platform()
     label, raw = read_json(spec)
     _checked(label, raw, sweep=False)
-    run_name = check_name(name or default_run_name(raw))
+    run_name = check_name(default_run_name(raw) if name is None else name)
     packed = pack_local_code(label, raw, spec_folder(spec))  # before any AWS call
     if packed:
         raw = upload_local_code(platform, platform.results_bucket, raw, spec_folder(spec), packed)
@@ -494,7 +496,7 @@ def launch_sweep(sweep: str | Path | Mapping[str, Any], platform: Platform | Non
     label, raw = read_json(sweep)
     _checked(label, raw, sweep=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    sweep_id = check_name(name or f"{raw['sweep_name']}-{stamp}", SWEEP_ID_LENGTH)
+    sweep_id = check_name(f"{raw['sweep_name']}-{stamp}" if name is None else name, SWEEP_ID_LENGTH)
     packed = pack_local_code(label, raw, spec_folder(sweep), sweep=True)
     if packed:
         raw = upload_local_code(platform, platform.results_bucket, raw, spec_folder(sweep), packed, sweep=True)

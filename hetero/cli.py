@@ -17,6 +17,7 @@ and a non-zero exit: 1 when the run or the request failed, 2 when the input was 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import webbrowser
@@ -24,7 +25,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
+import typer.core
 from rich.console import Console
 from rich.markdown import Markdown
 from rich.markup import escape
@@ -33,7 +36,21 @@ from rich.table import Table
 
 from hetero import api, direct
 
-app = typer.Typer(help="The whole life of a training run on the platform: validate, run and follow, inspect, stop, sweep, report.",
+
+class Guarded(typer.core.TyperGroup):
+    """Every command's refusals and AWS errors as one line and an exit code, wherever they are raised: a
+    command that forgets to guard one of its calls still never shows a traceback for them."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except api.InputRefused as error:
+            fail(str(error), 2)
+        except api.ClientFacingError as error:
+            fail(str(error))
+
+
+app = typer.Typer(cls=Guarded, help="The whole life of a training run on the platform: validate, run and follow, inspect, stop, sweep, report.",
                   no_args_is_help=True, rich_markup_mode="markdown",
                   epilog="Examples: hetero run examples/pytorch-heterogeneous.json --follow · hetero runs --json · hetero logs RUN --host algo-2")
 # Text from outside (log lines, AWS errors, spec fields, failure reasons) is escaped before Rich sees it:
@@ -256,10 +273,11 @@ def follow_run(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar
     """Follow a run already started (after Ctrl-C, or from another terminal) to its end; exit 0 only if it
     succeeded."""
     target = platform(ctx, stack, region, profile)
+    checked_id(run_id, is_job)
     if is_job:
         follow_direct(run_id, target, poll_s, quiet, as_json)
         return
-    started = api.run_of(run_id, target)
+    started = guarded(lambda: api.run_of(run_id, target))
     final = watch(started, target, poll_s, quiet)
     show_result(started, target, as_json, final)
     raise typer.Exit(0 if final.status == SUCCEEDED else 1)
@@ -307,6 +325,7 @@ def show(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN"
          region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """A run's status and result."""
     target = platform(ctx, stack, region, profile)
+    checked_id(run_id, is_job)
     if is_job:
         outcome = guarded(lambda: direct.job_result(run_id, target))
         emit_json(outcome) if as_json else out.print(result_table(outcome))
@@ -330,6 +349,7 @@ def stop(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN"
          region: Region = None, profile: Profile = None) -> None:
     """Stop a run: its execution ends and the platform stops its training job."""
     target = platform(ctx, stack, region, profile)
+    checked_id(run_id, is_job)
     if is_job:
         was = guarded(lambda: direct.stop_job(run_id, target))
         if was != "InProgress":
@@ -353,6 +373,7 @@ def logs(ctx: typer.Context, run_id: Annotated[str, typer.Argument(metavar="RUN"
          stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """The job's log lines, host by host tagged, filterable by host and by instance group."""
     target = platform(ctx, stack, region, profile)
+    checked_id(run_id, is_job)
     start = None
     if since is not None:
         try:
@@ -378,6 +399,7 @@ def report(ctx: typer.Context, sweep_id: Annotated[str, typer.Argument(metavar="
            out_dir: Annotated[Path, typer.Option(help="Where chart.png is saved.")] = Path("."),
            stack: Stack = None, region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
     """A finished sweep's report, rendered; its chart saved as <SWEEP_ID>-chart.png."""
+    guarded(lambda: api.check_name(sweep_id, api.SWEEP_ID_LENGTH, what="SWEEP_ID"))
     markdown, report_json, chart = guarded(lambda: api.sweep_report(sweep_id, platform(ctx, stack, region, profile)))
     saved = None
     if chart:
@@ -494,6 +516,11 @@ def emulator(module: str):
 # Rendering -------------------------------------------------------------------------------------------
 
 
+def checked_id(run_id: str, is_job: bool) -> None:
+    """A RUN argument refused (exit 2) before any AWS call when no run or job could have that name."""
+    guarded(lambda: direct.check_job_name(run_id) if is_job else api.check_name(run_id, what="RUN"))
+
+
 def guarded(action):
     try:
         return action()
@@ -508,10 +535,13 @@ def watch(started: api.Run, target: api.Platform, poll_s: float, quiet: bool, ev
     its steps on stderr; its "done" event. Ctrl-C leaves the run going and says how to come back to it."""
     final = api.Event("done", status="UNKNOWN")
     try:
+        stream = events_of(started, target, poll_s, events)
+        # The first look before the bar: when it fails (no credentials, no such run), its one line is all.
+        first = next(stream, None)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[steps]}"),
                       TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=err, disable=quiet) as bar:
             task = bar.add_task(escape(started.name), total=None, steps="", metrics="")
-            for event in events_of(started, target, poll_s, events):
+            for event in itertools.chain([] if first is None else [first], stream):
                 if event.kind == "progress":
                     shown = " ".join(f"{key}={value:g}" for key, value in event.metrics.items() if key in ("step_time_ms", "samples_per_s", "loss"))
                     bar.update(task, completed=event.step, total=event.steps, steps=f"{event.step}/{event.steps} steps", metrics=shown)

@@ -141,7 +141,7 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
     label, raw = read_json(source)
     try:
         validate_job_spec(raw)  # offline first: a bad spec is told before any AWS call
-        run = check_name(name or default_direct_run_id(raw))
+        run = check_name(default_direct_run_id(raw) if name is None else name)
         packed = pack_local_code(label, raw, spec_folder(source))  # and its code packed: nothing uploaded yet
         environment = platform.launch_settings
         policy = SpecPolicy.from_environment(environment)
@@ -167,6 +167,15 @@ def prepare(source: str | Path | Mapping[str, Any], platform: Platform, name: st
     launch = Launch(run_id=run, spec=spec, prefix=prefix, settings=settings, raw=raw, archives=archives, code_bucket=policy.code_bucket or "")
     launch.request(boto3_job_name(launch))  # a request can be built, before anything is written
     return launch
+
+
+def check_job_name(job: str) -> str:
+    """A direct run's job name as SageMaker takes one (1–63 letters, digits and inner hyphens), else
+    InputRefused: nothing of that name can exist."""
+    problem = limit("TrainingJobName").problem(job)
+    if problem:
+        raise InputRefused(f"RUN {job!r} cannot be a training job's name (with --direct, RUN is the job's name): {problem}")
+    return job
 
 
 def boto3_job_name(launch: Launch, now: datetime | None = None) -> str:

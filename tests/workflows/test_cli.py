@@ -424,14 +424,84 @@ def test_a_missing_stack_is_one_clear_line(run, tmp_path: Path) -> None:
     assert both.exit_code == 1 and "stack 'Mine' not found" in both.stderr
 
 
-def test_missing_credentials_are_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with no AWS credentials anywhere boto3 looks (no moto: the calls would go out)."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_missing_credentials_are_one_clear_line(no_credentials) -> None:
     result = runner().invoke(app, ["runs", "--region", REGION])
     assert result.exit_code == 1 and "no AWS credentials" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# Every command that talks to AWS, each way it does (a run or a direct job).
+AWS_COMMANDS = [
+    ["run", str(EXAMPLES / "pytorch-heterogeneous.json")], ["run", str(EXAMPLES / "pytorch-heterogeneous.json"), "--direct", "--no-sdk"],
+    ["follow", "run-1"], ["follow", "job-1", "--direct"], ["show", "run-1"], ["show", "job-1", "--direct"],
+    ["stop", "run-1"], ["stop", "job-1", "--direct"], ["logs", "run-1"], ["logs", "job-1", "--direct"],
+    ["sweep", str(EXAMPLES / "sweep.json")], ["runs"], ["report", "sweep-1"], ["prices", "ml.p3.2xlarge"],
+]
+
+
+@pytest.mark.parametrize("args", AWS_COMMANDS, ids=lambda args: " ".join(part for part in args if "/" not in part))
+def test_every_command_that_talks_to_aws_says_missing_credentials_in_one_line(no_credentials, args: list[str]) -> None:
+    result = runner().invoke(app, [*args, "--region", REGION])
+    assert result.exit_code == 1, result.output
+    assert "no AWS credentials" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+# Names no run, sweep or job could have (Step Functions refuses an execution name that is empty, over 80
+# characters, or holds whitespace, "." is not one the results' keys and job names carry): refused before
+# any AWS call, so without credentials too.
+BAD_NAMES = [
+    ["run", str(EXAMPLES / "pytorch-heterogeneous.json"), "--name", ""],
+    ["run", str(EXAMPLES / "pytorch-heterogeneous.json"), "--name", "a b"],
+    ["run", str(EXAMPLES / "pytorch-heterogeneous.json"), "--direct", "--name", ""],
+    ["run", str(EXAMPLES / "pytorch-heterogeneous.json"), "--direct", "--name", "x:y"],
+    ["sweep", str(EXAMPLES / "sweep.json"), "--name", ""],
+    ["sweep", str(EXAMPLES / "sweep.json"), "--name", "x" * 78],
+    ["follow", "a b"], ["show", "a/b"], ["stop", "x" * 81], ["logs", "run#1"], ["follow", ""],
+    ["show", "job_1", "--direct"], ["follow", "job-", "--direct"], ["report", "sweep 1"],
+]
+
+
+@pytest.mark.parametrize("args", BAD_NAMES, ids=lambda args: " ".join(part[:12] for part in args if "/" not in part) or "empty")
+def test_a_bad_name_is_refused_before_any_aws_call(no_credentials, args: list[str]) -> None:
+    result = runner().invoke(app, [*args, "--region", REGION])
+    assert result.exit_code == 2, result.output
+    assert "credentials" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert any(word in result.stderr for word in ("--name", "RUN", "SWEEP_ID")), result.stderr
+
+
+def help_texts() -> str:
+    """The module docstring, the app's help and every command's, as a user reads them."""
+    import typer.main
+
+    from hetero import cli
+
+    texts = [cli.__doc__ or "", runner().invoke(app, ["--help"], terminal_width=500).stdout]
+    for name in typer.main.get_command(app).commands:
+        texts.append(runner().invoke(app, [name, "--help"], terminal_width=500).stdout)
+    return "\n".join(texts)
+
+
+def test_every_example_the_help_names_exists_and_every_example_passes_validate() -> None:
+    import re
+
+    named = set(re.findall(r"examples/[\w.*/-]*\w", help_texts()))
+    assert "examples/sweep.json" in named  # the help shows a sweep
+    for path in sorted(named):
+        assert list(EXAMPLES.parent.glob(path)), f"the help names {path}, which does not exist"
+    checked = runner().invoke(app, ["validate", *map(str, sorted(EXAMPLES.glob("*.json"))), "--json"])
+    verdicts = json.loads(checked.stdout)
+    assert checked.exit_code == 0, [verdict for verdict in verdicts if not verdict["ok"]]
+    assert any(verdict["spec"].endswith("sweep.json") for verdict in verdicts)
 
 
 def test_local_hands_its_options_to_the_emulated_cluster(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
