@@ -99,6 +99,8 @@ GROUP_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 HYPERPARAMETER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # S3 bucket names (general purpose buckets): 3–63 lowercase letters, digits, dots and hyphens.
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# The bucket the example specs name (examples/*.json): a placeholder for the deployment's own.
+EXAMPLES_PLACEHOLDER_BUCKET = "datasets-bucket"
 # A run id: the Step Functions execution's name (results/<run id>/, checkpoints/<run id>/), restricted to
 # what a SageMaker tag value, an S3 key and a job name's hash input all carry unchanged.
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
@@ -587,6 +589,19 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+def bucket_refusal(bucket: str, allowed: frozenset[str]) -> str:
+    """Why a channel's bucket is refused, and how to find the ones this deployment allows: the stack's own
+    datasets bucket and cdk.json's input_buckets are what its SageMaker role may read. The example specs'
+    bucket is a placeholder a user is meant to replace, and is named as one. Pure."""
+    problem = (f"bucket {bucket!r} is not one the platform's jobs may read: this deployment allows {sorted(allowed)} "
+               "(its datasets bucket, the stack's DatasetsBucket output, and the buckets of cdk.json's "
+               '"platform": {"input_buckets": [...]}, then `cdk deploy`)')
+    if bucket == EXAMPLES_PLACEHOLDER_BUCKET:
+        problem += (f"; s3://{EXAMPLES_PLACEHOLDER_BUCKET}/ is the example specs' placeholder: put your data in one of those "
+                    "buckets and name it in the spec")
+    return problem
+
+
 def bucket_of(uri: str) -> str:
     return split_s3_uri(uri)[0]
 
@@ -672,8 +687,7 @@ def _validate_script(spec: JobSpec, variant: Any, policy: SpecPolicy) -> JobSpec
                                                               "sets sagemaker_program itself)")
     for channel in spec.inputs:
         if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:
-            raise JobSpecError(f"inputs.{channel.name}.s3_uri", f"bucket {bucket_of(channel.s3_uri)!r} is not one the platform's "
-                                                                f"jobs may read: use {sorted(policy.input_buckets)} (cdk.json's input_buckets)")
+            raise JobSpecError(f"inputs.{channel.name}.s3_uri", bucket_refusal(bucket_of(channel.s3_uri), policy.input_buckets))
     _check_cost(spec, policy)
     return spec
 
@@ -784,8 +798,7 @@ def _check_channels(spec: JobSpec, policy: SpecPolicy) -> None:
                                                            "held-out samples in a channel of their own")
     for channel in spec.inputs:
         if policy.input_buckets is not None and bucket_of(channel.s3_uri) not in policy.input_buckets:
-            raise JobSpecError(f"inputs.{channel.name}.s3_uri", f"bucket {bucket_of(channel.s3_uri)!r} is not one the platform's "
-                                                                f"jobs may read: use {sorted(policy.input_buckets)} (cdk.json's input_buckets)")
+            raise JobSpecError(f"inputs.{channel.name}.s3_uri", bucket_refusal(bucket_of(channel.s3_uri), policy.input_buckets))
         if channel.name == evaluated:
             if spec.dnn_group.name not in spec.group_names_for(channel):
                 raise JobSpecError(f"inputs.{channel.name}.groups", f"the workload validates on this channel (eval_channel) on the dnn "

@@ -426,6 +426,22 @@ def test_a_channel_outside_the_allowed_buckets_is_refused_by_name() -> None:
     with pytest.raises(JobSpecError, match="'someone-elses-bucket' is not one the platform's jobs may read") as refused:
         validate_job_spec(spec, POLICY)
     assert refused.value.field == "inputs.train.s3_uri"
+    # Which buckets are allowed, and where a deployment sets them.
+    assert "allows ['datasets-bucket']" in refused.value.problem and "DatasetsBucket output" in refused.value.problem
+    assert "cdk.json" in refused.value.problem and "input_buckets" in refused.value.problem
+    assert "placeholder" not in refused.value.problem
+
+
+def test_the_examples_placeholder_bucket_is_refused_as_a_placeholder() -> None:
+    """The example specs name s3://datasets-bucket/: a deployment whose buckets are others says that it is
+    the examples' placeholder, and which buckets to use instead."""
+    example = json.loads((Path(__file__).resolve().parents[2] / "examples" / "pytorch-heterogeneous.json").read_text())
+    ours = SpecPolicy(input_buckets=frozenset({"hetero-datasets-123", "team-images"}))
+    with pytest.raises(JobSpecError) as refused:
+        validate_job_spec(example, ours)
+    assert refused.value.field == "inputs.train.s3_uri"
+    assert "s3://datasets-bucket/ is the example specs' placeholder" in refused.value.problem
+    assert "allows ['hetero-datasets-123', 'team-images']" in refused.value.problem
 
 
 def test_twenty_p4d_for_five_days_is_refused_with_its_cost() -> None:
