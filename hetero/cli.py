@@ -479,10 +479,20 @@ def live_prices_of(ctx: typer.Context, names: list[str], region: str | None, pro
 # The emulated cluster ------------------------------------------------------------------------------
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+class EmulatorHelp(typer.core.TyperCommand):
+    """`hetero local`'s help is the emulated cluster's own (training/local/options.py, standard library only),
+    where its options are defined once and parsed: the options forwarded there cannot drift from a copy."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from training.local.options import run_parser
+
+        formatter.write(run_parser(f"hetero {ctx.info_name}").format_help())
+
+
+@app.command(cls=EmulatorHelp, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def local(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job spec (JSON).")]) -> None:
-    """Run a spec on the emulated cluster on this machine (the options of `python -m training.local run`:
-    --channel train=DIR, --set key=value, --processes-per-host, --cpus ...)."""
+    """Run a spec on the emulated cluster on this machine: a short result table on stdout (`--json`: the
+    summary), the hosts' logs on stderr; `hetero local --help` lists its options."""
     local_main = emulator("training.local.__main__")
     raise typer.Exit(local_main(["run", str(spec), *ctx.args]) or 0)
 

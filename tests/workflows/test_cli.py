@@ -513,6 +513,20 @@ def test_local_hands_its_options_to_the_emulated_cluster(tmp_path: Path, capfd: 
     assert unknown.exit_code == 2
 
 
+def test_local_help_lists_every_option_of_the_emulated_cluster() -> None:
+    """`hetero local` forwards its options to training/local/options.py's parser: its help is that
+    parser's, every option of it shown, as `hetero local` names itself."""
+    from training.local.options import run_parser
+
+    shown = runner().invoke(app, ["local", "--help"], terminal_width=200)
+    assert shown.exit_code == 0 and shown.stdout.startswith("usage: hetero local ")
+    options = [name for action in run_parser("x")._actions for name in action.option_strings if name.startswith("--")]
+    assert {"--channel", "--set", "--cpus", "--deadline-s", "--json"} <= set(options)
+    for option in options:
+        assert option in shown.stdout, option
+    assert runner().invoke(app, ["local", "spec.json", "--help"]).stdout == shown.stdout
+
+
 def test_run_of_an_existing_script_uploads_it_and_the_state_machine_runs_it_to_a_costed_result(run, tmp_path: Path) -> None:
     """Script mode through the deployed platform: `hetero run` packs the script's folder (its entry point
     checked among the packed files), the execution's spec keeps every script field, the launch's request

@@ -3,46 +3,49 @@
     python -m training.local run examples/pytorch-heterogeneous.json --channel train=build/demo-images
     python -m training.local run SPEC --channel train=DIR --cpus data_group=1 --set steps=20 --deadline-s 300
     python -m training.local run SPEC --channel train=DIR --cpu-quota data_group=0.25   # a quarter core per data host
+    python -m training.local run SPEC --channel train=DIR --json                        # the summary alone on stdout
 
-Each host's log lines are prefixed with "[host group]"; the full logs and every host's /opt/ml tree stay
-under --workdir. Exits 0 only if every host exited 0 with no orphan and within the deadline.
+stdout carries the result alone: a short table (each host's group, role and exit; the job's figures and an
+emulated cost), or with --json the chief DNN host's summary. Everything else goes to stderr: the plan,
+every host's log lines prefixed "[host group]", and on a terminal a live progress line. The full logs and
+every host's /opt/ml tree stay under --workdir. Exits 0 only if every host exited 0 with no orphan and
+within the deadline (the spec's max_runtime_s unless --deadline-s); 2 when the spec or an option is
+refused; 130 on Ctrl-C and 143 on SIGTERM, after every host was stopped. The options are defined once,
+in training/local/options.py, which `hetero local` shows as its help.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
+import re
+import signal
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any, TextIO
 
-from lambdas.core.job_spec import JobSpecError, validate_job_spec
-from training.local.cluster import EmulatedCluster, EmulationError, EmulationOptions
+from lambdas.core.catalog import PRICE_DATE
+from lambdas.core.job_spec import JobSpec, JobSpecError, validate_job_spec
+from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, hourly_cost
+from lambdas.core.results import billed_ms_per_step
+from training.local.cluster import (
+    ANSI,
+    ClusterResult,
+    EmulatedCluster,
+    EmulatedHost,
+    EmulationError,
+    EmulationOptions,
+    check_channels,
+)
+from training.local.options import key_value, parser
 
+__all__ = ["key_value", "main", "parser", "resolve_code"]  # key_value: training/local/profile.py's too
 
-def key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return key, value
-
-
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="python -m training.local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = root.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a job spec on the emulated cluster")
-    run.add_argument("spec", type=Path, help="job spec JSON (the platform's format, see README)")
-    run.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR", help="local folder for an input channel")
-    run.add_argument("--workdir", type=Path, help="where host trees and logs go (default: a new temporary folder)")
-    run.add_argument("--deadline-s", type=float, default=600.0, help="kill everything and fail after this long")
-    run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")
-    run.add_argument("--cpus", type=key_value, action="append", default=[], metavar="GROUP=N", help="CPUs per host of a group (default 1)")
-    run.add_argument("--cpu-quota", type=key_value, action="append", default=[], metavar="GROUP=CORES",
-                     help="a fraction of a core per host of a group, e.g. data_group=0.25 (needs a writable cgroup CPU controller)")
-    run.add_argument("--processes-per-host", type=int, default=0, help="trainer processes per DNN host (default: one per GPU, or 1)")
-    run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
-    run.add_argument("--code", type=Path, help="the workload's code folder (default: the spec's workload.code, relative to the spec file)")
-    return root
+STEP_LINE = re.compile(r"^step=(\d+)/(\d+)\b")
 
 
 def resolve_code(raw: object, spec_path: Path) -> object:
@@ -57,6 +60,122 @@ def resolve_code(raw: object, spec_path: Path) -> object:
     return raw
 
 
+def progress_text(step: int, total: int, rate_steps_per_s: float | None) -> str:
+    """The live line: steps done of the total and the time left at the rate so far. Pure."""
+    if rate_steps_per_s is None or rate_steps_per_s <= 0:
+        return f"step {step}/{total}, ETA –"
+    left = max(0.0, (total - step) / rate_steps_per_s)
+    return f"step {step}/{total}, ETA {int(left // 60)}:{int(left % 60):02d}"
+
+
+class HostLines:
+    """A line listener: every host's lines on ``stream`` prefixed "[host group]", and when ``live`` (stderr
+    is a terminal) one progress line under them, redrawn in place: a pipe or a file gets the lines alone."""
+
+    def __init__(self, stream: TextIO, live: bool, clock=time.monotonic) -> None:
+        self.stream, self.live, self.clock = stream, live, clock
+        self._lock = threading.Lock()
+        self._progress = ""
+        self._first: tuple[int, float] | None = None  # the first step seen, and when: the rate is measured from it
+
+    def __call__(self, host: EmulatedHost, line: str) -> None:
+        with self._lock:
+            if self.live and self._progress:
+                self.stream.write("\r\x1b[K")
+            self.stream.write(f"[{host.label}] {ANSI.sub('', line)}\n")
+            matched = STEP_LINE.match(line) if host.role == "dnn" else None
+            if matched:
+                step, total = int(matched.group(1)), int(matched.group(2))
+                now = self.clock()
+                if self._first is None:
+                    self._first = (step, now)
+                first_step, first_at = self._first
+                rate = (step - first_step) / (now - first_at) if now > first_at and step > first_step else None
+                self._progress = progress_text(step, total, rate)
+            if self.live and self._progress:
+                self.stream.write(self._progress)
+            self.stream.flush()
+
+    def finish(self) -> None:
+        """Clear the progress line, so that what follows starts on a clean line."""
+        with self._lock:
+            if self.live and self._progress:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            self._progress = ""
+
+
+def emulated_cost_per_1k_steps(spec: JobSpec, summary: Mapping[str, Any]) -> tuple[float | None, str]:
+    """$ per 1k steps of this machine's step time at the catalog's fallback prices for the spec's instance
+    types, and what it was computed from (or why not). Emulated: this machine's cores stand in for the
+    instances, so the figure compares configurations on one machine, not a cloud bill. Pure."""
+    step_ms = billed_ms_per_step(summary)
+    if step_ms is None:
+        return None, "no timed step"
+    try:
+        usd_per_hour = hourly_cost([(group.instance_type, group.count) for group in spec.instance_groups], FALLBACK_PRICES)
+    except KeyError as error:
+        return None, str(error.args[0])
+    cluster = " + ".join(f"{group.count}× {group.instance_type}" for group in spec.instance_groups)
+    return cost_per_1k_steps(usd_per_hour, step_ms), f"{step_ms:.1f} ms per step at ${usd_per_hour:.3f}/h ({cluster}, fallback prices of {PRICE_DATE})"
+
+
+def job_table(result: ClusterResult, spec: JobSpec, summary: Mapping[str, Any] | None, workdir: Path) -> str:
+    """stdout's result: the host table, then the job's figures, then where the logs are. Pure."""
+    lines = [result.report()]
+    if summary:
+        step = summary.get("step_time_ms") or {}
+        wait = summary.get("data_wait_ms") or {}
+        samples = summary.get("samples_per_s")
+        cost, basis = emulated_cost_per_1k_steps(spec, summary)
+        lines += [
+            f"{'step time p50':<24}{_number(step.get('p50'), 1, ' ms')}",
+            f"{'samples/s':<24}{_number(samples, 1)}",
+            f"{'data wait p50':<24}{_number(wait.get('p50') if isinstance(wait, Mapping) else wait, 1, ' ms')}",
+            f"{'$ per 1k steps':<24}{'–' if cost is None else f'${cost:.4f}'} (emulated: {basis})",
+        ]
+    else:
+        lines.append("no summary: training did not get that far (see the hosts' logs)")
+    lines.append(f"host trees and logs: {workdir} (logs/<host>.log)")
+    return "\n".join(lines)
+
+
+def _number(value: Any, digits: int, unit: str = "") -> str:
+    return "–" if not isinstance(value, int | float) else f"{value:.{digits}f}{unit}"
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM while the cluster ran: every host is stopped before the command exits."""
+
+    def __init__(self, what: str, exit_code: int) -> None:
+        super().__init__(what)
+        self.what, self.exit_code = what, exit_code
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM (a scheduler's, a CI runner's, `kill`) as Ctrl-C is: an exception in the main thread, so
+    that the hosts, in sessions of their own and not signalled with this process, are killed on the way
+    out. Python's default for SIGTERM ends the process on the spot and would leave them running."""
+    def on_term(signum: int, frame: object) -> None:
+        raise Stopped("SIGTERM", 128 + signal.SIGTERM)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_line(what: str, stopped: list[EmulatedHost], workdir: Path) -> str:
+    """What an interruption stopped and where the logs are. Pure."""
+    hosts = ", ".join(f"{host.name} ({host.group}, {host.role})" for host in stopped) or "no host was running"
+    return f"{what}: stopped the emulated cluster: {hosts}; host trees and logs: {workdir} (logs/<host>.log)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -65,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **dict(args.set)}
         # The platform's own validation: what it would refuse to launch is refused here too.
         spec = validate_job_spec(raw)
+        channels = {name: Path(folder) for name, folder in args.channel}
+        check_channels([channel.name for channel in spec.inputs], channels)  # before any host is planned or started
         options = EmulationOptions(
             # Absolute: every host runs from its own folder, and a relative tree would be looked for there.
             workdir=(args.workdir or Path(tempfile.mkdtemp(prefix=f"{spec.run_name}-"))).resolve(),
-            channels={name: Path(folder) for name, folder in args.channel},
+            channels=channels,
             deadline_s=args.deadline_s,
             orphan_grace_s=args.orphan_grace_s,
             cpus_per_host={group: int(count) for group, count in args.cpus},
@@ -76,20 +197,41 @@ def main(argv: list[str] | None = None) -> int:
             processes_per_host=args.processes_per_host,
             code_dir=args.code,
         )
-        cluster = EmulatedCluster(spec, options)
+        lines = HostLines(sys.stderr, live=sys.stderr.isatty())
+        cluster = EmulatedCluster(spec, options, on_line=lines)
     except (OSError, json.JSONDecodeError, JobSpecError, EmulationError, ValueError) as error:
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    print(cluster.plan_report(), flush=True)
+    print(cluster.plan_report(), file=sys.stderr, flush=True)
+    print(f"deadline {cluster.deadline_s:g} s; host logs: {options.workdir / 'logs'}", file=sys.stderr, flush=True)
+    interrupted: tuple[str, int, list[EmulatedHost]] | None = None
     try:
-        result = cluster.run()
+        with stopped_by_signals():
+            try:
+                cluster.start()
+                result = cluster.wait()
+            except (Stopped, KeyboardInterrupt) as stop:
+                what, code = (stop.what, stop.exit_code) if isinstance(stop, Stopped) else ("Ctrl-C", 130)
+                interrupted = (what, code, cluster.running_hosts())
+            finally:
+                cluster.close()
     except EmulationError as error:
+        lines.finish()
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(result.report())
+    except (Stopped, KeyboardInterrupt):  # a second one while the first one's hosts were being stopped
+        return 130
+    if interrupted is not None:
+        lines.finish()
+        what, code, stopped = interrupted
+        print(stopped_line(what, stopped, options.workdir), file=sys.stderr, flush=True)
+        return code
+    lines.finish()
     summary = cluster.summary()
-    if summary:
-        print(json.dumps(summary, indent=2))
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        print(job_table(result, cluster.spec, summary, options.workdir), flush=True)
     if summary and summary.get("mode") == "script":
         # What the platform would record for this run in the cloud (result.json), said here too.
         from lambdas.core.results import run_verdict
@@ -98,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         if reason and result.ok:
             print(f"the platform would record this run as {status}: {reason}", file=sys.stderr)
             return 1
-    print(f"host trees and logs: {options.workdir}")
+    if args.json:
+        print(f"host trees and logs: {options.workdir}", file=sys.stderr)
     return 0 if result.ok else 1
 
 

@@ -27,14 +27,18 @@ root or unprivileged user namespaces (``namespace_command``); the hosts still sh
 stack, so two hosts of one emulated job cannot both listen on one port of the wildcard address (bind
 the host's own name, as SM_CURRENT_HOST gives it).
 
-Every log line is prefixed with host and group. The run fails (non-zero) if any host fails, if the
-deadline passes, or if a host is still running ``orphan_grace_s`` after the DNN group ended: on SageMaker
-that host would keep billing, so here it is killed and reported as an orphan.
+Every log line is prefixed with host and group (on stderr by default). The run fails (non-zero) if any
+host fails, if the deadline passes (the spec's max_runtime_s, SageMaker's MaxRuntimeInSeconds, unless
+given), or if a host is still running ``orphan_grace_s`` after the DNN group ended: on SageMaker that host
+would keep billing, so here it is killed and reported as an orphan. A data host whose DNN group ended
+before its first step may never have had a client, and such a host stops on its own at its start deadline
+(exit 3): it is given that long too, then the grace, before it counts as one (``orphan_deadline``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -149,7 +153,8 @@ class ClusterResult:
 class EmulationOptions:
     workdir: Path
     channels: dict[str, Path]  # channel name → local folder standing in for its S3 prefix
-    deadline_s: float = 600.0
+    # None: the spec's max_runtime_s, after which SageMaker stops the job.
+    deadline_s: float | None = None
     orphan_grace_s: float = 30.0
     # Platform settings the launch Lambda would choose; short here so a dead trainer is noticed fast.
     data_idle_timeout_s: float = 15.0
@@ -171,6 +176,35 @@ class EmulationOptions:
     subnet: int | None = None  # the third octet of the hosts' addresses; random when None
     # A user workload's code folder (the spec's own local "code", or this in place of an s3:// one).
     code_dir: Path | None = None
+
+
+def check_channels(inputs: list[str], channels: dict[str, Path]) -> None:
+    """Refuse, before any host starts, local folders that do not match the spec's inputs: one missing for a
+    channel, one for a channel the spec lacks (naming the nearest it has), or a folder that does not exist."""
+    # A misspelt name first: it also leaves its channel without a folder, and the nearest name is the fix.
+    unknown = sorted(set(channels) - set(inputs))
+    if unknown:
+        nearest = difflib.get_close_matches(unknown[0], inputs, n=1, cutoff=0.5)
+        hint = f"did you mean --channel {nearest[0]}={channels[unknown[0]]}? " if nearest else ""
+        raise EmulationError(f"--channel {unknown[0]}: the spec has no such input ({hint}it has {sorted(inputs)})")
+    missing = sorted(set(inputs) - set(channels))
+    if missing:
+        raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
+    for name, folder in sorted(channels.items()):
+        if not Path(folder).exists():
+            where = "" if Path(folder).is_absolute() else f" (relative to {Path.cwd()})"
+            raise EmulationError(f"--channel {name}={folder}: the folder {Path(folder).absolute()} does not exist{where}")
+        if not Path(folder).is_dir():
+            raise EmulationError(f"--channel {name}={folder}: {Path(folder).absolute()} is a file, not a folder")
+
+
+def orphan_deadline(dnn_ended_at: float, options: EmulationOptions, trained: bool) -> float:
+    """When a host still running after the DNN group ended becomes an orphan: ``orphan_grace_s`` after that
+    end. A DNN group that ended before its first step (``trained`` false) may have left a data host without
+    any client, and such a host keeps waiting for one until its start deadline (``data_start_deadline_s``
+    from its server's start; then it exits 3, training/data_service/server.py): it is given that long from
+    the DNN group's end (its clock started before, or later by no more than its setup), then the grace. Pure."""
+    return dnn_ended_at + options.orphan_grace_s + (0.0 if trained else options.data_start_deadline_s)
 
 
 def assign_cpus(roles: list[str], cpus_wanted: list[int], available: list[int]) -> list[tuple[int, ...]]:
@@ -389,6 +423,7 @@ class EmulatedCluster:
         subnet = options.subnet if options.subnet is not None else secrets.randbelow(200) + 20
         self.hosts = plan_hosts(spec, options, sorted(os.sched_getaffinity(0)), subnet)
         self._listeners: list[LineCallback] = [on_line or _print_line]
+        self._trained = False  # a DNN host printed a step line (its data hosts had a client)
         self._processes: dict[str, subprocess.Popen] = {}
         self._outcomes = {host.name: HostOutcome(host) for host in self.hosts}
         self._pumps: list[threading.Thread] = []
@@ -402,6 +437,15 @@ class EmulatedCluster:
         except CpuQuotaUnavailableError as error:
             raise EmulationError(str(error)) from None
 
+    @property
+    def deadline_s(self) -> float:
+        """How long the hosts may run: the option, else the spec's max_runtime_s (SageMaker's bound)."""
+        return self.options.deadline_s if self.options.deadline_s is not None else float(self.spec.max_runtime_s)
+
+    def running_hosts(self) -> list[EmulatedHost]:
+        """The hosts whose first process is still running (all of them before ``start``: none)."""
+        return [host for host in self.hosts if host.name in self._processes and self._processes[host.name].poll() is None]
+
     def add_listener(self, listener: LineCallback) -> None:
         self._listeners.append(listener)
 
@@ -413,17 +457,7 @@ class EmulatedCluster:
 
     def prepare(self) -> None:
         """Write every host's /opt/ml tree (once: ``start`` keeps what an earlier call chose)."""
-        inputs = {channel.name for channel in self.spec.inputs}
-        missing = sorted(inputs - set(self.options.channels))
-        if missing:
-            raise EmulationError(f"channels {missing} need a local folder: --channel {missing[0]}=PATH")
-        unknown = sorted(set(self.options.channels) - inputs)
-        if unknown:
-            raise EmulationError(f"--channel {unknown[0]}: the spec has no such input (it has {sorted(inputs)})")
-        absent = {name: folder for name, folder in self.options.channels.items() if not Path(folder).exists()}
-        if absent:
-            name, folder = sorted(absent.items())[0]
-            raise EmulationError(f"--channel {name}={folder}: no such folder")
+        check_channels([channel.name for channel in self.spec.inputs], self.options.channels)
         if not self.hyperparameters:
             data_hosts = len(self.hosts_with_role("data"))
             tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
@@ -542,6 +576,8 @@ class EmulatedCluster:
             assert process.stdout is not None
             for line in process.stdout:
                 log_file.write(line)
+                if host.role == "dnn" and line.startswith("step="):
+                    self._trained = True
                 for listener in self._listeners:
                     listener(host, line.rstrip("\n"))
 
@@ -560,7 +596,7 @@ class EmulatedCluster:
         return self._processes[name].pid
 
     def wait(self) -> ClusterResult:
-        deadline = self._started_at + self.options.deadline_s
+        deadline = self._started_at + self.deadline_s
         dnn_ended_at: float | None = None
         deadline_exceeded = False
         while True:
@@ -580,8 +616,10 @@ class EmulatedCluster:
                 break
             if dnn_ended_at is None and all(self._outcomes[h.name].exit_code is not None for h in self.hosts_with_role("dnn")):
                 dnn_ended_at = now
-            if dnn_ended_at is not None and now - dnn_ended_at > self.options.orphan_grace_s:
+            if dnn_ended_at is not None and now > orphan_deadline(dnn_ended_at, self.options, self._trained):
                 for name in running:
+                    if self._processes[name].poll() is not None:
+                        continue  # it ended since it was looked at above: its exit is recorded next time round
                     self._outcomes[name].orphaned = True
                     _signal_all(self.host_pids(name), signal.SIGKILL)
             elif now > deadline:
@@ -677,5 +715,5 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 def _print_line(host: EmulatedHost, line: str) -> None:
     with _print_lock:
-        print(f"[{host.label}] {ANSI.sub('', line)}", flush=True)
+        print(f"[{host.label}] {ANSI.sub('', line)}", file=sys.stderr, flush=True)
 

@@ -94,7 +94,7 @@ def test_a_channel_without_a_local_folder_is_refused(tmp_path: Path) -> None:
 
 def run_cli_with_two_data_hosts(raw_spec: dict, tmp_path: Path, images: Path) -> str:
     """Run a spec (1 DNN host × 2 processes, 2 data hosts, 12 steps) through the CLI; check that every
-    host exited 0 and the DNN host printed 10 timed metric lines; return the output."""
+    host exited 0 and the DNN host printed 10 timed metric lines; return the hosts' lines (stderr)."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(raw_spec))
     result = subprocess.run(
@@ -103,11 +103,12 @@ def run_cli_with_two_data_hosts(raw_spec: dict, tmp_path: Path, images: Path) ->
         cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    out = result.stdout
-    assert re.search(r"^algo-3\s+dnn_group\s+dnn\s+0", out, re.M) and len(re.findall(r"^algo-[12]\s+data_group\s+data\s+0", out, re.M)) == 2
-    timed = [parse_metric_line(line) for line in out.splitlines() if line.startswith("[algo-3 dnn_group] step=") and "step_time_ms=" in line]
+    table, logs = result.stdout, result.stderr  # the result on stdout, the hosts' lines on stderr
+    assert re.search(r"^algo-3\s+dnn_group\s+dnn\s+0", table, re.M) and len(re.findall(r"^algo-[12]\s+data_group\s+data\s+0", table, re.M)) == 2
+    assert "[algo-" not in table
+    timed = [parse_metric_line(line) for line in logs.splitlines() if line.startswith("[algo-3 dnn_group] step=") and "step_time_ms=" in line]
     assert len(timed) == 10 and all(metrics["step_time_ms"] > 0 for metrics in timed)
-    return out
+    return logs
 
 
 def assert_epochs_add_up(summary: dict) -> None:

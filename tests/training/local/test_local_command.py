@@ -1,0 +1,220 @@
+"""`hetero local` (training/local/__main__.py) as a user meets it: what goes to stdout and stderr, the
+refusals of its channels before any host starts, its deadline, and Ctrl-C or SIGTERM leaving nothing
+running. The pure parts first, then real emulated clusters started as a user starts them."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lambdas.core.job_spec import validate_job_spec
+from training.local.__main__ import HostLines, emulated_cost_per_1k_steps, job_table, progress_text
+from training.local.cluster import (
+    HOST_TAG_ENV,
+    ClusterResult,
+    EmulatedCluster,
+    EmulatedHost,
+    EmulationError,
+    EmulationOptions,
+    HostOutcome,
+    LineWatcher,
+    check_channels,
+    orphan_deadline,
+)
+
+from .test_cluster import spec
+
+REPO = Path(__file__).resolve().parents[3]
+SUMMARY = {"steps": 12, "timed_steps": 10, "step_time_ms": {"p50": 12.0, "p90": 14.0, "mean": 12.5}, "wall_ms_per_step": 15.0,
+           "samples_per_s": 580.0, "data_wait_ms": {"p50": 0.5, "p90": 1.0, "mean": 0.6}}
+
+
+def host(name: str, group: str, role: str) -> EmulatedHost:
+    return EmulatedHost(name, group, group, role, "ml.p3.2xlarge" if role == "dnn" else "ml.c5.9xlarge", "127.0.0.2", (0,), Path("/x"))
+
+
+# Channels, refused before anything starts ------------------------------------------------------------
+
+
+def test_a_missing_channel_folder_is_named_as_missing(tmp_path: Path) -> None:
+    with pytest.raises(EmulationError, match=f"the folder {tmp_path / 'nope'} does not exist"):
+        check_channels(["train"], {"train": tmp_path / "nope"})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(EmulationError, match="is a file, not a folder"):
+        check_channels(["train"], {"train": tmp_path / "file"})
+    check_channels(["train"], {"train": tmp_path})
+
+
+def test_a_channel_the_spec_lacks_names_the_nearest_one_it_has(tmp_path: Path) -> None:
+    with pytest.raises(EmulationError, match=r"did you mean --channel train=.*\? it has \['train', 'validation'\]"):
+        check_channels(["train", "validation"], {"trian": tmp_path, "validation": tmp_path})
+    with pytest.raises(EmulationError) as far:
+        check_channels(["train"], {"zzz": tmp_path})
+    assert "did you mean" not in str(far.value)
+
+
+def local(*args: str, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetero.cli", "local", *args], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120, **popen)
+
+
+def test_hetero_local_refuses_a_missing_folder_before_any_host_starts(tmp_path: Path) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec(data_hosts=1)))
+    result = local(str(path), "--channel", f"train={tmp_path / 'absent'}", "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: EmulationError: --channel train={tmp_path / 'absent'}: the folder {tmp_path / 'absent'} does not exist"
+    assert result.stdout == "" and not (tmp_path / "run" / "logs").exists()  # nothing planned, nothing started
+
+
+# Deadline and orphans --------------------------------------------------------------------------------
+
+
+def test_the_deadline_is_the_specs_max_runtime_unless_one_is_given(tmp_path: Path) -> None:
+    raw = spec(data_hosts=1) | {"max_runtime_s": 900}
+    cluster = EmulatedCluster(validate_job_spec(raw), EmulationOptions(workdir=tmp_path, channels={}))
+    assert cluster.deadline_s == 900.0
+    given = EmulatedCluster(validate_job_spec(raw), EmulationOptions(workdir=tmp_path, channels={}, deadline_s=30))
+    assert given.deadline_s == 30.0
+
+
+def test_a_data_host_whose_dnn_group_never_trained_has_its_start_deadline_before_it_is_an_orphan(tmp_path: Path) -> None:
+    options = EmulationOptions(workdir=tmp_path, channels={}, orphan_grace_s=30, data_start_deadline_s=120)
+    assert orphan_deadline(1000.0, options, trained=True) == 1030.0
+    assert orphan_deadline(1000.0, options, trained=False) == 1150.0
+
+
+# Output ----------------------------------------------------------------------------------------------
+
+
+def test_the_result_is_a_short_table_of_hosts_and_the_jobs_figures_with_an_emulated_cost(tmp_path: Path) -> None:
+    job = validate_job_spec(spec(data_hosts=1))
+    result = ClusterResult([HostOutcome(host("algo-1", "data_group", "data"), exit_code=0),
+                            HostOutcome(host("algo-2", "dnn_group", "dnn"), exit_code=0)], elapsed_s=15.2)
+    table = job_table(result, job, SUMMARY, tmp_path).splitlines()
+    assert len(table) <= 10
+    assert table[1].split()[:4] == ["algo-1", "data_group", "data", "0"] and table[2].split()[:4] == ["algo-2", "dnn_group", "dnn", "0"]
+    rows = {line[:24].strip(): line[24:] for line in table[4:]}
+    assert rows["step time p50"] == "12.0 ms" and rows["samples/s"] == "580.0" and rows["data wait p50"] == "0.5 ms"
+    # ml.c5.9xlarge $1.836/h + ml.p3.2xlarge $3.825/h = $5.661/h, for 15 ms per step: $0.0236 per 1k steps.
+    cost, basis = emulated_cost_per_1k_steps(job, SUMMARY)
+    assert cost == pytest.approx(5.661 * 15.0 / 3600)
+    assert rows["$ per 1k steps"].startswith(f"${cost:.4f} (emulated: 15.0 ms per step at $5.661/h") and "fallback prices" in basis
+    assert table[-1] == f"host trees and logs: {tmp_path} (logs/<host>.log)"
+
+
+def test_a_spec_without_fallback_prices_says_so_instead_of_a_cost() -> None:
+    raw = json.loads((REPO / "examples" / "neuron-trn1-2xlarge.json").read_text())  # the fallback table has no Trainium
+    cost, basis = emulated_cost_per_1k_steps(validate_job_spec(raw), SUMMARY)
+    assert cost is None and "ml.trn1.2xlarge" in basis
+
+
+def test_host_lines_go_to_the_stream_and_progress_is_drawn_only_when_live() -> None:
+    clock = iter([0.0, 10.0, 20.0]).__next__
+    piped, terminal = io.StringIO(), io.StringIO()
+    dnn = host("algo-2", "dnn_group", "dnn")
+    for lines in (HostLines(piped, live=False, clock=clock), HostLines(terminal, live=True, clock=iter([0.0, 10.0]).__next__)):
+        lines(host("algo-1", "data_group", "data"), "serving \x1b[1mchannel\x1b[0m")
+        lines(dnn, "step=10/110 loss=1.0")
+        lines(dnn, "step=20/110 loss=0.9")
+        lines.finish()
+    assert piped.getvalue() == "[algo-1 data_group] serving channel\n[algo-2 dnn_group] step=10/110 loss=1.0\n[algo-2 dnn_group] step=20/110 loss=0.9\n"
+    drawn = terminal.getvalue()
+    assert "step 20/110, ETA 1:30" in drawn and drawn.endswith("\r\x1b[K")  # 90 steps left at 1 step/s, then cleared
+    assert progress_text(5, 10, None) == "step 5/10, ETA –"
+
+
+# Real clusters, started as a user starts them --------------------------------------------------------
+
+
+def spec_file(tmp_path: Path, steps: int) -> Path:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec(data_hosts=1, steps=steps)))
+    return path
+
+
+@pytest.mark.cluster
+def test_stdout_is_the_table_or_with_json_the_summary_alone_and_the_logs_go_to_stderr(tmp_path: Path, images: Path) -> None:
+    path = spec_file(tmp_path, steps=12)
+    shown = local(str(path), "--channel", f"train={images}", "--workdir", str(tmp_path / "a"))
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert len(shown.stdout.splitlines()) <= 10 and "[algo-" not in shown.stdout and "{" not in shown.stdout
+    assert "step time p50" in shown.stdout and "(emulated:" in shown.stdout
+    assert "[algo-2 dnn_group] step=12/12" in shown.stderr and "\x1b[K" not in shown.stderr  # stderr is no terminal here
+    assert (tmp_path / "a" / "logs" / "algo-2.log").read_text().count("step=") >= 10
+    scripted = local(str(path), "--channel", f"train={images}", "--workdir", str(tmp_path / "b"), "--json")
+    assert scripted.returncode == 0, scripted.stderr[-3000:]
+    summary = json.loads(scripted.stdout)
+    assert summary["steps"] == 12 and summary["step_time_ms"]["p50"] > 0
+
+
+def emulated_processes(parent: int) -> list[psutil.Process]:
+    """Every process of an emulated host of the cluster that process ``parent`` runs (the cluster's id,
+    in each host's tag, starts with its pid), wherever it was reparented."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(HOST_TAG_ENV, "").startswith(f"{parent}-"):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(("sig", "code", "what"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")])
+def test_a_signal_stops_every_host_says_what_it_stopped_and_where_the_logs_are(tmp_path: Path, images: Path, sig: signal.Signals,
+                                                                                code: int, what: str) -> None:
+    workdir = tmp_path / "run"
+    errors = (tmp_path / "stderr").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "hetero.cli", "local", str(spec_file(tmp_path, steps=100_000)), "--channel",
+                                f"train={images}", "--workdir", str(workdir)], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, stderr=errors, text=True)
+    try:
+        give_up = time.monotonic() + 120
+        log = workdir / "logs" / "algo-2.log"
+        while not (log.exists() and "step=" in log.read_text()) and time.monotonic() < give_up and process.poll() is None:
+            time.sleep(0.5)
+        hosts = psutil.Process(process.pid).children(recursive=True) + emulated_processes(process.pid)
+        assert len(hosts) >= 2, (tmp_path / "stderr").read_text()[-3000:]
+        process.send_signal(sig)
+        assert process.wait(timeout=60) == code
+    finally:
+        if process.poll() is None:
+            process.kill()
+        errors.close()
+    _, alive = psutil.wait_procs(hosts, timeout=10)
+    assert alive == [] and emulated_processes(process.pid) == []
+    said = (tmp_path / "stderr").read_text()
+    assert f"{what}: stopped the emulated cluster: algo-1 (data_group, data), algo-2 (dnn_group, dnn); host trees and logs: {workdir}" in said
+    assert "Traceback" not in said and process.stdout.read() == ""
+
+
+@pytest.mark.cluster
+def test_a_data_host_left_without_a_client_ends_at_its_start_deadline_and_is_no_orphan(tmp_path: Path, images: Path) -> None:
+    """The DNN host dies before its trainer connects: the data host waits for a client until its start
+    deadline (10 s here), then exits 3 on its own, as documented; later than the orphan grace (5 s) after
+    the DNN group ended, but not an orphan."""
+    watcher = LineWatcher()
+    options = EmulationOptions(workdir=tmp_path, channels={"train": images}, data_start_deadline_s=10, orphan_grace_s=5)
+    cluster = EmulatedCluster(validate_job_spec(spec(data_hosts=1, steps=10_000)), options, on_line=watcher)
+    cluster.start()
+    try:
+        watcher.wait_for("algo-2", r"role dnn")
+        cluster.kill("algo-2")
+        result = cluster.wait()
+    finally:
+        cluster.close()
+    data = result.outcome("algo-1")
+    assert result.orphans == [] and not data.orphaned and data.exit_code == 3, result.report()
+    assert any("stopping (start deadline)" in line for line in watcher.of("algo-1"))
+    assert "ORPHAN" not in result.report()

@@ -1,0 +1,64 @@
+"""The emulated cluster's command-line options, defined once: `python -m training.local run` parses with
+them and `hetero local` both forwards to them and shows them as its help. Imports nothing beyond the
+standard library, so that the help shows without the trainers' packages."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DESCRIPTION = """Run a job spec on an emulated heterogeneous cluster on this machine: one process tree per host, each
+with its own /opt/ml, loopback address and CPUs.
+
+stdout: a short table at the end (each host's group, role and exit; the job's step time, samples/s, data
+wait and an emulated $ per 1k steps), or with --json the chief DNN host's summary alone. stderr: the plan,
+every host's log lines prefixed "[host group]" and, on a terminal, a live progress line. The full logs
+and every host's /opt/ml tree stay under --workdir (logs/<host>.log). Exit 0 only if every host exited 0
+with no orphan and within the deadline; 2 when the spec or an option is refused; 130 on Ctrl-C and 143
+on SIGTERM, every host stopped."""
+
+EXAMPLES = """examples:
+  %(prog)s examples/pytorch-heterogeneous.json --channel train=build/demo-images
+  %(prog)s SPEC --channel train=DIR --cpus data_group=1 --set steps=20 --deadline-s 300
+  %(prog)s SPEC --channel train=DIR --cpu-quota data_group=0.25   # a quarter core per data host
+  %(prog)s SPEC --channel train=DIR --json | jq .step_time_ms"""
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return key, value
+
+
+def add_run_options(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `run` command's arguments, on ``run`` (a subcommand's parser, or `hetero local`'s own)."""
+    run.add_argument("spec", type=Path, help="job spec JSON (the platform's format, see README)")
+    run.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR", help="local folder for an input channel")
+    run.add_argument("--workdir", type=Path, help="where host trees and logs go (default: a new temporary folder)")
+    run.add_argument("--deadline-s", type=float, default=None,
+                     help="kill everything and fail after this long (default: the spec's max_runtime_s, as SageMaker stops it)")
+    run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")
+    run.add_argument("--cpus", type=key_value, action="append", default=[], metavar="GROUP=N", help="CPUs per host of a group (default 1)")
+    run.add_argument("--cpu-quota", type=key_value, action="append", default=[], metavar="GROUP=CORES",
+                     help="a fraction of a core per host of a group, e.g. data_group=0.25 (needs a writable cgroup CPU controller)")
+    run.add_argument("--processes-per-host", type=int, default=0, help="trainer processes per DNN host (default: one per GPU, or 1)")
+    run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
+    run.add_argument("--code", type=Path, help="the workload's code folder (default: the spec's workload.code, relative to the spec file)")
+    run.add_argument("--json", action="store_true", help="the chief DNN host's summary as JSON, alone on stdout (for scripts)")
+    return run
+
+
+def parser() -> argparse.ArgumentParser:
+    """`python -m training.local`'s parser: the `run` command."""
+    root = argparse.ArgumentParser(prog="python -m training.local", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = root.add_subparsers(dest="command", required=True)
+    add_run_options(commands.add_parser("run", help="run a job spec on the emulated cluster", description=DESCRIPTION, epilog=EXAMPLES,
+                                        formatter_class=argparse.RawDescriptionHelpFormatter))
+    return root
+
+
+def run_parser(prog: str) -> argparse.ArgumentParser:
+    """The `run` command alone under another name (`hetero local`), for its help."""
+    return add_run_options(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EXAMPLES,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
