@@ -296,10 +296,22 @@ def test_invalid_specs_are_refused_naming_the_field(spec: Any, field: str) -> No
     assert len(refused.value.problem) > 10  # says what is wrong and what to do
 
 
-@pytest.mark.parametrize("name", sorted(path.name for path in EXAMPLES.glob("*.json")))
+# The example sweeps (a "sweep_name") beside the example specs.
+SWEEPS = sorted(path.name for path in EXAMPLES.glob("*.json") if "sweep_name" in json.loads(path.read_text()))
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in EXAMPLES.glob("*.json") if path.name not in SWEEPS))
 def test_the_examples_are_valid(name: str) -> None:
     spec = validate_job_spec(json.loads((EXAMPLES / name).read_text()))
     assert isinstance(spec, JobSpec) and spec.variant == name.split("-")[0]
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_the_example_sweeps_plan_valid_configurations(name: str) -> None:
+    from lambdas.core.sweep import plan_sweep
+
+    plan = plan_sweep(json.loads((EXAMPLES / name).read_text()))
+    assert len(plan.configurations) >= 2 and all(validate_job_spec(spec) for spec in plan.configurations)
 
 
 def test_a_user_workload_carries_its_code_and_its_own_hyperparameters() -> None:
