@@ -80,9 +80,23 @@ def command_section(name: str, command: Any) -> str:
                                                          for p in arguments]))
     if options:
         parts.append(table(["option", "what it does", "default"], [option_row(p) for p in options]))
-    if command.context_settings.get("allow_extra_args"):
+    if name == "local":  # its options are the emulated cluster's parser's (training/local/options.py)
+        from training.local.options import run_parser
+
+        parts.append(table(["option", "what it does", "default"], argparse_rows(run_parser("hetero local"))))
+    elif command.context_settings.get("allow_extra_args"):
         parts.append("Other options are handed to the tool it runs, as listed in its own `--help`.\n")
     return "\n".join(parts)
+
+
+def argparse_rows(parser: Any) -> list[tuple[str, str, str]]:
+    rows = []
+    for action in parser._actions:  # argparse keeps them there; its help formatter reads the same list
+        if not action.option_strings or action.dest == "help":
+            continue
+        default = "" if action.default in (None, False, [], {}) else f"`{action.default}`"
+        rows.append((", ".join(f"`{name}`" for name in action.option_strings), action.help or "", default))
+    return rows
 
 
 def cli_page() -> str:

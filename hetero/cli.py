@@ -241,7 +241,7 @@ def run(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job s
 
     With `--direct`, one training job without the state machine: the same request, sent through the
     SageMaker Python SDK's ModelTrainer when it is installed (`pip install -e '.[sdk]'`)
-    and sends exactly that request, else by boto3; no watchdog, relaunch or result.json (see README).
+    and sends exactly that request, else by boto3; no watchdog, relaunch or result.json (docs/guides/deploying.md).
 
     A workload of your own in a local folder (`"workload": {"code": "my_workload"}`, relative to the
     spec's file) is packed and uploaded first, once per content (code/<sha256>/ of the results bucket).

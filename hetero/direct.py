@@ -25,7 +25,7 @@ digits, "-" and "_") can reach; its job's session (untagged: no SessionChainingC
 direct.runs/ prefixes, never a state-machine run's (infra/constructs/execution_role.py). The token is written once
 (an id launched before is refused there), then the job is created; a create SageMaker refuses takes the
 token back so the id can be used again. These checks are the client's: the caller's own IAM permissions
-are what the account enforces (the stack's DirectLaunchPolicy, see the README).
+are what the account enforces (the stack's DirectLaunchPolicy, docs/guides/deploying.md).
 
 What a direct job goes without, being the state machine's: the start timeout and deadline watchdog
 (SageMaker's MaxRuntimeInSeconds still bounds it), capacity relaunches, the abort cleanup, result.json

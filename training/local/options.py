@@ -33,7 +33,7 @@ def key_value(text: str) -> tuple[str, str]:
 
 def add_run_options(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `run` command's arguments, on ``run`` (a subcommand's parser, or `hetero local`'s own)."""
-    run.add_argument("spec", type=Path, help="job spec JSON (the platform's format, see README)")
+    run.add_argument("spec", type=Path, help="job spec JSON (the platform's format: docs/reference/job-spec.md)")
     run.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR", help="local folder for an input channel")
     run.add_argument("--workdir", type=Path, help="where host trees and logs go (default: a new temporary folder)")
     run.add_argument("--deadline-s", type=float, default=None,
