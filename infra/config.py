@@ -11,6 +11,7 @@ from typing import Any
 
 from lambdas.core.deadlines import worst_case_run_s
 from lambdas.core.job_spec import BUCKET_NAME, ECR_REPOSITORY, MAX_RUNTIME_S, SpecPolicy
+from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.sweep import plan_sweep
 
 CONTEXT_KEY = "platform"
@@ -159,6 +160,11 @@ class PlatformConfig:
     @property
     def run_timeout_s(self) -> int:
         return self.run_timeout_h * 3600 if self.run_timeout_h else math.ceil(self.worst_case_run_s() / 3600) * 3600
+
+    def priced_instance_types(self) -> list[str]:
+        """The types this deployment can price for its cost ceiling: the fallback table's and the ceiling
+        prices'; the only ones its launch accepts (and the direct-launch policy allows)."""
+        return sorted(set(FALLBACK_PRICES.usd_per_hour) | set(self.ceiling_prices_usd_per_hour))
 
     def policy_for_synthesis(self) -> SpecPolicy:
         """The policy a scheduled sweep is checked against at synthesis (bucket names are not known yet)."""

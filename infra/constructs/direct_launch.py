@@ -3,7 +3,7 @@ notebook's or a user's role: one training job of the platform without the state 
 
 The client's checks (the spec's rules, the deployment's bucket allow-list and cost ceiling) run on the
 caller's machine; what the account enforces is this policy. It holds a direct job to what IAM can say of
-a CreateTrainingJob: the platform's job names, the catalog's instance-type families, SageMaker's longest runtime
+a CreateTrainingJob: the platform's job names, the instance types the deployment prices, SageMaker's longest runtime
 the platform accepts, encrypted traffic between hosts, the platform's tags, and in VPC mode the
 platform's subnets and security group; the role passed is the platform's SageMaker role, to SageMaker
 only. Stop is held to direct jobs (tagged with a run id and no execution).
@@ -39,17 +39,17 @@ DIRECT_TAG_KEYS = ["platform", "run_name", "run_id"]
 
 class DirectLaunchPolicy(Construct):
     def __init__(self, scope: Construct, construct_id: str, *, prefix: str, jobs_arn: str, sagemaker_role: iam.IRole,
-                 results: s3.IBucket, instance_families: Sequence[str], vpc_config: Mapping[str, Any] | None = None) -> None:
+                 results: s3.IBucket, instance_types: Sequence[str], vpc_config: Mapping[str, Any] | None = None) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
         create_conditions: dict[str, Any] = {
             # Whether SageMaker fills sagemaker:InstanceTypes from ResourceConfig.InstanceGroups is not documented:
             # ForAllValues holds for an empty set, so a heterogeneous job is not refused if it does not (the
             # client's catalog check still holds it); a single-group job's type is bound either way.
-            "ForAllValues:StringEquals": {"aws:TagKeys": DIRECT_TAG_KEYS},
-            # By family ("ml.g5.*"), not type by type: the catalog's 200-odd types would take most of a managed
-            # policy's 6,144 characters. SageMaker itself refuses a type it does not train on.
-            "ForAllValues:StringLike": {"sagemaker:InstanceTypes": sorted(f"{family}.*" for family in instance_families)},
+            # The types this deployment can price (the fallback table's and cdk.json's ceiling_prices_usd_per_hour),
+            # the ones its launch accepts under the cost ceiling: a direct job is one no Lambda checks, and IAM
+            # cannot count instances, so a type is the most it can bound.
+            "ForAllValues:StringEquals": {"aws:TagKeys": DIRECT_TAG_KEYS, "sagemaker:InstanceTypes": sorted(instance_types)},
             "Null": {"sagemaker:MaxRuntimeInSeconds": "false"},
             "NumericLessThanEquals": {"sagemaker:MaxRuntimeInSeconds": MAX_RUNTIME_S},
             "Bool": {"sagemaker:InterContainerTrafficEncryption": "true"},

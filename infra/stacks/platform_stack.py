@@ -24,7 +24,6 @@ from infra.constructs.log_encryption import LogEncryption
 from infra.constructs.training_images import TrainingImages
 from infra.constructs.training_network import TrainingNetwork
 from infra.constructs.training_workflow import TrainingWorkflow
-from lambdas.core.catalog import families
 
 
 class PlatformStack(Stack):
@@ -61,7 +60,7 @@ class PlatformStack(Stack):
             log_retention_days=config.log_retention_days, schedule=config.sweep_schedule,
         )
         direct = DirectLaunchPolicy(self, "DirectLaunch", prefix=config.prefix, jobs_arn=training_jobs_resource(self, config.prefix),
-                                    sagemaker_role=role.role, results=buckets.results, instance_families=families(), vpc_config=vpc_config)
+                                    sagemaker_role=role.role, results=buckets.results, instance_types=config.priced_instance_types(), vpc_config=vpc_config)
         self.alarms = AlarmTopic(self, "Alarms", email=config.alarm_email)
         self.alarms.notify_from_every_alarm_in(self)
         self.log_encryption = LogEncryption(self, "LogEncryption")

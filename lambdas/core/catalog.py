@@ -28,6 +28,8 @@ HARDWARE_DATE = "2026-12-03"
 
 # Accelerator kinds (InstanceType.accelerator_kind).
 CPU_ONLY, GPU, TRAINIUM = "", "gpu", "trainium"
+# Families whose host CPUs are Arm (NVIDIA Grace): SageMaker trains on them, the platform's x86_64 images cannot.
+ARM64_FAMILIES = frozenset({"ml.p6e-gb200"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class InstanceType:
     @property
     def is_trainium(self) -> bool:
         return self.neuron_cores > 0
+
+    @property
+    def is_arm64(self) -> bool:
+        """Arm host CPUs (Grace): the platform's images are built for x86_64 and would not start there."""
+        return self.family in ARM64_FAMILIES
 
     @property
     def family(self) -> str:

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from lambdas.core.catalog import CATALOG, CPU_ONLY, TRAINIUM, families
+from lambdas.core.catalog import CATALOG, TRAINIUM, families
 from lambdas.core.price_performance import FALLBACK_PRICES
 from lambdas.core.service_limits import limit, training_instance_types
 from training.cluster import HOMOGENEOUS_GROUP
@@ -742,15 +742,28 @@ def _check_cost(spec: JobSpec, policy: SpecPolicy) -> None:
                                             f"ceiling of ${ceiling:,.2f}: lower max_runtime_s or the instance counts")
 
 
+# What a data group is told to use instead: compute-optimised, current generations first (the fallback prices
+# cover ml.c5.*). Burstable types (CPU credits) are refused for data groups.
+DATA_HOST_FAMILIES = ("ml.c5.*", "ml.c6i.*", "ml.c7i.*", "ml.m6i.*")
+BURSTABLE_FAMILIES = frozenset({"ml.t2", "ml.t3"})
+
+
 def _check_instance_type(index: int, group: GroupSpec, accelerator: str, variant: str) -> None:
     where = f"instance_groups[{index}].instance_type"
     instance = CATALOG.get(group.instance_type)
     if instance is None:
         raise JobSpecError(where, f"{group.instance_type!r} is not in the platform's catalog (lambdas/core/catalog.py); its families: "
                                   f"{', '.join(families())}")
+    if instance.is_arm64:
+        raise JobSpecError(where, f"{group.instance_type} has Arm (Grace) host CPUs; the platform's images are built for x86_64 "
+                                  "and would not start there: use an x86_64 type (ml.p5.*, ml.p6-b200.*, ...)")
+    if group.role == "data" and instance.family in BURSTABLE_FAMILIES:
+        raise JobSpecError(where, f"{group.instance_type} is burstable: its CPU credits run out under a data host's steady load "
+                                  f"and it slows to a fraction of its vCPUs; use a compute type "
+                                  f"({', '.join(DATA_HOST_FAMILIES)}, ...)")
     if group.role == "data" and not instance.is_cpu_only:
         raise JobSpecError(where, f"data group on {group.instance_type} would pay for idle accelerators: use a CPU type "
-                                  f"({', '.join(f'{family}.*' for family in families(CPU_ONLY)[:4])}, ...)")
+                                  f"({', '.join(DATA_HOST_FAMILIES)}, ...)")
     if group.role == "dnn" and instance.is_trainium and accelerator != "trainium":
         raise JobSpecError(where, f"{group.instance_type} is a Trainium instance: it needs variant 'neuron', not {variant!r}")
     if group.role == "dnn" and accelerator == "trainium" and not instance.is_trainium:

@@ -3,7 +3,6 @@ graph, the abort cleanup), cdk-nag, asl-validator, and a snapshot of the whole t
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 import subprocess
@@ -142,6 +141,7 @@ def test_pass_role_only_hands_our_sagemaker_role_to_sagemaker(template_json) -> 
 def test_direct_launchers_may_create_only_the_platforms_jobs(template_json, in_vpc) -> None:
     """What IAM can hold a direct CreateTrainingJob to: names, instance types, runtime, encryption, tags
     (and in VPC mode the platform's network); the rest of the policy to its prefixes."""
+    from infra.config import PlatformConfig
     from lambdas.core.catalog import CATALOG
     from lambdas.core.job_spec import MAX_RUNTIME_S
 
@@ -151,10 +151,13 @@ def test_direct_launchers_may_create_only_the_platforms_jobs(template_json, in_v
         create = by_sid["CreatePlatformJobs"]
         assert create["Action"] == "sagemaker:CreateTrainingJob" and "training-job/hetero-*" in json.dumps(create["Resource"])
         conditions = create["Condition"]
-        patterns = conditions["ForAllValues:StringLike"]["sagemaker:InstanceTypes"]
-        assert all(any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns) for name in CATALOG)
-        assert not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns for name in ("ml.z9.mega", "ml.inf2.xlarge", "ml.g5"))
-        # A managed policy holds at most 6,144 characters, whitespace aside: the whole catalog must fit.
+        # Only the types the deployment can price, so its cost ceiling holds for a direct job too; each is a
+        # catalog type, and an unpriced one (a g5, a p5) is not among them.
+        allowed = conditions["ForAllValues:StringEquals"]["sagemaker:InstanceTypes"]
+        assert allowed == PlatformConfig().priced_instance_types() and set(allowed) <= set(CATALOG)
+        assert {"ml.p3.2xlarge", "ml.c5.9xlarge", "ml.trn1.32xlarge"} <= set(allowed)
+        assert not {"ml.p5.48xlarge", "ml.g5.xlarge"} & set(allowed) and "ForAllValues:StringLike" not in conditions
+        # A managed policy holds at most 6,144 characters, whitespace aside.
         assert len(re.sub(r"\s", "", json.dumps(policy["Properties"]["PolicyDocument"]))) < 6144
         assert conditions["NumericLessThanEquals"] == {"sagemaker:MaxRuntimeInSeconds": MAX_RUNTIME_S}
         assert conditions["Bool"] == {"sagemaker:InterContainerTrafficEncryption": "true"}

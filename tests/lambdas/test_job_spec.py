@@ -596,9 +596,21 @@ def test_a_g5_dnn_group_with_c6i_data_hosts_is_accepted_and_priced_by_the_ceilin
 
 
 def test_a_data_group_on_a_new_gpu_type_is_refused_naming_cpu_families() -> None:
-    with pytest.raises(JobSpecError, match=r"idle accelerators: use a CPU type \(ml\.c4\.\*") as error:
+    with pytest.raises(JobSpecError, match=r"idle accelerators: use a CPU type \(ml\.c5\.\*, ml\.c6i\.\*") as error:
         validate_job_spec(changed(hetero(), "instance_groups.0.instance_type", "ml.g6.xlarge"))
     assert error.value.field == "instance_groups[0].instance_type"
+
+
+def test_a_burstable_data_group_and_an_arm_host_are_refused_before_launch() -> None:
+    """A t3's CPU credits run out under a data host's steady load; a Grace (Arm) host cannot start the
+    platform's x86_64 images: both named, before anything is billed."""
+    with pytest.raises(JobSpecError, match="burstable: its CPU credits run out") as error:
+        validate_job_spec(changed(hetero(), "instance_groups.0.instance_type", "ml.t3.2xlarge"))
+    assert error.value.field == "instance_groups[0].instance_type"
+    with pytest.raises(JobSpecError, match=r"Arm \(Grace\) host CPUs.*x86_64") as error:
+        validate_job_spec(changed(hetero(), "instance_groups.1.instance_type", "ml.p6e-gb200.36xlarge"))
+    assert error.value.field == "instance_groups[1].instance_type"
+    assert validate_job_spec(changed(hetero(), "instance_groups.1.instance_type", "ml.p6-b200.48xlarge"))  # x86_64 Blackwell: fine
 
 
 @pytest.mark.parametrize("instance_type", ["ml.trn1n.32xlarge", "ml.trn2.48xlarge"])
