@@ -2,11 +2,11 @@
 
     .venv/bin/python -m infra.standing_cost     # synthesizes the stack, prints the table the deploying guide holds
 
-Only resources that bill by the month whatever runs are counted: customer-managed KMS keys, the
-dashboard, the alarms and the reconciler's schedule. Buckets, queues, state machines, Lambda functions,
-rules and log groups bill by use (storage, requests, transitions, invocations, ingestion) and cost
-nothing when idle; the training images bill as ECR storage, which depends on their size and is listed
-apart. Prices are AWS's public list prices for us-east-1 at PRICE_DATE, before any free tier (an
+Only what bills by the month whatever runs is counted: customer-managed KMS keys (at their steady state,
+after the two rotations that add to a key's price), the dashboard, the alarms, the reconciler's schedule,
+and the training images' ECR storage (an estimate: their size is known only once built). Buckets, queues,
+state machines, Lambda functions, rules and log groups bill by use (storage, requests, transitions,
+invocations, ingestion) and cost nothing when idle. Prices are AWS's public list prices for us-east-1 at PRICE_DATE, before any free tier (an
 account's first 10 alarms and 3 dashboards are free): check them in the AWS Pricing Calculator.
 
 ``standing_cost`` is pure (a template's JSON in, items out); ``main`` synthesizes.
@@ -20,12 +20,18 @@ from typing import Any
 
 PRICE_DATE = "2026-12-01"
 PRICE_SOURCE = "AWS public list prices, us-east-1"
-KMS_KEY_MONTH = 1.00  # a customer-managed key; each automatic rotation adds $1/month for its first two rotations
+KMS_KEY_MONTH = 1.00  # a customer-managed key
+# Each automatic (yearly) rotation adds $1 a month for a key's first two rotations, and those stay: $3 from
+# the third year on.
+KMS_ROTATIONS_BILLED = 2
 DASHBOARD_MONTH = 3.00
 STANDARD_ALARM_MONTH = 0.10  # per metric an alarm evaluates at standard resolution
 LAMBDA_REQUEST = 0.20 / 1_000_000
 LAMBDA_GB_SECOND = 0.0000166667
 ECR_GB_MONTH = 0.10
+# The three training images as ECR stores them (compressed layers), most of it the Deep Learning Container
+# bases: an estimate, to be read off `aws ecr describe-images` once deployed.
+IMAGES_GB_ESTIMATE = 20
 HOURS_PER_MONTH = 730
 # What one scheduled invocation of the reconciler uses (it lists a page of jobs and executions): measured
 # under moto it returns in well under a second; a second at its memory is the bound counted here.
@@ -74,6 +80,8 @@ def scheduled_functions(template: Mapping[str, Any]) -> Iterable[tuple[float, fl
 
 def standing_cost(template: Mapping[str, Any]) -> list[Item]:
     keys = resources(template, "AWS::KMS::Key")
+    rotating = sum(1 for _, key in keys if key.get("EnableKeyRotation"))
+    images = resources(template, "AWS::ECR::Repository")  # none: cdk deploy pushes into the bootstrap's repository
     dashboards = resources(template, "AWS::CloudWatch::Dashboard")
     alarms = resources(template, "AWS::CloudWatch::Alarm")
     alarm_metrics = sum(metrics_of(alarm) for _, alarm in alarms)
@@ -81,11 +89,13 @@ def standing_cost(template: Mapping[str, Any]) -> list[Item]:
     invocations = sum(count for count, _ in schedules)
     lambda_usd = sum(count * (LAMBDA_REQUEST + RECONCILER_SECONDS * memory * LAMBDA_GB_SECOND) for count, memory in schedules)
     return [
-        Item("KMS customer-managed keys", len(keys), len(keys) * KMS_KEY_MONTH,
-             "encrypt the log groups and the alarm topic; rotation adds up to $2 a key in its first two years"),
+        Item("KMS customer-managed keys", len(keys), len(keys) * KMS_KEY_MONTH + rotating * KMS_ROTATIONS_BILLED * KMS_KEY_MONTH,
+             "encrypt the log groups and the alarm topic; rotated yearly: $1 a key in the first year, $3 from the third"),
         Item("CloudWatch dashboard", len(dashboards), len(dashboards) * DASHBOARD_MONTH, "the benchmarks dashboard (3 per account are free)"),
         Item("CloudWatch alarms", len(alarms), alarm_metrics * STANDARD_ALARM_MONTH, f"{alarm_metrics} metrics watched (10 per account are free)"),
         Item("scheduled Lambda invocations", round(invocations), lambda_usd, "the reconciler that stops jobs whose run is gone"),
+        Item("ECR image storage (estimate)", 3 + len(images), IMAGES_GB_ESTIMATE * ECR_GB_MONTH,
+             f"the pytorch, tensorflow and neuron images, about {IMAGES_GB_ESTIMATE} GB compressed in all"),
     ]
 
 
@@ -93,7 +103,7 @@ def render(items: list[Item]) -> str:
     lines = ["| resource | count | $ / month | what it is |", "|---|---|---|---|"]
     lines += [f"| {item.resource} | {item.count:,} | {item.usd_per_month:.2f} | {item.why} |" for item in items]
     total = sum(item.usd_per_month for item in items)
-    lines.append(f"| **standing total** | | **{total:.2f}** | {PRICE_SOURCE}, {PRICE_DATE}, before free tiers |")
+    lines.append(f"| **standing total** | | **{total:.2f}** | {PRICE_SOURCE}, {PRICE_DATE}, steady state, before free tiers |")
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import threading
@@ -40,7 +41,7 @@ from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_
 from lambdas.core.results import billed_ms_per_step
 from lambdas.core.sweep import compare, render_markdown
 from training.local.__main__ import resolve_code
-from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions
+from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions, plan_hosts
 from training.local.images import write_dataset
 from training.local.machine_load import OtherLoad
 from training.local.profile import (
@@ -214,10 +215,16 @@ def interleaved(rounds: int) -> list[tuple[str, int]]:
 
 
 def combined(label: str, spec: JobSpec, runs: list[RunFigures]) -> RunFigures:
-    """One configuration's rounds as one figure: the median round's, with every round's."""
-    rounds = tuple(run.step_ms for run in runs)
-    middle = sorted(runs, key=lambda run: run.step_ms)[(len(runs) - 1) // 2]
-    return RunFigures(label, spec, median(rounds), middle.samples_per_s, middle.p50_ms, rounds)
+    """One configuration's rounds as one figure: each field the median of its rounds', with every round's
+    billed ms per step."""
+    p50s = [run.p50_ms for run in runs if run.p50_ms is not None]
+    return RunFigures(label, spec, median([run.step_ms for run in runs]), median([run.samples_per_s for run in runs]),
+                      median(p50s) if p50s else None, tuple(run.step_ms for run in runs))
+
+
+def cluster_cpus(spec: JobSpec, options: EmulationOptions) -> set[int]:
+    """The CPUs the emulated cluster gives a spec's hosts on this machine, as it plans them."""
+    return {cpu for host in plan_hosts(spec, options, sorted(os.sched_getaffinity(0)), 0) for cpu in host.cpus}
 
 
 def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload: Path | None = None, rounds: int = 2) -> Comparison:
@@ -246,15 +253,17 @@ def run_comparison(workdir: Path, steps: int, variant: str = "pytorch", workload
     data_cpus = data_host_cpus(heterogeneous, options("plan"))
     one_host = data_cpus[0]
     effective = min(len(data_cpus), len(set().union(*data_cpus)) / len(one_host))
-    print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
-    preprocess = preprocess_ms_per_batch(homogeneous, images, one_host)
-    train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
-    profile = Profile(preprocess, train)
-    print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
-    print(f"running the example specs on the emulated cluster, {rounds} interleaved round{'s' if rounds > 1 else ''}", flush=True)
-    specs = {"homogeneous": homogeneous, "heterogeneous": heterogeneous}
-    runs: dict[str, list[RunFigures]] = {label: [] for label in specs}
-    with OtherLoad() as load:
+    # Others' load is watched from the profile (which sets the ideal) to the last run, on the CPUs the
+    # emulated hosts take.
+    with OtherLoad(cpus=frozenset(cluster_cpus(heterogeneous, options("plan")))) as load:
+        print("profiling: the data pipeline alone on one data host's CPU, the model alone on the DNN host's", flush=True)
+        preprocess = preprocess_ms_per_batch(homogeneous, images, one_host)
+        train = train_ms_per_step(homogeneous, options("train-only"), on_line=Progress("train-only", steps))
+        profile = Profile(preprocess, train)
+        print(f"  preprocessing {preprocess:.1f} ms/batch, training {train:.1f} ms/step", flush=True)
+        print(f"running the example specs on the emulated cluster, {rounds} interleaved round{'s' if rounds > 1 else ''}", flush=True)
+        specs = {"homogeneous": homogeneous, "heterogeneous": heterogeneous}
+        runs: dict[str, list[RunFigures]] = {label: [] for label in specs}
         for label, index in interleaved(rounds):
             # The first round's folders keep the plain names (the validation is read from "heterogeneous").
             name = label if index == 0 else f"{label}-round{index + 1}"

@@ -1,49 +1,46 @@
-"""How much of the machine other programs used while we measured: the demo's and the benches' guard
+"""How much of the emulated cluster's CPUs other programs used while we measured: the demo's guard
 against a figure taken on a busy machine.
 
-    with OtherLoad() as load:
-        ...                      # run the emulated jobs
-    load.other_cores             # mean CPUs' worth used by processes outside this one's tree
+    with OtherLoad(cpus={0, 1}) as load:
+        ...                      # run the emulated jobs, pinned to those CPUs
+    load.other_cores             # mean CPUs' worth used there by processes outside this one's tree
 
 The emulated cluster shares the machine's cores with whatever else runs; a build, a test suite or a
-browser taking a core halves a data host here and turns a saving into a loss. The machine's busy CPU
-time (psutil.cpu_times, idle and I/O wait left out) less this process tree's own (this process, its
-live descendants, and the reaped ones counted in os.times) is what others took.
+browser taking a core halves a data host here and turns a saving into a loss. On the CPUs the emulated
+hosts run on, the time spent in user and system mode (interrupts, steal and idle left out: no program's)
+less this process tree's own is what others took. This tree's own is this process's and every
+descendant's, live or reaped: os.times' children fields hold the reaped ones, and each live descendant's
+own children fields hold the ones it reaped, so a host's worker that ended is counted, once.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import psutil
 
-SAMPLE_S = 0.5
+
+def busy_seconds(cpus: Iterable[int] | None = None) -> float:
+    """CPU seconds spent in user and system mode since boot, on ``cpus`` (default: every CPU)."""
+    per_cpu = psutil.cpu_times(percpu=True)
+    chosen = range(len(per_cpu)) if cpus is None else [cpu for cpu in cpus if cpu < len(per_cpu)]
+    return sum(per_cpu[cpu].user + per_cpu[cpu].nice + per_cpu[cpu].system for cpu in chosen)
 
 
-def busy_seconds() -> float:
-    """CPU seconds the whole machine spent busy since boot (every core)."""
-    times = psutil.cpu_times()
-    return sum(value for name, value in times._asdict().items() if name not in ("idle", "iowait", "guest", "guest_nice"))
-
-
-def own_seconds(root: psutil.Process, live: dict[int, float]) -> float:
-    """CPU seconds of this process, its reaped descendants, and its live ones (``live``: each pid's last
-    reading, updated here, kept for a descendant that ended before it was reaped)."""
-    for process in root.children(recursive=True):
+def own_seconds() -> float:
+    """CPU seconds of this process and all its descendants, live or ended."""
+    mine = os.times()
+    total = mine.user + mine.system + mine.children_user + mine.children_system
+    for process in psutil.Process().children(recursive=True):
         try:
             times = process.cpu_times()
-            live[process.pid] = times.user + times.system
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    mine = os.times()
-    reaped = mine.children_user + mine.children_system
-    current = {child.pid for child in root.children(recursive=True)}
-    for pid in [pid for pid in live if pid not in current]:
-        del live[pid]  # reaped (or gone): its time is in ``reaped`` now
-    return mine.user + mine.system + reaped + sum(live.values())
+            continue  # ended meanwhile: its time is in its parent's children fields, or ours, once reaped
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 def other_cores(busy_delta_s: float, own_delta_s: float, wall_s: float) -> float:
@@ -55,31 +52,16 @@ def other_cores(busy_delta_s: float, own_delta_s: float, wall_s: float) -> float
 
 @dataclass
 class OtherLoad:
-    """Samples, in a thread, the CPU others use while the block runs; ``other_cores`` and ``peak_cores``
-    once it has ended."""
+    """The CPU others used on ``cpus`` (default: every CPU) while the block ran; ``other_cores`` once it ended."""
 
-    sample_s: float = SAMPLE_S
+    cpus: frozenset[int] | None = None
     other_cores: float = 0.0
-    peak_cores: float = 0.0
+    _start: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
 
     def __enter__(self) -> OtherLoad:
-        self._stop = threading.Event()
-        self._root = psutil.Process()
-        self._live: dict[int, float] = {}
-        self._start = (time.monotonic(), busy_seconds(), own_seconds(self._root, self._live))
-        self._thread = threading.Thread(target=self._watch, name="other-load", daemon=True)
-        self._thread.start()
+        self._start = (time.monotonic(), busy_seconds(self.cpus), own_seconds())
         return self
 
-    def _watch(self) -> None:
-        last = self._start
-        while not self._stop.wait(self.sample_s):
-            now = (time.monotonic(), busy_seconds(), own_seconds(self._root, self._live))
-            self.peak_cores = max(self.peak_cores, other_cores(now[1] - last[1], now[2] - last[2], now[0] - last[0]))
-            last = now
-
     def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        end = (time.monotonic(), busy_seconds(), own_seconds(self._root, self._live))
+        end = (time.monotonic(), busy_seconds(self.cpus), own_seconds())
         self.other_cores = other_cores(end[1] - self._start[1], end[2] - self._start[2], end[0] - self._start[0])
