@@ -62,7 +62,7 @@ $(NODE_STAMP):
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(call uv_install,$(VENV)) -r requirements/dev.txt
+	$(call uv_install,$(VENV)) --compile-bytecode -r requirements/dev.txt
 	@ls $(HOROVOD_WHEELS)/horovod-*.whl >/dev/null 2>&1 || $(HOROVOD_BUILD) $(PY) $(HOROVOD_WHEELS)
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --reinstall $(HOROVOD_WHEELS)/horovod-*.whl
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --no-build-isolation -e .

@@ -109,7 +109,7 @@ def cli_page() -> str:
     globals_ = [p for p in group.params if is_option(p) and p.name != "help"]
     sections = [command_section(name, group.get_command(context, name)) for name in group.list_commands(context)]
     return (HEADER + "# CLI reference: `hetero`\n\n" + inspect.cleandoc(group.help or "") + "\n\n"
-            + "Options that every command takes, before or after the command (as the AWS CLI takes them):\n\n"
+            + "Where the deployed stack is, for the commands that talk to AWS, before or after the command (as the AWS CLI takes them):\n\n"
             + table(["option", "what it does", "default"], [option_row(p) for p in globals_]) + "\n"
             + "\n".join(sections))
 

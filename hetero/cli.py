@@ -432,6 +432,8 @@ def prices(ctx: typer.Context,
     from lambdas.core.catalog import HARDWARE_DATE, HARDWARE_SOURCE, UnknownInstanceTypeError, select
     from lambdas.core.price_performance import FALLBACK_PRICES
 
+    if live and not types:  # one Price List query per type: 200-odd of them would take minutes and be throttled
+        fail("--live asks the Price List API type by type: name the types or families to price (hetero prices g5 c6i --live)", 2)
     try:
         chosen = select(tuple(types or ()))
     except UnknownInstanceTypeError as error:

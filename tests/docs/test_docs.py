@@ -44,7 +44,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=300, env=os.environ | {"NO_MKDOCS_2_WARNING": "1"})
     assert built.returncode == 0, built.stderr
     assert "WARNING" not in built.stderr, built.stderr
-    assert (tmp_path / "site" / "reference" / "cli" / "index.html").is_file()
+    assert (tmp_path / "site" / "reference" / "cli.html").is_file()
 
 
 def test_the_generated_reference_pages_are_the_codes(tmp_path: Path) -> None:
@@ -136,3 +136,19 @@ def test_the_readmes_example_module_is_a_working_workload(tmp_path: Path, images
     own.write_text(json.dumps(parsed))
     result = CliRunner().invoke(app, ["validate", str(own), "--code", str(code), "--channel", f"train={images / 'train'}"])
     assert result.exit_code == 0 and result.stdout.startswith("ok"), result.output
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """A guarantee's row names the test that holds it: `file.py::test_name` (a path below tests/, or its
+    file name alone) must be a test of that file."""
+    tests = ROOT / "tests"
+    cited = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        cited |= {(page.name, path, name) for path, name in re.findall(r"([\w/]+\.py)::(test_\w+)", page.read_text(encoding="utf-8"))}
+    assert len(cited) > 50
+    missing = []
+    for page, path, name in sorted(cited):
+        candidates = [file for file in tests.rglob(Path(path).name) if file.as_posix().endswith(path)]
+        if not any(re.search(rf"^(?:async )?def {name}\(", file.read_text(encoding="utf-8"), re.M) for file in candidates):
+            missing.append(f"{page}: {path}::{name}")
+    assert missing == [], "\n".join(missing)

@@ -82,6 +82,11 @@ def test_an_unknown_family_is_refused_in_one_line() -> None:
     assert len(refused.stderr.strip().splitlines()) == 1
 
 
+def test_live_prices_of_every_type_are_refused_before_any_call() -> None:
+    refused = invoke("prices", "--live")
+    assert refused.exit_code == 2 and "name the types or families to price" in refused.stderr
+
+
 def test_live_prices_without_credentials_are_one_line_not_a_traceback() -> None:
     refused = invoke("prices", "g5", "--live")
     assert refused.exit_code == 1 and "live prices need AWS credentials" in refused.stderr
