@@ -527,12 +527,24 @@ def test_local_help_lists_every_option_of_the_emulated_cluster() -> None:
     assert runner().invoke(app, ["local", "spec.json", "--help"]).stdout == shown.stdout
 
 
+def script_project(tmp_path: Path, code: str, timing) -> tuple[Path, dict]:
+    """A project folder holding the example script (feed/), and the example script spec naming it as
+    ``code`` with ``timing``'s regex, reading the harness's input bucket."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "scripts" / "grpc_feed", project / "feed")
+    raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / "pytorch-script.json").read_text())
+    raw["workload"] = {"code": code, "entry_point": "train.py", "step_time_regex": timing.regex, "warmup_steps": timing.warmup_steps}
+    raw["inputs"]["train"]["s3_uri"] = SPEC["inputs"]["train"]["s3_uri"]
+    return project, raw
+
+
 def test_run_of_an_existing_script_uploads_it_and_the_state_machine_runs_it_to_a_costed_result(run, tmp_path: Path) -> None:
     """Script mode through the deployed platform: `hetero run` packs the script's folder (its entry point
     checked among the packed files), the execution's spec keeps every script field, the launch's request
     passes botocore with the entry point and the script's own hyperparameters, and the summary the
     launcher writes from the script's step lines makes a result with a cost per step."""
-    import shutil
 
     from training.script_mode import StepTiming, script_summary
 
@@ -540,11 +552,7 @@ def test_run_of_an_existing_script_uploads_it_and_the_state_machine_runs_it_to_a
     summary = script_summary([900.0, 180.0, 190.0], [1.0, 1.2, 1.4], 0.0, timing, program="train.py", exit_code=0)
     harness = run(Scenario(summary=summary, runs_for_s=0.5))
     deploy(harness)
-    project = tmp_path / "project"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "scripts" / "grpc_feed", project / "feed")
-    raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / "pytorch-script.json").read_text())
-    raw["workload"] = {"code": "feed", "entry_point": "train.py", "step_time_regex": timing.regex, "warmup_steps": 1}
-    raw["inputs"]["train"]["s3_uri"] = SPEC["inputs"]["train"]["s3_uri"]
+    project, raw = script_project(tmp_path, "feed", timing)
     refused = runner().invoke(app, ["run", str(spec_file(project, raw | {"workload": raw["workload"] | {"entry_point": "nope.py"}})),
                                     "--name", "script-0", "--quiet"])
     assert refused.exit_code == 2 and "workload.entry_point" in refused.output and harness.training_jobs() == []
@@ -567,7 +575,6 @@ def test_a_sweep_of_an_existing_script_varies_its_data_group_and_costs_each_size
     """A sweep of a script job (no workload contract): `hetero sweep` packs the script's folder once, each
     configuration's job carries the entry point and its data group's size, and the report prices each size
     from the step times the script printed (its own regex), recommending the cheapest per step."""
-    import shutil
 
     from training.script_mode import StepTiming, script_summary
 
@@ -579,11 +586,7 @@ def test_a_sweep_of_an_existing_script_varies_its_data_group_and_costs_each_size
 
     harness = run(Scenario(summary=summary(1193.0), runs_for_s=0.5))
     deploy(harness)
-    project = tmp_path / "project"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "scripts" / "grpc_feed", project / "feed")
-    base = json.loads((Path(__file__).resolve().parents[2] / "examples" / "pytorch-script.json").read_text())
-    base["workload"] = {"code": "../feed", "entry_point": "train.py", "step_time_regex": timing.regex, "warmup_steps": 1}
-    base["inputs"]["train"]["s3_uri"] = SPEC["inputs"]["train"]["s3_uri"]
+    project, base = script_project(tmp_path, "../feed", timing)  # the sweep's file sits in sweeps/
     (project / "sweeps").mkdir()
     sweep = project / "sweeps" / "script.json"
     sweep.write_text(json.dumps({"sweep_name": "script-sizes", "base": base, "data_hosts": [1, 2]}))
