@@ -11,8 +11,9 @@ UV_VERSION := 0.13.9
 uv_install = $(1)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION) && $(1)/bin/uv pip install --quiet --python $(1)/bin/python
 VENV := .venv
 PY := $(VENV)/bin/python
-# Horovod is built from source against the venv's TensorFlow (≈100 s); the wheel is kept under .cache/,
-# keyed by the build script and the TensorFlow pin, so a rebuilt venv reinstalls it without compiling.
+# Horovod is built from source against the venv's TensorFlow (≈4 minutes on 2 cores); the wheel is kept
+# under .cache/, keyed by the build script and the TensorFlow pin, so a rebuilt venv reinstalls it without
+# compiling. Only `make test` (and bench) need it: the demo's hosts run one trainer process each.
 HOROVOD_BUILD := training/images/tensorflow/build-horovod.sh
 HOROVOD_WHEELS := .cache/horovod-$(shell cat $(HOROVOD_BUILD) requirements/dlc-tensorflow.txt | sha256sum | cut -c1-16)
 REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt requirements/docs.txt \
@@ -20,6 +21,7 @@ REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requ
                 training/images/tensorflow/requirements.txt $(HOROVOD_BUILD)
 REQUIREMENTS_HASH := $(shell cat $(REQUIREMENTS) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.requirements-$(REQUIREMENTS_HASH)
+HOROVOD_STAMP := $(VENV)/.horovod-$(REQUIREMENTS_HASH)
 PROTO := training/data_service/data_service.proto
 # The client with the SageMaker Python SDK (hetero/sdk.py), apart: the SDK brings mlflow and pins of its own.
 SDK_VENV := .venv-sdk
@@ -32,9 +34,17 @@ NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json
 # jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv sdk-venv scan-venv node test demo docs docs-serve bench bench-gpu lint proto synth deploy clean
+.PHONY: venv horovod sdk-venv scan-venv node test demo docs docs-serve bench bench-gpu lint proto synth deploy clean
 
 venv: $(STAMP)
+
+horovod: $(HOROVOD_STAMP)
+
+$(HOROVOD_STAMP): $(STAMP)
+	@ls $(HOROVOD_WHEELS)/horovod-*.whl >/dev/null 2>&1 || $(HOROVOD_BUILD) $(PY) $(HOROVOD_WHEELS)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --reinstall $(HOROVOD_WHEELS)/horovod-*.whl
+	@rm -f $(VENV)/.horovod-*
+	@touch $@
 
 node: $(NODE_STAMP)
 
@@ -63,13 +73,11 @@ $(NODE_STAMP):
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(call uv_install,$(VENV)) --compile-bytecode -r requirements/dev.txt
-	@ls $(HOROVOD_WHEELS)/horovod-*.whl >/dev/null 2>&1 || $(HOROVOD_BUILD) $(PY) $(HOROVOD_WHEELS)
-	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --reinstall $(HOROVOD_WHEELS)/horovod-*.whl
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
-test: venv node sdk-venv scan-venv
+test: venv horovod node sdk-venv scan-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 	$(SDK_PY) -m pytest tests/sdk --confcutdir=tests/sdk -p no:cacheprovider

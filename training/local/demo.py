@@ -58,6 +58,10 @@ EXAMPLES = REPO / "examples"
 # The example specs train resnet18 on 224 px crops, sized for a GPU. On one CPU core per host we keep
 # the shape of the problem (preprocessing and training of similar cost) at a size that runs in seconds.
 LOCAL_OVERRIDES = {"model": "cnn", "cnn_width": 8, "image_size": 64, "augment": "heavy", "batch_size": 32, "warmup_steps": 10}
+# The demo's DNN hosts run one trainer process each (no GPUs here), which Horovod would only wrap: the
+# tensorflow specs run without it, so `make demo` needs no Horovod build (`make test` builds it, and
+# tests/training/local/test_tensorflow_cluster.py runs the specs as they are, Horovod ranks included).
+DEMO_DISTRIBUTION = {"tensorflow": "none"}
 # When a measurement cannot back a recommendation: other programs took this many CPUs on average while
 # the jobs ran (a quarter of a core is a quarter of a data host here), or one configuration's rounds
 # differ by this fraction of their median.
@@ -183,6 +187,8 @@ def load_spec(name: str | Path, overrides: dict | None = None, validation: str =
     path = EXAMPLES / name if isinstance(name, str) else name
     raw = resolve_code(json.loads(path.read_text()), path)
     raw["hyperparameters"] = {**raw.get("hyperparameters", {}), **(overrides or {})}
+    if raw.get("variant") in DEMO_DISTRIBUTION:
+        raw["distribution"] = DEMO_DISTRIBUTION[raw["variant"]]
     if validation:
         dnn = next(group["name"] for group in raw["instance_groups"] if group.get("role") == "dnn")
         # SageMaker routes every channel to groups or none: a spec whose channels go everywhere (one group)
