@@ -322,7 +322,7 @@ def render_markdown(report: Mapping[str, Any], title: str) -> str:
         )
     lines.append("")
     if report.get("disturbed"):  # an emulated sweep measured on a busy machine (training/local/demo.py)
-        lines.append(f"**No recommendation:** too busy to measure: {report['disturbed']}.")
+        lines.append(f"**No recommendation:** the measurement cannot back one: {report['disturbed']}.")
     elif report["recommended"]:
         rule = f"within the {target:g} ms step-time target" if target else "with no step-time target"
         lines.append(f"**Recommended:** {report['recommended']} ({report['recommended_data_hosts']} data hosts): the lowest cost per step {rule}.")

@@ -387,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     disturbed = disturbance(comparison)
     if disturbed:
         # A figure taken on a busy machine says nothing of the saving: no recommendation, and why.
-        print(f"\nTOO BUSY TO MEASURE: {disturbed}.\nNo recommendation from this run: run it again on a quiet machine "
-              "(nothing else using the CPUs), or with more --steps and --rounds.")
+        # Others' load is a busy machine; rounds that disagree on a quiet one are a measurement too short or unsteady.
+        heading = "TOO BUSY TO MEASURE" if comparison.other_cores > BUSY_CORES else "MEASUREMENT NOT STEADY"
+        print(f"\n{heading}: {disturbed}.\nNo recommendation from this run: run it again with nothing else using the CPUs, "
+              "or with more --steps and --rounds.")
         print(f"\nreport (not a recommendation): {workdir / 'report'}/report.md, chart: {chart}")
     else:
         print(f"\n{markdown}\nreport: {workdir / 'report'}/report.md, chart: {chart}")

@@ -130,7 +130,7 @@ def test_a_busy_machine_or_rounds_that_disagree_give_no_recommendation(tmp_path:
     report_json, _, _, markdown = write_report(busy, tmp_path / "busy", "t")
     report = json.loads(report_json.read_text())
     assert report["recommended"] is None and "other programs used" in report["disturbed"]
-    assert report["measurement"]["other_cpus"] == 0.75 and "**No recommendation:** too busy to measure" in markdown
+    assert report["measurement"]["other_cpus"] == 0.75 and "**No recommendation:** the measurement cannot back one: other programs used" in markdown
     assert "**Recommended:**" not in markdown and "spread" in render(busy)
 
 
