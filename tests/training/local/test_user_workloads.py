@@ -346,8 +346,9 @@ def test_ddp_ranks_validate_a_channel_smaller_than_the_world_without_a_collectiv
 
 def test_a_channel_folder_that_is_absent_or_not_the_specs_is_refused_before_any_host_starts(tmp_path: Path, images: Path) -> None:
     spec = validate_job_spec(workload_spec(IMAGE_EXAMPLE, data_hosts=1, steps=4, validation=False))
-    for channels, words in (({"train": tmp_path / "trian"}, "--channel train=.*trian: no such folder"),
-                            ({"train": images, "trian": images}, r"--channel trian: the spec has no such input \(it has \['train'\]\)")):
+    for channels, words in (({"train": tmp_path / "trian"}, "--channel train=.*trian: the folder .*trian does not exist"),
+                            ({"train": images, "trian": images},
+                             r"--channel trian: the spec has no such input \(did you mean --channel train=.*\? it has \['train'\]\)")):
         cluster = EmulatedCluster(spec, EmulationOptions(workdir=tmp_path / "run", channels=channels))
         with pytest.raises(Exception, match=words):
             cluster.prepare()
