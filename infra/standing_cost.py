@@ -32,6 +32,9 @@ ECR_GB_MONTH = 0.10
 # The three training images as ECR stores them (compressed layers), most of it the Deep Learning Container
 # bases: an estimate, to be read off `aws ecr describe-images` once deployed.
 IMAGES_GB_ESTIMATE = 20
+# They are pushed into the CDK bootstrap's repository (no repository of the stack's own to count in the
+# template): one per variant, as infra/constructs/training_images.py builds them.
+IMAGES = ("pytorch", "tensorflow", "neuron")
 HOURS_PER_MONTH = 730
 # What one scheduled invocation of the reconciler uses (it lists a page of jobs and executions): measured
 # under moto it returns in well under a second; a second at its memory is the bound counted here.
@@ -81,7 +84,6 @@ def scheduled_functions(template: Mapping[str, Any]) -> Iterable[tuple[float, fl
 def standing_cost(template: Mapping[str, Any]) -> list[Item]:
     keys = resources(template, "AWS::KMS::Key")
     rotating = sum(1 for _, key in keys if key.get("EnableKeyRotation"))
-    images = resources(template, "AWS::ECR::Repository")  # none: cdk deploy pushes into the bootstrap's repository
     dashboards = resources(template, "AWS::CloudWatch::Dashboard")
     alarms = resources(template, "AWS::CloudWatch::Alarm")
     alarm_metrics = sum(metrics_of(alarm) for _, alarm in alarms)
@@ -94,7 +96,7 @@ def standing_cost(template: Mapping[str, Any]) -> list[Item]:
         Item("CloudWatch dashboard", len(dashboards), len(dashboards) * DASHBOARD_MONTH, "the benchmarks dashboard (3 per account are free)"),
         Item("CloudWatch alarms", len(alarms), alarm_metrics * STANDARD_ALARM_MONTH, f"{alarm_metrics} metrics watched (10 per account are free)"),
         Item("scheduled Lambda invocations", round(invocations), lambda_usd, "the reconciler that stops jobs whose run is gone"),
-        Item("ECR image storage (estimate)", 3 + len(images), IMAGES_GB_ESTIMATE * ECR_GB_MONTH,
+        Item("ECR image storage (estimate)", len(IMAGES), IMAGES_GB_ESTIMATE * ECR_GB_MONTH,
              f"the pytorch, tensorflow and neuron images, about {IMAGES_GB_ESTIMATE} GB compressed in all"),
     ]
 

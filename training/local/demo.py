@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import threading
 from dataclasses import dataclass
@@ -130,13 +131,7 @@ def spread(values: tuple[float, ...]) -> float:
     if len(values) < 2:
         return 0.0
     ordered = sorted(values)
-    return (ordered[-1] - ordered[0]) / median(ordered)
-
-
-def median(values: list[float] | tuple[float, ...]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return (ordered[-1] - ordered[0]) / statistics.median(ordered)
 
 
 def disturbance(comparison: Comparison) -> str | None:
@@ -224,8 +219,8 @@ def combined(label: str, spec: JobSpec, runs: list[RunFigures]) -> RunFigures:
     """One configuration's rounds as one figure: each field the median of its rounds', with every round's
     billed ms per step."""
     p50s = [run.p50_ms for run in runs if run.p50_ms is not None]
-    return RunFigures(label, spec, median([run.step_ms for run in runs]), median([run.samples_per_s for run in runs]),
-                      median(p50s) if p50s else None, tuple(run.step_ms for run in runs))
+    return RunFigures(label, spec, statistics.median([run.step_ms for run in runs]), statistics.median([run.samples_per_s for run in runs]),
+                      statistics.median(p50s) if p50s else None, tuple(run.step_ms for run in runs))
 
 
 def cluster_cpus(spec: JobSpec, options: EmulationOptions) -> set[int]:
