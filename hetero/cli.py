@@ -35,6 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hetero import api, direct
+from training.stop_signals import restore_stop_signals
 
 
 class Guarded(typer.core.TyperGroup):
@@ -652,6 +653,7 @@ def number(value: float | None, digits: int) -> str:
 
 
 def main() -> None:
+    restore_stop_signals()  # Ctrl-C and a stop act alike, however the shell started this (training/stop_signals.py)
     app(prog_name="hetero")
 
 

@@ -32,6 +32,13 @@ torch_xla.device()
 os.environ.setdefault("SHARD_INDEX_CACHE_DIR", tempfile.mkdtemp(prefix="shard-index-"))
 
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE  # noqa: E402
+from training.stop_signals import restore_stop_signals  # noqa: E402
+
+# Every process a test starts, with SIGINT and SIGTERM at their defaults: the suite runs the same in the
+# foreground, in the background and under CI (which starts it with SIGINT ignored, as a background job of a
+# non-interactive shell is). The inherited ignore itself is tested where it matters, on purpose:
+# tests/training/test_stop_signals.py and test_local_command.py's Ctrl-C.
+restore_stop_signals()
 from training.local.images import generated_samples, write_dataset, write_shards  # noqa: E402
 
 TOKEN = "test-shutdown-token-0123456789"

@@ -90,6 +90,7 @@ from training.hyperparameters import (
     parse_settings,
     platform_keys,
 )
+from training.stop_signals import restore_stop_signals
 from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
 from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
 from training.workload.code import CodeError, install_requirements
@@ -1112,6 +1113,9 @@ def _reap_all(deadline: float) -> None:
 
 
 def main() -> int:
+    # Before any child: the ranks, torchrun, tf.data.service and a user's script then start with SIGINT and
+    # SIGTERM at their defaults (a stop of the other ranks is a SIGINT), however this process was started.
+    restore_stop_signals()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     if sys.argv[1:] not in ([], ["train"]):  # SageMaker starts the image with the argument "train"
         log.error("usage: python -m training.launcher [train]; got %s", sys.argv[1:])

@@ -16,15 +16,13 @@ in training/local/options.py, which `hetero local` shows as its help.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -42,6 +40,7 @@ from training.local.cluster import (
     check_channels,
 )
 from training.local.options import key_value, parser
+from training.stop_signals import Stopped, restore_stop_signals, stopped_by_signals
 
 __all__ = ["key_value", "main", "parser", "resolve_code"]  # key_value: training/local/profile.py's too
 
@@ -144,32 +143,6 @@ def _number(value: Any, digits: int, unit: str = "") -> str:
     return "–" if not isinstance(value, int | float) else f"{value:.{digits}f}{unit}"
 
 
-class Stopped(Exception):
-    """Ctrl-C or SIGTERM while the cluster ran: every host is stopped before the command exits."""
-
-    def __init__(self, what: str, exit_code: int) -> None:
-        super().__init__(what)
-        self.what, self.exit_code = what, exit_code
-
-
-@contextlib.contextmanager
-def stopped_by_signals() -> Iterator[None]:
-    """SIGTERM (a scheduler's, a CI runner's, `kill`) as Ctrl-C is: an exception in the main thread, so
-    that the hosts, in sessions of their own and not signalled with this process, are killed on the way
-    out. Python's default for SIGTERM ends the process on the spot and would leave them running."""
-    def on_term(signum: int, frame: object) -> None:
-        raise Stopped("SIGTERM", 128 + signal.SIGTERM)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def stopped_line(what: str, stopped: list[EmulatedHost], workdir: Path) -> str:
     """What an interruption stopped and where the logs are. Pure."""
     hosts = ", ".join(f"{host.name} ({host.group}, {host.role})" for host in stopped) or "no host was running"
@@ -177,6 +150,7 @@ def stopped_line(what: str, stopped: list[EmulatedHost], workdir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    restore_stop_signals()  # Ctrl-C and a stop alike, whether the shell started this in the foreground or not
     args = parser().parse_args(argv)
     try:
         raw = resolve_code(json.loads(args.spec.read_text()), args.spec)
@@ -210,17 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cluster.start()
                 result = cluster.wait()
-            except (Stopped, KeyboardInterrupt) as stop:
-                what, code = (stop.what, stop.exit_code) if isinstance(stop, Stopped) else ("Ctrl-C", 130)
-                interrupted = (what, code, cluster.running_hosts())
+            except Stopped as stop:
+                interrupted = (stop.what, stop.exit_code, cluster.running_hosts())
             finally:
                 cluster.close()
     except EmulationError as error:
         lines.finish()
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (Stopped, KeyboardInterrupt):  # a second one while the first one's hosts were being stopped
-        return 130
+    except (Stopped, KeyboardInterrupt) as again:  # a second one while the first one's hosts were being stopped
+        return again.exit_code if isinstance(again, Stopped) else 130
     if interrupted is not None:
         lines.finish()
         what, code, stopped = interrupted

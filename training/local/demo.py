@@ -52,6 +52,7 @@ from training.local.profile import (
     train_ms_per_step,
 )
 from training.metrics import parse_metric_line
+from training.stop_signals import Stopped, restore_stop_signals, stopped_by_signals
 from training.variants import VARIANTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -372,7 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         title = f"Emulated {args.variant} sweep"
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload, rounds=args.rounds)
+    restore_stop_signals()
+    try:
+        with stopped_by_signals():  # each run's cluster is closed (every host killed) on the way out
+            comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload, rounds=args.rounds)
+    except Stopped as stop:
+        print(f"\n{stop.what}: stopped the demo and its emulated cluster; host trees and logs: {workdir}", file=sys.stderr)
+        return stop.exit_code
     print()
     print(render(comparison))
     accuracy = (comparison_validation(workdir) or {}).get("accuracy")
