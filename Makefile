@@ -12,10 +12,12 @@ uv_install = $(1)/bin/python -m pip install --quiet --disable-pip-version-check 
 VENV := .venv
 PY := $(VENV)/bin/python
 # Horovod is built from source against the venv's TensorFlow (≈4 minutes on 2 cores); the wheel is kept
-# under .cache/, keyed by the build script and the TensorFlow pin, so a rebuilt venv reinstalls it without
-# compiling. Only `make test` (and bench) need it: the demo's hosts run one trainer process each.
+# in the user's cache (beside uv's), keyed by the build script and the TensorFlow pin, so a rebuilt venv or
+# a fresh checkout reinstalls it without compiling. Only `make test` (and bench) need it: the demo's hosts
+# run one trainer process each.
 HOROVOD_BUILD := training/images/tensorflow/build-horovod.sh
-HOROVOD_WHEELS := .cache/horovod-$(shell cat $(HOROVOD_BUILD) requirements/dlc-tensorflow.txt | sha256sum | cut -c1-16)
+WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/heterogeneous-training
+HOROVOD_WHEELS := $(WHEEL_CACHE)/horovod-$(shell cat $(HOROVOD_BUILD) requirements/dlc-tensorflow.txt | sha256sum | cut -c1-16)
 REQUIREMENTS := pyproject.toml requirements/dev.txt requirements/client.txt requirements/dlc-pytorch.txt requirements/xla.txt requirements/infra.txt requirements/test.txt requirements/docs.txt \
                 requirements/dlc-tensorflow.txt training/images/pytorch/requirements.txt training/images/neuron/requirements.txt \
                 training/images/tensorflow/requirements.txt $(HOROVOD_BUILD)
@@ -34,7 +36,7 @@ NODE_STAMP := node_modules/.installed-$(shell cat package.json package-lock.json
 # jsii (under aws-cdk-lib) prints a banner on Node 20; the machine's Node is 20.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: venv horovod sdk-venv scan-venv node test demo docs docs-serve bench bench-gpu lint proto synth deploy clean
+.PHONY: venv horovod sdk-venv scan-venv node test test-quick test-times demo docs docs-serve bench bench-gpu lint proto synth deploy clean
 
 venv: $(STAMP)
 
@@ -77,10 +79,25 @@ $(STAMP):
 	@rm -f $(VENV)/.requirements-*
 	@touch $@
 
+# The whole suite on two pytest-xdist workers (most of it waits: timers, moto's Step Functions interpreter,
+# process start-ups; tests that share a port or a cluster run share an xdist_group). It writes each file's
+# and the 30 slowest tests' times to build/test-times.json and fails past the budget pyproject.toml sets
+# (time_budget_s, test_time_limit_s), naming the slowest; `make test-times` prints them as a table.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 test: venv horovod node sdk-venv scan-venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest
-	$(SDK_PY) -m pytest tests/sdk --confcutdir=tests/sdk -p no:cacheprovider
+	$(PY) -m pytest $(PYTEST_PARALLEL) --check-time-budget
+	$(SDK_PY) -m pytest tests/sdk --confcutdir=tests/sdk -p no:cacheprovider --test-times build/test-times-sdk.json
+
+# While developing (a few minutes): the unit, contract and infrastructure tests, no emulated cluster and
+# none of the state machines' long waits. CI runs the whole suite.
+test-quick: venv node
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not cluster and not slow" --test-times build/test-times-quick.json
+
+test-times:
+	$(PY) -m tests.timing build/test-times.json
 
 demo: venv
 	$(PY) -m training.local.demo

@@ -116,6 +116,7 @@ def test_a_step_that_returns_the_wrong_thing_is_refused_by_name(output, words):
 def test_on_xla_a_step_is_one_executed_graph_and_compiles_nothing_after_warm_up(tmp_path, tmp_path_factory):
     import importlib.util
 
+    import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
     make = importlib.util.spec_from_file_location("make_reviews", TEXT_EXAMPLE / "make_data.py")
@@ -128,6 +129,9 @@ def test_on_xla_a_step_is_one_executed_graph_and_compiles_nothing_after_warm_up(
     batches = trainer.batches()
 
     def count(metric: str) -> int:
+        # torch-xla records an execution's metric on its own thread, possibly after the loss reached the
+        # host: wait for the device to be idle so a step's execution is counted in its own window.
+        xm.wait_device_ops()
         data = met.metric_data(metric)
         return data[0] if data else 0
 

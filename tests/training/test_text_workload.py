@@ -191,12 +191,16 @@ def test_a_steady_state_step_is_one_executed_graph(tiny_model, polarity, tmp_pat
     """torch-xla's own metrics: after the warm-up compiles, each step (clipping and the changing rate
     included) executes one graph and compiles none; transformers' 2-D mask check would read the device
     mid-step."""
+    import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
     trainer = build_trainer(polarity_host(tmp_path, tiny_model, polarity, steps=12, warmup_steps=1))
     batches = trainer.batches()
 
     def count(metric: str) -> int:
+        # torch-xla records an execution's metric on its own thread, possibly after the loss reached the
+        # host: wait for the device to be idle so a step's execution is counted in its own window.
+        xm.wait_device_ops()
         data = met.metric_data(metric)
         return data[0] if data else 0
 

@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.retries.standard
 import pytest
 from moto import mock_aws
 from moto.awslambda_simple.models import LambdaSimpleBackend
 from moto.core.exceptions import JsonRESTError
 from moto.sagemaker.models import SageMakerModelBackend, sagemaker_backends
 from moto.sagemaker.responses import SageMakerResponse
+from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_sfn import StateTaskServiceSfn
+from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import WaitFunction
 
 from app import build_app
 from lambdas.clients import client
@@ -84,6 +87,40 @@ class Scenario:
     starts_for_s: float | None = 0.3
     # The first N jobs launched fail while starting, as SageMaker reports a capacity shortage.
     capacity_failures: int = 0
+
+
+# The emulated world's clock runs this much faster than the wall's: every Wait state, state Retry interval,
+# botocore backoff and fake-SageMaker timer (a job's start and run, a stop taking effect) is scaled alike,
+# so the state machine takes the same path with the same counts of polls and retries, in a fifth of the
+# time. Nothing of ours reads the wall clock to decide (deadlines and start windows are counted in polls).
+TIME_SCALE = 0.2
+
+
+def emulated(seconds: float) -> float:
+    """Wall seconds for ``seconds`` of the emulated world's time."""
+    return seconds * TIME_SCALE
+
+
+def _wait_interval(self: WaitFunction, env: Any, wait_seconds: int) -> None:
+    """moto's Wait state, on the emulated clock (a stopped execution still interrupts it at once)."""
+    if wait_seconds > 0:
+        env.program_state_event.wait(emulated(wait_seconds))
+
+
+class _EmulatedSleep:
+    """The ``time`` module as moto's Retrier sees it: its interval sleeps on the emulated clock."""
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(emulated(seconds))
+
+
+def on_the_emulated_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(WaitFunction, "_wait_interval", _wait_interval)
+    monkeypatch.setattr(retrier_decl, "time", _EmulatedSleep)
+    backoff = botocore.retries.standard.ExponentialBackoff.delay_amount
+    monkeypatch.setattr(botocore.retries.standard.ExponentialBackoff, "delay_amount",
+                        lambda self, context: emulated(backoff(self, context)))
 
 
 CAPACITY_ERROR = "CapacityError: Unable to provision requested ML compute capacity. Please retry using a different ML instance type."
@@ -224,6 +261,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
     # interval stays the configured second.
     monkeypatch.setenv("START_TIMEOUT_S", "60")
     monkeypatch.setenv("DEADLINE_GRACE_S", "300")
+    on_the_emulated_clock(monkeypatch)
     def stop_training_job(self: SageMakerResponse):  # Stopping, then Stopped a moment later, as SageMaker does
         reply = _stop_training_job(self)
         job = self.sagemaker_backend.training_jobs[self._get_param("TrainingJobName")]
@@ -231,7 +269,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         def stopped() -> None:
             job.training_job_status, job.secondary_status, job.billable_time_in_seconds = "Stopped", "Stopped", 120
 
-        timer = threading.Timer(1.0, stopped)
+        timer = threading.Timer(emulated(1.0), stopped)
         timers.append(timer)
         timer.start()
         return reply
@@ -272,7 +310,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
                 job.training_job_status, job.secondary_status, job.failure_reason = "Failed", "Failed", CAPACITY_ERROR
                 job.billable_time_in_seconds = 0
 
-            timer = threading.Timer(scenario.starts_for_s or 0.3, no_capacity)
+            timer = threading.Timer(emulated(scenario.starts_for_s or 0.3), no_capacity)
             timers.append(timer)
             timer.start()
             return
@@ -283,7 +321,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
             if job.training_job_status == "InProgress":
                 job.secondary_status = "Training"
 
-        started = threading.Timer(scenario.starts_for_s, training)
+        started = threading.Timer(emulated(scenario.starts_for_s), training)
         timers.append(started)
         started.start()
 
@@ -302,7 +340,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
                 job.failure_reason = "AlgorithmError: the trainer exited with 137" if fails else scenario.failure_reason
                 job.billable_time_in_seconds = 600
 
-        timer = threading.Timer(scenario.starts_for_s + scenario.runs_for_s, finish)
+        timer = threading.Timer(emulated(scenario.starts_for_s + scenario.runs_for_s), finish)
         timers.append(timer)
         timer.start()
 

@@ -82,7 +82,7 @@ HOST_LINES = {
 
 
 def test_run_follow_shows_the_job_its_steps_and_the_result_and_exits_0(run, tmp_path: Path) -> None:
-    harness = run(Scenario(summary=SUMMARY, runs_for_s=2.0))
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=10.0))  # 2 s of wall time: the CLI polls every second
     deploy(harness)
     write_logs(harness, HOST_LINES)
     result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-ok", "--follow", "--poll-s", "1"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from hetero import cli
 from hetero.cli import app
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -55,7 +56,7 @@ def g5_with_c6i_data_hosts(tmp_path: Path) -> Path:
 # hetero prices ------------------------------------------------------------------------------------
 
 
-def test_prices_offline_list_hardware_and_the_dated_fallback_price_by_family_or_type() -> None:
+def test_prices_offline_list_hardware_and_the_dated_fallback_price_by_family_or_type(monkeypatch: pytest.MonkeyPatch) -> None:
     shown = invoke("prices", "g5", "ml.c5.xlarge", "trn2", "--json")
     assert shown.exit_code == 0, shown.output
     listed = json.loads(shown.stdout)
@@ -67,7 +68,10 @@ def test_prices_offline_list_hardware_and_the_dated_fallback_price_by_family_or_
     assert (rows["ml.g5.48xlarge"]["accelerators"], rows["ml.g5.48xlarge"]["accelerator_memory_gb"], rows["ml.g5.48xlarge"]["memory_gib"]) == (8, 24, 768)
     assert rows["ml.trn2.48xlarge"]["neuron_cores"] == 64 and rows["ml.trn2.48xlarge"]["accelerator_kind"] == "trainium"
     assert listed["usd_per_hour"]["ml.c5.xlarge"] == 0.204
-    table = invoke("prices", "ml.p4d.24xlarge", env={"COLUMNS": "250"})
+    # A wide terminal. Rich fixes a console's width from COLUMNS when it is made (at import): pytest-xdist's
+    # workers set COLUMNS=80, so the CLI's console is widened itself.
+    monkeypatch.setattr(cli.out, "_width", 250)
+    table = invoke("prices", "ml.p4d.24xlarge")
     assert table.exit_code == 0 and "37.688" in table.stdout and "2022-07-01" in table.stdout and "8× NVIDIA A100 40 GB" in table.stdout
 
 

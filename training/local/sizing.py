@@ -32,7 +32,7 @@ from training.local.profile import data_host_cpus, preprocess_ms_per_batch, trai
 REPO = Path(__file__).resolve().parents[2]
 # Heavy augmentation on small crops, and a CNN wide enough that training outweighs one batch's
 # preprocessing on a full core: then a fraction of a core per data host is what makes the job input-bound.
-OVERRIDES = {"model": "cnn", "cnn_width": 16, "image_size": 64, "augment": "heavy", "batch_size": 32}
+OVERRIDES = {"model": "cnn", "cnn_width": 16, "image_size": 64, "augment": "heavy"}
 # One data host at the chosen quota makes batches this much slower than training needs them.
 ONE_HOST_SHORTFALL = 1.8
 # A run is input-bound when the trainer waits for batches for more than this share of its step (p50s).
@@ -78,11 +78,25 @@ class SizingCheck:
         return "\n".join(rows)
 
 
-def base_spec(steps: int) -> dict:
+@dataclass(frozen=True)
+class CheckScale:
+    """How big the check's job is. The benchmark's default gives steady figures; a test's smaller scale
+    exercises the same path (profile, quota, prediction, a run per count) at a fraction of the cost."""
+
+    steps: int = 70
+    batch_size: int = 32
+    source_image_size: int = 320  # the images on disk, before the heavy augmentation crops them to 64
+    images_per_class: int = 64
+    profile_batches: int = 20
+
+
+def base_spec(scale: CheckScale) -> dict:
     raw = json.loads((REPO / "examples" / "pytorch-heterogeneous.json").read_text())
     # The data hosts fill their queues while the trainer starts; the warm-up steps drain that head start,
     # so the timed steps see steady state.
-    raw["hyperparameters"] = {**raw["hyperparameters"], **OVERRIDES, "steps": steps, "warmup_steps": steps * 3 // 7}
+    raw["hyperparameters"] = {
+        **raw["hyperparameters"], **OVERRIDES, "batch_size": scale.batch_size, "steps": scale.steps, "warmup_steps": scale.steps * 3 // 7
+    }
     return raw
 
 
@@ -98,14 +112,14 @@ def measure(spec: JobSpec, workdir: Path, images: Path, quota: float) -> tuple[f
     return summary["step_time_ms"]["p50"], summary["data_wait_ms"]["p50"]
 
 
-def run_check(workdir: Path, steps: int) -> SizingCheck:
-    images = write_dataset(workdir / "images", classes=4, per_class=64, size=320)
-    raw = base_spec(steps)
+def run_check(workdir: Path, scale: CheckScale) -> SizingCheck:
+    images = write_dataset(workdir / "images", classes=4, per_class=scale.images_per_class, size=scale.source_image_size)
+    raw = base_spec(scale)
     hetero = validate_job_spec(raw)
     shutil.rmtree(workdir / "train-only", ignore_errors=True)  # a fresh tree: a profile must not resume a checkpoint
     options = EmulationOptions(workdir=workdir / "train-only", channels={"train": images})
     data_core = data_host_cpus(hetero, options)[0]
-    preprocess = preprocess_ms_per_batch(hetero, images, data_core)
+    preprocess = preprocess_ms_per_batch(hetero, images, data_core, batches=scale.profile_batches)
     train = train_ms_per_step(hetero, options, on_line=lambda *_: None)
     quota = min(0.45, max(0.05, preprocess / (ONE_HOST_SHORTFALL * train)))
     profile = SizingProfile(preprocess_ms_per_batch_per_vcpu=preprocess, train_ms_per_step=train)
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if not quotas_available():
         print("this machine has no writable cgroup CPU controller: CPU quotas, and this check, need one", file=sys.stderr)
         return 2
-    check = run_check(args.workdir, args.steps)
+    check = run_check(args.workdir, CheckScale(steps=args.steps))
     print(check.render())
     return 0 if check.measured == check.predicted else 1
 

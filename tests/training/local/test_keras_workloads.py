@@ -26,14 +26,16 @@ def held_out(tmp_path_factory) -> Path:
 @pytest.mark.cluster
 @pytest.mark.parametrize("data_hosts", [0, 1, 2])
 def test_the_keras_example_learns_homogeneous_and_from_data_hosts(tmp_path: Path, images: Path, held_out: Path, data_hosts: int) -> None:
-    raw = workload_spec(KERAS_EXAMPLE, data_hosts=data_hosts, steps=40, variant="tensorflow", batch_size=16, eval_every=20)
+    raw = workload_spec(KERAS_EXAMPLE, data_hosts=data_hosts, steps=40, variant="tensorflow", batch_size=16, eval_every=20, log_every=1)
     cluster, watcher, result = run(raw, tmp_path, {"train": images, "validation": held_out})
     dnn = f"algo-{data_hosts + 1}"
     assert result.ok, result.report() + "\n".join(watcher.of(dnn)[-30:])
     summary = cluster.summary()
     assert summary["input_source"] == ("tf.data.service" if data_hosts else "local") and summary["workload"] == "workload"
     trained = losses(watcher, dnn)
-    assert sum(trained[-3:]) / 3 < trained[0], trained  # it learns
+    # Every step's loss (log_every 1), from the untrained model's first; a later first line (step 5) may
+    # already be near zero on these shapes, and one noisy batch of 16 then outweighs it.
+    assert sum(trained[-3:]) / 3 < trained[0] * 0.7, trained  # it learns
     validation = summary["validation"]
     assert validation["step"] == 40 and validation["samples"] == 32 and validation["metrics"]["accuracy"] >= 0.6, validation  # chance: 0.25
     assert sum("eval_accuracy=" in line for line in watcher.of(dnn)) == 2  # every 20 steps: at 20 and at the end
