@@ -64,12 +64,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from training.cluster import Cluster, ClusterConfigError, address_of, base_dir, host_addresses, load_cluster
+from training.cluster import Cluster, ClusterConfigError, address_of, base_dir
 from training.data_service.dataset import (
     ChannelError,
     EmptyChannelError,
-    channel_dir,
-    channel_is_sharded,
     scan_image_files,
     scan_images,
     scan_text_channel,
@@ -77,6 +75,7 @@ from training.data_service.dataset import (
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
 from training.failure import RANK_FAILURE_ENV, failure_path, write_failure, write_quietly
+from training.host_environment import HostEnvironment
 from training.hyperparameters import (
     DATA,
     DNN,
@@ -84,9 +83,6 @@ from training.hyperparameters import (
     HyperparameterError,
     PlatformSettings,
     build,
-    load_hyperparameters,
-    load_settings,
-    load_shutdown_token,
     parse_settings,
     platform_keys,
 )
@@ -259,7 +255,7 @@ def shutdown_data_hosts(targets: list[str], token: str, requester: str) -> None:
         list(pool.map(one, targets))
 
 
-def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, config: Any, stop: threading.Event,
+def run_data_host(host: HostEnvironment, settings: PlatformSettings, variant: Variant, config: Any, stop: threading.Event,
                   keras_workload: KerasWorkloadCode | None = None) -> int:
     """Serve a tf.data.service variant's channel (the tensorflow one's) until stopped: the batches go from
     tf.data.service's workers to the trainers, and our server answers the control calls (Describe,
@@ -271,8 +267,9 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
     from training.data_service.server import ServerSettings, default_workers, serve
     from training.data_service.tf_service import TfDataService, TfServiceSettings
 
-    root = channel_dir(settings.data_channel)
-    sharded = channel_is_sharded(settings.data_channel)
+    cluster = host.cluster
+    root = host.channel(settings.data_channel)
+    sharded = host.channel_is_sharded(settings.data_channel)
     try:
         if keras_workload is not None:
             folder = list_channel_files(root, settings.data_channel, file_pattern(keras_workload.code_dir, keras_workload.module))
@@ -285,11 +282,10 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
                                 "S3 gives each host about 1/n of the objects, and this one got none of the images") from None
     data_hosts = settings.data_hosts(cluster)
     host_index = data_hosts.index(cluster.current_host)
-    addresses = host_addresses()
     server_settings = ServerSettings(
         host=cluster.current_host,
         # On SageMaker listen on every interface; the emulated cluster gives each host its own address.
-        bind_address=addresses.get(cluster.current_host, "0.0.0.0"),
+        bind_address=host.bind_address(),
         port=settings.data_service_port,
         channel=settings.data_channel,
         batch_size=config.batch_size,
@@ -305,7 +301,7 @@ def run_data_host(cluster: Cluster, settings: PlatformSettings, variant: Variant
         # What the built-in's trainer checks its elements against (a user's come with their spec from the dispatcher).
         sample_shape=config.augment_config.sample_shape if keras_workload is None else (),
     )
-    dispatcher, workers = settings.tf_data_service_addresses(cluster, addresses)
+    dispatcher, workers = settings.tf_data_service_addresses(cluster, host.addresses)
     source = TfDataService(
         TfServiceSettings(
             dispatcher_address=dispatcher,
@@ -335,23 +331,22 @@ class KerasWorkloadCode:
         return {"workload_dir": str(self.code_dir), "workload_packages": str(self.packages_dir or ""), "workload_module": self.module}
 
 
-def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: threading.Event, packages_dir: Path | None) -> int:
+def run_workload_data_host(host: HostEnvironment, prepared: PreparedWorkload, stop: threading.Event, packages_dir: Path | None) -> int:
     """Serve a user workload's training channel: listed and preprocessed by its own hooks (the first
     sample before serving: what Describe announces), in worker processes that import it by name."""
     from training.data_service.server import ServerSettings, default_workers, serve
     from training.workload.serving import WorkloadBatchProducer, host_listing, recipe_for, wire_features
 
-    settings, config = prepared.settings, prepared.config
+    settings, config, cluster = prepared.settings, prepared.config, host.cluster
     root = prepared.channel(settings.data_channel)
-    sharded = channel_is_sharded(settings.data_channel)
+    sharded = host.channel_is_sharded(settings.data_channel)
     listing = host_listing(prepared.workload, settings.data_channel, root, prepared.hyperparameters, prepared.channels)
     recipe = recipe_for(prepared.workload, listing, packages_dir=packages_dir, hyperparameters=prepared.hyperparameters, seed=config.seed)
     data_hosts = settings.data_hosts(cluster)
     host_index = data_hosts.index(cluster.current_host)
-    addresses = host_addresses()
     workers = default_workers()
     server_settings = ServerSettings(
-        host=cluster.current_host, bind_address=addresses.get(cluster.current_host, "0.0.0.0"), port=settings.data_service_port,
+        host=cluster.current_host, bind_address=host.bind_address(), port=settings.data_service_port,
         channel=settings.data_channel, batch_size=config.batch_size,
         shutdown_token=settings.shutdown_token, idle_timeout_s=settings.data_idle_timeout_s, start_deadline_s=settings.data_start_deadline_s,
         workers=workers, seed=config.seed, hosts=len(data_hosts), sharded=sharded,  # the run's seed: see positions.py
@@ -362,16 +357,16 @@ def run_workload_data_host(cluster: Cluster, prepared: PreparedWorkload, stop: t
     return serve(server_settings, listing, stop, source=producer).exit_code
 
 
-def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, exit_code: int, stop: threading.Event) -> int:
+def fail_data_host(host: HostEnvironment, settings: PlatformSettings, message: str, exit_code: int, stop: threading.Event) -> int:
     """A data host that cannot serve: write why (the job's FailureReason), tell every DNN host, so that
     it fails now with this reason instead of waiting out its connect timeout, then exit."""
     from training.data_service.control import report_failure
 
     log.error("%s", message)
     write_failure(message)
-    targets = settings.job_control_targets(cluster, host_addresses())
+    targets = settings.job_control_targets(host.cluster, host.addresses)
     heard = report_failure(
-        targets, settings.shutdown_token, cluster.current_host, message, timeout_s=settings.data_connect_timeout_s, stop=stop
+        targets, settings.shutdown_token, host.cluster.current_host, message, timeout_s=settings.data_connect_timeout_s, stop=stop
     )
     log.info("told %d of %d DNN hosts why this data host stops", len(heard), len(targets))
     return exit_code
@@ -381,11 +376,11 @@ def fail_data_host(cluster: Cluster, settings: PlatformSettings, message: str, e
 CHANNEL_CHECKS = {"images": scan_images, "image_files": scan_image_files, "text": scan_text_channel}
 
 
-def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:
+def seed_checkpoints(host: HostEnvironment) -> int:
     """A resuming run's first start: the earlier run's checkpoints (its resume channel) become this run's,
     which SageMaker syncs to this run's own prefix. A restart that has checkpoints of its own keeps them.
     Returns the files copied."""
-    source, target = channel_dir(RESUME_CHANNEL, environ), base_dir(environ) / "checkpoints"
+    source, target = host.channel(RESUME_CHANNEL), host.checkpoints_dir
     if not source.is_dir() or (target.is_dir() and any(target.iterdir())):
         return 0
     # Copied beside, then moved in file by file (each rename atomic; the folder SageMaker watches stays):
@@ -405,13 +400,13 @@ def seed_checkpoints(environ: Mapping[str, str] = os.environ) -> int:
     return copied
 
 
-def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0,
+def run_dnn_host(host: HostEnvironment, settings: PlatformSettings, variant: Variant, stop: threading.Event, precompile_steps: int = 0,
                  workload: PreparedWorkload | None = None, trainer_env: Mapping[str, str] | None = None,
                  keras_workload: KerasWorkloadCode | None = None) -> int:
     """Train across the DNN group; ``workload``: a user's (checked on this host), whose trainer is the one
     PyTorch runtime, started with ``trainer_env`` (where its code is)."""
-    seed_checkpoints()
-    addresses = host_addresses()
+    seed_checkpoints(host)
+    cluster, addresses = host.cluster, host.addresses
     dnn_hosts = cluster.group(settings.groups_with_role(DNN)[0]).hosts
     data_targets = settings.data_service_targets(cluster, addresses)
     try:
@@ -427,11 +422,11 @@ def run_dnn_host(cluster: Cluster, settings: PlatformSettings, variant: Variant,
                 check_evaluation_classes(workload.config.eval_channel, evaluation, classes_of(samples))
                 workload.features(evaluation, training=False)
         elif not data_targets and keras_workload is not None:
-            list_channel_files(channel_dir(settings.data_channel), settings.data_channel,
+            list_channel_files(host.channel(settings.data_channel), settings.data_channel,
                                file_pattern(keras_workload.code_dir, keras_workload.module))
         elif not data_targets:
             # Homogeneous: the channel must be here; fail now rather than after the trainer started.
-            CHANNEL_CHECKS[variant.input_format](channel_dir(settings.data_channel), settings.data_channel, cluster.current_group)
+            CHANNEL_CHECKS[variant.input_format](host.channel(settings.data_channel), settings.data_channel, cluster.current_group)
     except Exception:
         # No trainer will ask the data hosts for anything: end them now rather than at their start deadline.
         if data_targets:
@@ -1124,23 +1119,23 @@ def main() -> int:
     os.environ.setdefault(CONTAINER_STARTED_ENV, repr(time.time()))
     if os.getpid() == 1 or os.environ.get(SUPERVISE_ENV) == "1":
         return supervise([sys.executable, "-m", "training.launcher", *sys.argv[1:]])
-    # Node-local caches of workloads (the text built-in's tokenised channels) on the job's volume, not
-    # the container's own disk; every process on the host inherits it.
-    os.environ.setdefault(CACHE_DIR_ENV, str(base_dir() / "cache"))
     workload: PreparedWorkload | None = None
     keras_workload: KerasWorkloadCode | None = None
     packages_dir: Path | None = None
     trainer_env: dict[str, str] = {}
     try:
-        cluster = load_cluster()
-        hyperparameters = load_hyperparameters()
+        host = HostEnvironment.read()  # the one read of this host's files: every role below is handed it
+        # Node-local caches of workloads (the text built-in's tokenised channels) on the job's volume, not
+        # the container's own disk; every process on the host inherits it.
+        os.environ.setdefault(CACHE_DIR_ENV, str(host.cache_dir))
+        cluster, hyperparameters = host.cluster, host.hyperparameters
         if hyperparameters.get("script_entry_point") or hyperparameters.get("script_command"):
-            return run_script(cluster, hyperparameters)
+            return run_script(host)
         variant = trainer_for(str(hyperparameters.get("variant", "pytorch")))
         if hyperparameters.get("workload_module") and variant.contract == "tensorflow":
             # A user's TensorFlow workload: unpacked and installed here; its module is imported and checked
             # by the processes that run TensorFlow (the dispatcher host's tf.data.service child, the trainers).
-            settings, config, keras_workload = keras_job_on_host(hyperparameters)
+            settings, config, keras_workload = keras_job_on_host(host)
             trainer_env = {WORKLOAD_DIR_ENV: str(keras_workload.code_dir), WORKLOAD_PACKAGES_ENV: str(keras_workload.packages_dir or "")}
         elif hyperparameters.get("workload_module") or (variant.user_workloads and variant.contract == "pytorch"):
             # A PyTorch workload, before the role split: a user's code unpacked, installed, imported and
@@ -1149,14 +1144,14 @@ def main() -> int:
             module = ""
             if hyperparameters.get("workload_module"):
                 platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
-                code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()}))
+                code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": host.shutdown_token}))
             else:
                 code_dir, module = builtin_workload(variant)
             workload = prepare(code_dir, packages_dir, raw=hyperparameters, module=module)
             settings, config = workload.settings, workload.config
             trainer_env = {WORKLOAD_DIR_ENV: str(code_dir), WORKLOAD_PACKAGES_ENV: str(packages_dir or ""), WORKLOAD_MODULE_ENV: module}
         else:
-            settings, config = load_settings(variant.config, hyperparameters=hyperparameters)
+            settings, config = parse_settings(hyperparameters, variant.config, host.shutdown_token)
         settings.check_cluster(cluster)
         if getattr(config, "precompile_steps", 0) and variant.name != "neuron":
             # Refused on every host alike, so that no data host is left serving a trainer that never starts.
@@ -1177,34 +1172,34 @@ def main() -> int:
         if role == DATA:
             try:
                 if workload is not None:
-                    return run_workload_data_host(cluster, workload, stop, packages_dir)
-                return run_data_host(cluster, settings, variant, config, stop, keras_workload)
+                    return run_workload_data_host(host, workload, stop, packages_dir)
+                return run_data_host(host, settings, variant, config, stop, keras_workload)
             except WorkloadError as error:
-                return fail_data_host(cluster, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
+                return fail_data_host(host, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
             except (ChannelError, TfServiceError, DataHostError, PortInUseError) as error:
                 # A channel that is wrong exits as a usage error; anything else as failed preprocessing.
                 code = CONFIG_ERROR_EXIT if isinstance(error, ChannelError) else StopReason.FAILED.exit_code
                 message = str(error) if isinstance(error, DataHostError) else f"{type(error).__name__}: {error}"
-                return fail_data_host(cluster, settings, message, code, stop)
+                return fail_data_host(host, settings, message, code, stop)
             except Exception as error:
                 # An error nobody named (a bug): the DNN hosts still hear why now, rather than at their batch
                 # deadline; then it propagates, with its traceback, as the host's failure.
-                fail_data_host(cluster, settings, f"data host {cluster.current_host} failed: {type(error).__name__}: {error}",
+                fail_data_host(host, settings, f"data host {cluster.current_host} failed: {type(error).__name__}: {error}",
                                StopReason.FAILED.exit_code, stop)
                 raise
-        return run_dnn_host(cluster, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0), workload=workload,
+        return run_dnn_host(host, settings, variant, stop, precompile_steps=getattr(config, "precompile_steps", 0), workload=workload,
                             trainer_env=trainer_env, keras_workload=keras_workload)
     except (HyperparameterError, ChannelError, PortInUseError, WorkloadError) as error:
         return refuse(error)
 
 
-def keras_job_on_host(hyperparameters: Mapping[str, Any]) -> tuple[PlatformSettings, Any, KerasWorkloadCode]:
+def keras_job_on_host(host: HostEnvironment) -> tuple[PlatformSettings, Any, KerasWorkloadCode]:
     """A TensorFlow user workload's code unpacked and installed on this host, and the job's settings: the
     platform's and the loop's (KerasWorkloadConfig); the module's own are checked where it is imported."""
     from training.trainers.config import KerasWorkloadConfig
 
     known = platform_keys() | {item.name for item in dataclasses.fields(KerasWorkloadConfig)} | {"variant"}
-    token = load_shutdown_token()
+    hyperparameters, token = host.hyperparameters, host.shutdown_token
     platform, _ = parse_settings({key: value for key, value in hyperparameters.items() if key in known}, KerasWorkloadConfig,
                                  token, also_known=frozenset(hyperparameters) - known)
     code_dir, packages_dir = unpack_on_host(platform)
@@ -1219,14 +1214,15 @@ def keras_job_on_host(hyperparameters: Mapping[str, Any]) -> tuple[PlatformSetti
     return settings, config, KerasWorkloadCode(code_dir, packages_dir, settings.workload_module)
 
 
-def run_script(cluster: Cluster, hyperparameters: Mapping[str, Any]) -> int:
+def run_script(host: HostEnvironment) -> int:
     """A script-mode host (training/script_mode.py): the code unpacked and installed, then the user's script
     run as it is under this launcher. Its hyperparameters beyond the platform's are the script's own."""
     from training.script_mode import DEFAULT_REQUIREMENTS, run_script_host
 
+    cluster, hyperparameters = host.cluster, host.hyperparameters
     try:
         platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
-        settings = build(PlatformSettings, platform | {"shutdown_token": load_shutdown_token()})
+        settings = build(PlatformSettings, platform | {"shutdown_token": host.shutdown_token})
         settings.check_cluster(cluster)
         role = settings.role_of(cluster.current_group)
     except HyperparameterError as error:
@@ -1242,10 +1238,10 @@ def run_script(cluster: Cluster, hyperparameters: Mapping[str, Any]) -> int:
             packages_dir = install_requirements(code_dir, DEFAULT_REQUIREMENTS)
         start_heartbeat(settings.launcher_heartbeat_timeout_s, cluster.current_host, role)
         os.environ.pop(HEARTBEAT_FD_ENV, None)  # the script's environment is ours: the pipe is not its
-        return run_script_host(cluster, settings, hyperparameters, code_dir, packages_dir, stop)
+        return run_script_host(host, settings, code_dir, packages_dir, stop)
     except PortInUseError as error:
         if role == DATA:  # this host's alone: the trainer hosts hear why now, rather than wait on a data service that never comes
-            return fail_data_host(cluster, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
+            return fail_data_host(host, settings, f"{type(error).__name__}: {error}", CONFIG_ERROR_EXIT, stop)
         return refuse(error)
     except (HyperparameterError, CodeError) as error:  # the job's: every host refuses it alike
         return refuse(error)

@@ -54,13 +54,14 @@ from typing import Any
 
 import grpc
 
-from training.cluster import Cluster, base_dir, host_addresses
+from training.cluster import Cluster
 from training.data_service import data_service_pb2 as pb
 from training.data_service import data_service_pb2_grpc as pb_grpc
 from training.data_service.auth import TokenAuth
 from training.data_service.control import SENDER_METADATA
 from training.data_service.server import SERVER_OPTIONS, StopReason, bind_port
 from training.failure import write_failure
+from training.host_environment import HostEnvironment
 from training.hyperparameters import DNN, HyperparameterError, PlatformSettings
 from training.metrics import METRIC_DEFINITIONS
 from training.script_env import MachineFacts, script_environment
@@ -418,15 +419,16 @@ def trainer_hosts(cluster: Cluster, settings: PlatformSettings) -> tuple[str, ..
     return cluster.group(settings.groups_with_role(DNN)[0]).hosts
 
 
-def run_script_data_host(cluster: Cluster, settings: PlatformSettings, script: ScriptProcess, stop: threading.Event) -> int:
+def run_script_data_host(host: HostEnvironment, settings: PlatformSettings, script: ScriptProcess, stop: threading.Event) -> int:
     """Run the script on a host of a data group until the trainer group has ended (see the module's docstring)."""
     from training.launcher import CONFIG_ERROR_EXIT, exit_status, fail_data_host
 
+    cluster = host.cluster
     control = ScriptHostControl(cluster.current_host, trainer_hosts(cluster, settings))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="script-control"), options=SERVER_OPTIONS,
                          interceptors=[TokenAuth(settings.shutdown_token)])
     pb_grpc.add_DataServiceServicer_to_server(control, server)
-    bind_port(server, f"{host_addresses().get(cluster.current_host, '0.0.0.0')}:{settings.data_service_port}")
+    bind_port(server, f"{host.bind_address()}:{settings.data_service_port}")
     server.start()
     script.start()
     try:
@@ -456,7 +458,7 @@ def run_script_data_host(cluster: Cluster, settings: PlatformSettings, script: S
             return exit_status(returncode)
         message = with_own_failure(script_failure(script.program, cluster.current_host, cluster.current_group, returncode, list(script.tail)))
         code = exit_status(returncode)
-        return fail_data_host(cluster, settings, message, code if code else CONFIG_ERROR_EXIT, stop)
+        return fail_data_host(host, settings, message, code if code else CONFIG_ERROR_EXIT, stop)
     finally:
         server.stop(grace=1.0).wait(timeout=3)
 
@@ -488,22 +490,22 @@ def tell_data_hosts(targets: Sequence[str], token: str, requester: str, *, deadl
         return [host for host in pool.map(one, targets) if host]
 
 
-def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script: ScriptProcess, stop: threading.Event,
+def run_script_trainer_host(host: HostEnvironment, settings: PlatformSettings, script: ScriptProcess, stop: threading.Event,
                             steps: StepLog | None) -> int:
     """Run the script on a host of the trainer group; then tell every data host that it ended, and on the
     group's first host write the summary from the script's step lines."""
     from training.data_service.control import FailureReports, KeepAlive
     from training.launcher import data_failure_verdict, exit_status, seed_checkpoints
 
-    seed_checkpoints()
-    addresses = host_addresses()
+    seed_checkpoints(host)
+    cluster, addresses = host.cluster, host.addresses
     data_targets = settings.data_service_targets(cluster, addresses)
     abort: str | None = None
     heard: set[str] = set()
     with contextlib.ExitStack() as stack:
         reports, keepalive = None, None
         if data_targets:
-            bind = f"{addresses.get(cluster.current_host, '0.0.0.0')}:{settings.job_control_port}"
+            bind = f"{host.bind_address()}:{settings.job_control_port}"
             reports = stack.enter_context(FailureReports(bind, settings.shutdown_token))
             keepalive = stack.enter_context(KeepAlive(data_targets, settings.shutdown_token, interval_s=min(5.0, settings.data_idle_timeout_s / 3),
                                                       sender=cluster.current_host))
@@ -523,7 +525,7 @@ def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script
             heard = {target for target in data_targets if keepalive.answered(target)}
     if steps is not None:
         summary = steps.summary(program=script.program, exit_code=returncode)
-        path = base_dir() / "output" / "data" / SUMMARY_NAME
+        path = host.output_data_dir / SUMMARY_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_file():  # the script's own: kept beside the run's, never overwritten
             path.replace(path.with_name(SCRIPT_SUMMARY_NAME))
@@ -552,10 +554,11 @@ def run_script_trainer_host(cluster: Cluster, settings: PlatformSettings, script
     return status
 
 
-def run_script_host(cluster: Cluster, settings: PlatformSettings, hyperparameters: Mapping[str, Any], code_dir: Path,
-                    packages: Path | None, stop: threading.Event) -> int:
+def run_script_host(host: HostEnvironment, settings: PlatformSettings, code_dir: Path, packages: Path | None,
+                    stop: threading.Event) -> int:
     """A script job's host: the script started with the toolkit's environment, as a data or trainer host."""
-    environment, arguments = script_environment(hyperparameters, code_dir, packages, machine_facts())
+    cluster = host.cluster
+    environment, arguments = script_environment(host.hyperparameters, code_dir, packages, machine_facts())
     # The framework's variables where the job's environment has none of its own.
     environment = framework_environment(settings.variant, environment) | environment
     command = script_command(settings, code_dir, arguments)
@@ -566,5 +569,5 @@ def run_script_host(cluster: Cluster, settings: PlatformSettings, hyperparameter
     steps = StepLog(StepTiming.of(settings), started_at=time.monotonic()) if first_trainer else None
     script = ScriptProcess(command, cwd=code_dir, env=environment, program=program, on_line=steps.observe if steps else None)
     if role == DNN:
-        return run_script_trainer_host(cluster, settings, script, stop, steps)
-    return run_script_data_host(cluster, settings, script, stop)
+        return run_script_trainer_host(host, settings, script, stop, steps)
+    return run_script_data_host(host, settings, script, stop)

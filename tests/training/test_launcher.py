@@ -528,16 +528,18 @@ def test_as_the_containers_first_process_it_passes_sigterm_on_and_exits_with_the
 
 def test_a_resuming_run_starts_from_the_earlier_runs_checkpoints_and_a_restart_keeps_its_own(tmp_path: Path) -> None:
     from training.cluster import BASE_DIR_ENV
+    from training.host_environment import HostEnvironment
     from training.launcher import seed_checkpoints
 
-    environ = {BASE_DIR_ENV: str(tmp_path)}
+    host = HostEnvironment.read({BASE_DIR_ENV: str(write_host_tree(tmp_path, hetero_resource_config("algo-3")))})
     earlier = tmp_path / "input" / "data" / "resume"
     (earlier / "rank-0").mkdir(parents=True)
     (earlier / "checkpoint.pt").write_bytes(b"step 60")
     (earlier / "rank-0" / "rng.bin").write_bytes(b"rng")
-    assert seed_checkpoints(environ) == 2
+    assert seed_checkpoints(host) == 2
     assert (tmp_path / "checkpoints" / "checkpoint.pt").read_bytes() == b"step 60"
     # A restart of this run (spot, a retried host) has checkpoints of its own: they are kept.
     (tmp_path / "checkpoints" / "checkpoint.pt").write_bytes(b"step 80")
-    assert seed_checkpoints(environ) == 0 and (tmp_path / "checkpoints" / "checkpoint.pt").read_bytes() == b"step 80"
-    assert seed_checkpoints({BASE_DIR_ENV: str(tmp_path / "elsewhere")}) == 0  # no resume channel: nothing to do
+    assert seed_checkpoints(host) == 0 and (tmp_path / "checkpoints" / "checkpoint.pt").read_bytes() == b"step 80"
+    elsewhere = HostEnvironment.read({BASE_DIR_ENV: str(write_host_tree(tmp_path / "elsewhere", hetero_resource_config("algo-3")))})
+    assert seed_checkpoints(elsewhere) == 0  # no resume channel: nothing to do
