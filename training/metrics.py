@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import re
 
+# A number as the trainers print it: decimals, exponents, and the non-finite values (nan, inf, -inf) that
+# are the evidence of a failing run, kept rather than dropped.
+NUMBER = r"[-+]?(?:nan|inf|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 # Metric name → regex with one group, for CreateTrainingJob's AlgorithmSpecification.MetricDefinitions.
 # Each key is preceded by a space or the line start so that no key matches inside another one.
 METRIC_DEFINITIONS: dict[str, str] = {
-    name: rf"(?:^|\s){name}=([0-9.eE+-]+)"
+    name: rf"(?:^|\s){name}=({NUMBER})"
     for name in ("step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms", "eval_accuracy")
 }
 

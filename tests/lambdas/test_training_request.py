@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import boto3
@@ -12,7 +14,7 @@ from moto import mock_aws
 from lambdas.core.job_spec import validate_job_spec
 from lambdas.core.training_request import LaunchSettings, RequestError, checkpoint_uri, create_training_job_request, job_name
 from training.hyperparameters import CODE_CHANNEL, PlatformSettings, build
-from training.metrics import parse_metric_line
+from training.metrics import metric_line, parse_metric_line
 from training.trainers.config import VisionConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -74,6 +76,13 @@ def test_metric_definitions_capture_the_trainers_lines() -> None:
     definitions = {d["Name"]: d["Regex"] for d in request_for("pytorch-heterogeneous.json")["AlgorithmSpecification"]["MetricDefinitions"]}
     assert parse_metric_line("step=9/40 loss=0.5 step_time_ms=86.1 data_wait_ms=1.0 samples_per_s=371.7")["step_time_ms"] == 86.1
     assert set(definitions) == {"step_time_ms", "data_wait_ms", "samples_per_s", "loss", "warmup_ms", "eval_accuracy"}
+    # A diverging run's lines are its evidence: non-finite values are captured, not dropped (the job's own
+    # regexes, as SageMaker applies them to each log line).
+    line = metric_line(7, 20, {"loss": float("nan"), "eval_accuracy": float("inf"), "step_time_ms": 86.1, "data_wait_ms": 1.5e-3})
+    captured = {name: re.search(regex, line).group(1) for name, regex in definitions.items() if re.search(regex, line)}
+    assert captured == {"loss": "nan", "eval_accuracy": "inf", "step_time_ms": "86.1", "data_wait_ms": "0.0"}
+    assert math.isnan(parse_metric_line("step=7/20 loss=nan")["loss"]) and parse_metric_line("loss=-inf warmup_ms=2e+03") == {
+        "loss": -math.inf, "warmup_ms": 2000.0}
 
 
 def test_checkpoints_are_per_run_name_and_the_job_name_per_execution() -> None:

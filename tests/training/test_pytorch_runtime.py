@@ -231,6 +231,58 @@ def test_workload_state_a_resume_could_not_load_is_refused_at_the_first_checkpoi
     assert not (Path(environ[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt").exists()
 
 
+NUMPY_SCHEDULE = '''
+def build_optimizer(model, ctx):  # the augmented_cnn example's shape: a LambdaLR whose factor is a NumPy scalar
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 0.5 * (1 + np.cos(np.pi * min(1.0, done / ctx.steps))))
+'''
+
+
+def test_a_schedule_computed_with_numpy_checkpoints_plain_and_resumes_at_its_rate(tmp_path):
+    """Before: the scheduler's _last_lr and the optimizer's lr were np.float64, and the resume's weights_only
+    load raised UnpicklingError. Now they are saved as Python floats and the resumed run continues the schedule."""
+    import shutil
+
+    code = linear_code(tmp_path)
+    (code / "workload.py").write_text((code / "workload.py").read_text() + NUMPY_SCHEDULE)
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+    first = host(tmp_path / "first", code, steps=4, batch_size=4, checkpoint_every=2)
+    build_trainer(first).run()
+    written = torch.load(Path(first[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", weights_only=True)
+    assert all(type(rate) is float for rate in written["scheduler"]["_last_lr"] + [group["lr"] for group in written["optimizer"]["param_groups"]])
+    second = host(tmp_path / "second", code, steps=4, batch_size=4)
+    (Path(second[BASE_DIR_ENV]) / "checkpoints").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(first[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", Path(second[BASE_DIR_ENV]) / "checkpoints")
+    resumed = build_trainer(second)
+    assert resumed.load_checkpoint(resumed.checkpoint_path)["step"] == 4
+    assert resumed.scheduler.last_epoch == 4 and resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 * (1 + np.cos(np.pi)))
+
+
+def test_state_a_resume_could_not_load_fails_the_run_at_its_first_checkpoint_naming_the_part(tmp_path):
+    """A scheduler whose state holds an object weights_only refuses (a Decimal here): the first checkpoint is
+    loaded back as it is written, and the run stops there, naming the scheduler, with no checkpoint left."""
+    from training.trainers.checkpoint_state import UnrestorableCheckpointError
+
+    code = linear_code(tmp_path)
+    (code / "workload.py").write_text((code / "workload.py").read_text() + textwrap.dedent('''
+        import decimal
+
+        class DecimalStep(torch.optim.lr_scheduler.LambdaLR):
+            def state_dict(self):
+                return super().state_dict() | {"precision": decimal.Decimal("0.5")}
+
+        def build_optimizer(model, ctx):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            return optimizer, DecimalStep(optimizer, lambda done: 1.0)
+    '''))
+    environ = host(tmp_path, code, steps=6, batch_size=4, checkpoint_every=2)
+    with pytest.raises(UnrestorableCheckpointError, match=r"the checkpoint of step 2 could not be resumed: the scheduler's state_dict holds "
+                                                          r"an object .*decimal\.Decimal"):
+        build_trainer(environ).run()
+    assert not list((Path(environ[BASE_DIR_ENV]) / "checkpoints").glob("checkpoint.pt*"))
+
+
 def test_a_scheduler_that_steps_on_a_metric_is_refused_by_name(tmp_path):
     code = linear_code(tmp_path)
     (code / "workload.py").write_text((code / "workload.py").read_text() + textwrap.dedent('''

@@ -44,6 +44,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -465,6 +466,12 @@ class EmulatedCluster:
             self.hyperparameters = emulated_hyperparameters(self.spec, self.options, ports, tf_ports)
             # The job's token reaches every host as a file of its platform channel, as on SageMaker.
             self.shutdown_token = secrets.token_urlsafe(24)
+            # Each job gets fresh outputs, as each SageMaker job gets a fresh /opt/ml: a failure reason, a
+            # summary or a model an earlier job left in this work folder is not this job's. Checkpoints stay
+            # (SageMaker syncs them back from the job's S3 prefix): a rerun in the same folder resumes.
+            for host in self.hosts:
+                for folder in ("output", "model"):
+                    shutil.rmtree(host.base_dir / folder, ignore_errors=True)
         channels = {channel.name: channel for channel in self.spec.inputs}
         for host in self.hosts:
             token = host.base_dir / "input" / "data" / PLATFORM_CHANNEL / TOKEN_FILE

@@ -65,6 +65,7 @@ from training.data_service.server import epoch_share
 from training.failure import write_failure, write_first_failure
 from training.hyperparameters import HyperparameterError
 from training.trainers import host_collectives
+from training.trainers.checkpoint_state import UnrestorableCheckpointError, check_loads_back, plain
 from training.trainers.config import WorkloadConfig
 from training.trainers.loop import (
     CheckpointWriteError,
@@ -308,6 +309,7 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
         if config.compile and not xla:  # XLA compiles every step's graph anyway
             self.model = torch.compile(self.model)
         self.optimizer, self.scheduler = self._build_optimizer()
+        self._checkpoint_loads_back = False  # until the first checkpoint was loaded back (save_checkpoint)
         self.scaler = torch.amp.GradScaler(self.device.type if not xla else "cpu", enabled=self.precision == "fp16")
         self.skipped_samples = 0
         self._in_flight: tuple[torch.Tensor, dict[str, torch.Tensor], int] | None = None
@@ -524,11 +526,16 @@ class WorkloadTrainer(TorchTrainingLoop[Batch]):
 
     def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         check_restorable(self.ctx.state)
-        saved = {"model": _to_cpu(self.module.state_dict()), "optimizer": _to_cpu(self.optimizer.state_dict()),
-                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None, "scaler": self.scaler.state_dict(),
-                 "workload_state": _to_cpu(self.ctx.state), "loop": state}
+        # The optimizer's and scheduler's state as the user's code computed it (a schedule returning np.cos
+        # leaves NumPy scalars in both): made plain, so that a resume's weights_only load takes it.
+        saved = {"model": _to_cpu(self.module.state_dict()), "optimizer": plain(_to_cpu(self.optimizer.state_dict())),
+                 "scheduler": plain(self.scheduler.state_dict()) if self.scheduler is not None else None,
+                 "scaler": self.scaler.state_dict(), "workload_state": _to_cpu(self.ctx.state), "loop": state}
         with open(path, "wb") as handle:
             torch.save(saved, handle)
+        if not self._checkpoint_loads_back:  # the first one: loaded back now, as a resume would, not found unloadable then
+            check_loads_back(path, saved, int(state["step"]))
+            self._checkpoint_loads_back = True
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -866,7 +873,7 @@ def main() -> int:
         trainer = build_trainer(dict(os.environ))
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, WorkloadError, DataServiceError, DataExhaustedError,
-            CheckpointWriteError, CheckpointFormatError, NonFiniteLossError) as error:
+            CheckpointWriteError, CheckpointFormatError, UnrestorableCheckpointError, NonFiniteLossError) as error:
         reason = f"{type(error).__name__}: {worker_error_text(error)}"
         log.error("training failed: %s", reason)
         write_failure(reason)

@@ -88,6 +88,29 @@ def test_a_channel_without_a_local_folder_is_refused(tmp_path: Path) -> None:
         cluster.start()
 
 
+def test_each_job_in_a_reused_work_folder_starts_with_fresh_outputs_and_keeps_the_checkpoints(tmp_path: Path, images: Path) -> None:
+    """What an earlier job left in the same --workdir (a failure reason, a summary, a model) is not read
+    as the next job's: SageMaker gives each job a fresh /opt/ml, and syncs back only its checkpoints."""
+    first = EmulatedCluster(validate_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={"train": images}))
+    first.prepare()
+    for host in first.hosts:
+        (host.base_dir / "output" / "failure").write_text("AlgorithmError: the first job's")
+        (host.base_dir / "output" / "data" / "summary.json").write_text("{}")
+        (host.base_dir / "model" / "model.pt").write_bytes(b"first")
+        (host.base_dir / "checkpoints" / "checkpoint.pt").write_bytes(b"step 60")
+    second = EmulatedCluster(validate_job_spec(spec()), EmulationOptions(workdir=tmp_path, channels={"train": images}))
+    second.prepare()
+    for host in second.hosts:
+        assert not (host.base_dir / "output" / "failure").exists() and list((host.base_dir / "output" / "data").iterdir()) == []
+        assert list((host.base_dir / "model").iterdir()) == []
+        assert (host.base_dir / "checkpoints" / "checkpoint.pt").read_bytes() == b"step 60"  # a rerun resumes
+    assert second.summary() is None
+    second.prepare()  # a second call of the same job (start calls it) keeps what the job wrote meanwhile
+    (second.hosts[0].base_dir / "output" / "failure").write_text("this job's")
+    second.prepare()
+    assert (second.hosts[0].base_dir / "output" / "failure").read_text() == "this job's"
+
+
 # Real clusters ---------------------------------------------------------------------------------------
 
 

@@ -149,6 +149,10 @@ def preprocess(sample, ctx):
 def build_model(ctx):
     return torch.nn.Linear(4, 1)
 
+def build_optimizer(model, ctx):  # a schedule computed with NumPy, as the augmented_cnn example's: its state holds np.float64
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 0.5 * (1 + np.cos(np.pi * min(1.0, done / ctx.steps))))
+
 def train_step(model, batch, ctx):
     ctx.state["steps_seen"] = ctx.state.get("steps_seen", 0) + 1  # the workload's own state: checkpointed
     return torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"])
