@@ -8,10 +8,12 @@
 stdout carries the result alone: a short table (each host's group, role and exit; the job's figures and an
 emulated cost), or with --json the chief DNN host's summary. Everything else goes to stderr: the plan,
 every host's log lines prefixed "[host group]", and on a terminal a live progress line. The full logs and
-every host's /opt/ml tree stay under --workdir. Exits 0 only if every host exited 0 with no orphan and
-within the deadline (the spec's max_runtime_s unless --deadline-s); 2 when the spec or an option is
-refused; 130 on Ctrl-C and 143 on SIGTERM, after every host was stopped. The options are defined once,
-in training/local/options.py, which `hetero local` shows as its help.
+every host's /opt/ml tree stay under --workdir, with result.json. Four outcomes, each its exit status: 0
+Completed (every host exited 0, no orphan, within the deadline: the spec's max_runtime_s unless
+--deadline-s), 1 Failed, 124 TimedOut, 130 or 143 Stopped (Ctrl-C or SIGTERM: SIGTERM to every host and
+--stop-grace-s to save, as StopTrainingJob; a second Ctrl-C kills at once); 2 when the spec or an option
+is refused. --resume-from carries a stopped run on. The options are defined once, in
+training/local/options.py, which `hetero local` shows as its help.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, h
 from lambdas.core.results import billed_ms_per_step
 from training.local.cluster import (
     ANSI,
+    COMPLETED,
+    EXIT_STATUS,
+    STOPPED,
     ClusterResult,
     EmulatedCluster,
     EmulatedHost,
@@ -144,9 +149,42 @@ def _number(value: Any, digits: int, unit: str = "") -> str:
 
 
 def stopped_line(what: str, stopped: list[EmulatedHost], workdir: Path) -> str:
-    """What an interruption stopped and where the logs are. Pure."""
+    """What a stop that could not wait killed, and where the logs are. Pure."""
     hosts = ", ".join(f"{host.name} ({host.group}, {host.role})" for host in stopped) or "no host was running"
-    return f"{what}: stopped the emulated cluster: {hosts}; host trees and logs: {workdir} (logs/<host>.log)"
+    return f"{what}: killed the emulated cluster at once: {hosts}; host trees and logs: {workdir} (logs/<host>.log)"
+
+
+def stopping_line(what: str, running: list[EmulatedHost], grace_s: float) -> str:
+    """What a first stop does, as StopTrainingJob does it. Pure."""
+    hosts = ", ".join(f"{host.name} ({host.group}, {host.role})" for host in running) or "no host was running"
+    return (f"{what}: stopping the emulated cluster as StopTrainingJob does: SIGTERM to {hosts}; the DNN hosts save a checkpoint "
+            f"and the model, SIGKILL after {grace_s:g} s (Ctrl-C again: kill now)")
+
+
+def dnn_reason(result: ClusterResult) -> str | None:
+    """The first DNN host's failure file (TrainingStopped's line after a stop), the job's FailureReason. Pure."""
+    return next((outcome.failure for outcome in result.outcomes if outcome.host.role == "dnn" and outcome.failure), None)
+
+
+def resume_line(result: ClusterResult, workdir: Path, spec: Path) -> str:
+    """How to carry on a stopped run. Pure."""
+    saved = f"{reason}; " if (reason := dnn_reason(result)) else ""
+    return f"run stopped ({result.stopped_by}): {saved}carry on with `hetero local {spec} ... --workdir NEW --resume-from {workdir}`"
+
+
+def write_result(path: Path, result: ClusterResult, summary: Mapping[str, Any] | None, status: str, reason: str | None,
+                 exit_status: int) -> None:
+    """result.json beside the host trees: the job's outcome (Completed, Failed, Stopped, TimedOut) as the
+    cloud's result.json records a run's, with the exit status this command gives it."""
+    reasons = {outcome.host.name: outcome.failure for outcome in result.outcomes if outcome.failure}
+    document = {
+        "status": status, "stopped_by": result.stopped_by, "exit_status": exit_status,
+        "reason": reason or (dnn_reason(result) if status != COMPLETED else None), "elapsed_s": round(result.elapsed_s, 1),
+        "hosts": [{"host": outcome.host.name, "group": outcome.host.group, "role": outcome.host.role, "exit_code": outcome.exit_code,
+                   "orphaned": outcome.orphaned, "failure": reasons.get(outcome.host.name)} for outcome in result.outcomes],
+        "summary": summary,
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,52 +208,63 @@ def main(argv: list[str] | None = None) -> int:
             cpu_quota={group: float(cores) for group, cores in args.cpu_quota},
             processes_per_host=args.processes_per_host,
             code_dir=args.code,
+            stop_grace_s=args.stop_grace_s,
+            resume_from=args.resume_from.resolve() if args.resume_from else None,
         )
         lines = HostLines(sys.stderr, live=sys.stderr.isatty())
         cluster = EmulatedCluster(spec, options, on_line=lines)
+        cluster.resume_source()  # a --resume-from without checkpoints, refused before any host starts
     except (OSError, json.JSONDecodeError, JobSpecError, EmulationError, ValueError) as error:
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     print(cluster.plan_report(), file=sys.stderr, flush=True)
     print(f"deadline {cluster.deadline_s:g} s; host logs: {options.workdir / 'logs'}", file=sys.stderr, flush=True)
-    interrupted: tuple[str, int, list[EmulatedHost]] | None = None
+    stop_code: int | None = None
     try:
         with stopped_by_signals():
             try:
                 cluster.start()
-                result = cluster.wait()
-            except Stopped as stop:
-                interrupted = (stop.what, stop.exit_code, cluster.running_hosts())
+                try:
+                    result = cluster.wait()
+                except Stopped as stop:
+                    # The first: StopTrainingJob's, emulated (the trainers save); the second kills (below).
+                    lines.finish()
+                    print(stopping_line(stop.what, cluster.running_hosts(), options.stop_grace_s), file=sys.stderr, flush=True)
+                    stop_code = stop.exit_code
+                    cluster.stop(stop.what)
+                    result = cluster.wait()
             finally:
                 cluster.close()
     except EmulationError as error:
         lines.finish()
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (Stopped, KeyboardInterrupt) as again:  # a second one while the first one's hosts were being stopped
-        return again.exit_code if isinstance(again, Stopped) else 130
-    if interrupted is not None:
+    except (Stopped, KeyboardInterrupt) as again:  # before the hosts started, or a second one while they were stopping
+        what, code = (again.what, again.exit_code) if isinstance(again, Stopped) else ("Ctrl-C", 130)
         lines.finish()
-        what, code, stopped = interrupted
-        print(stopped_line(what, stopped, options.workdir), file=sys.stderr, flush=True)
-        return code
+        print(stopped_line(what, cluster.hosts, options.workdir), file=sys.stderr, flush=True)
+        return stop_code or code
     lines.finish()
     summary = cluster.summary()
+    status, reason = result.status, None
+    if summary and summary.get("mode") == "script" and result.ok:
+        # What the platform would record for this run in the cloud (result.json), said here too.
+        from lambdas.core.results import run_verdict
+
+        status, reason = run_verdict(COMPLETED, summary, None)
+    exit_status = (stop_code or 128 + 15) if status == STOPPED else EXIT_STATUS[status]
+    write_result(options.workdir / "result.json", result, summary, status, reason, exit_status)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
         print(job_table(result, cluster.spec, summary, options.workdir), flush=True)
-    if summary and summary.get("mode") == "script":
-        # What the platform would record for this run in the cloud (result.json), said here too.
-        from lambdas.core.results import run_verdict
-
-        status, reason = run_verdict("Completed" if result.ok else "Failed", summary, None)
-        if reason and result.ok:
-            print(f"the platform would record this run as {status}: {reason}", file=sys.stderr)
-            return 1
+    if reason:
+        print(f"the platform would record this run as {status}: {reason}", file=sys.stderr)
     if args.json:
         print(f"host trees and logs: {options.workdir}", file=sys.stderr)
-    return 0 if result.ok else 1
+    if status == STOPPED:
+        print(resume_line(result, options.workdir, args.spec), file=sys.stderr)
+    return exit_status
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
-from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, TOKEN_FILE
+from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, RESUME_CHANNEL, TOKEN_FILE
 
 # process_tree: also a container's first process's (every process of a host, across sessions)
 from training.launcher import SUPERVISE_ENV, process_tree
@@ -104,6 +104,7 @@ class HostOutcome:
     orphaned: bool = False  # still running after the DNN group ended; killed
     killed_at_deadline: bool = False
     killed_on_request: bool = False
+    killed_after_stop_grace: bool = False  # still running when a stop's grace ran out (StopTrainingJob's SIGKILL)
     leftovers: int = 0  # processes still running when its launcher exited (killed, as a container's would be)
     failure: str = ""  # what the host left in /opt/ml/output/failure (the job's FailureReason on SageMaker)
 
@@ -112,15 +113,31 @@ class HostOutcome:
         return self.exit_code == 0 and not self.orphaned and not self.killed_at_deadline
 
 
+# How an emulated job ended, as SageMaker's job statuses name it (a deadline is its own: SageMaker stops a
+# job at MaxRuntimeInSeconds), each with the exit status `hetero local` gives it (stopped: 128 + the signal).
+COMPLETED, FAILED, STOPPED, TIMED_OUT = "Completed", "Failed", "Stopped", "TimedOut"
+EXIT_STATUS = {COMPLETED: 0, FAILED: 1, TIMED_OUT: 124}
+
+
 @dataclass
 class ClusterResult:
     outcomes: list[HostOutcome]
     elapsed_s: float
     deadline_exceeded: bool = False
+    stopped_by: str | None = None  # "Ctrl-C" or "SIGTERM" when a stop (StopTrainingJob's, emulated) ended the job
 
     @property
     def ok(self) -> bool:
-        return not self.deadline_exceeded and all(outcome.ok for outcome in self.outcomes)
+        return self.status == COMPLETED
+
+    @property
+    def status(self) -> str:
+        """Completed, Failed, Stopped or TimedOut: a stop or a deadline decides it whatever the hosts exited."""
+        if self.stopped_by is not None:
+            return STOPPED
+        if self.deadline_exceeded:
+            return TIMED_OUT
+        return COMPLETED if all(outcome.ok for outcome in self.outcomes) else FAILED
 
     @property
     def orphans(self) -> list[str]:
@@ -139,14 +156,16 @@ class ClusterResult:
                 notes.append("killed at the deadline")
             if outcome.killed_on_request:
                 notes.append("killed on request")
+            if outcome.killed_after_stop_grace:
+                notes.append("still running when the stop's grace ran out; killed")
             if outcome.leftovers:
                 notes.append(f"{outcome.leftovers} processes outlived its launcher; killed")
             if outcome.exit_code not in (0, None) and outcome.failure:
                 notes.append(outcome.failure if len(outcome.failure) <= 300 else outcome.failure[:299] + "…")
             host = outcome.host
             lines.append(f"{host.name:<8} {host.group:<20} {host.role:<5} {str(outcome.exit_code):>5}  {'; '.join(notes)}")
-        verdict = "succeeded" if self.ok else "FAILED"
-        lines.append(f"cluster {verdict} in {self.elapsed_s:.1f} s")
+        verdict = {COMPLETED: "succeeded", FAILED: "FAILED", STOPPED: f"STOPPED ({self.stopped_by})", TIMED_OUT: "TIMED OUT (its deadline)"}
+        lines.append(f"cluster {verdict[self.status]} in {self.elapsed_s:.1f} s")
         return "\n".join(lines)
 
 
@@ -157,6 +176,10 @@ class EmulationOptions:
     # None: the spec's max_runtime_s, after which SageMaker stops the job.
     deadline_s: float | None = None
     orphan_grace_s: float = 30.0
+    # A stop (Ctrl-C, SIGTERM) as StopTrainingJob's: SIGTERM to every host, this long to save, then SIGKILL.
+    stop_grace_s: float = 120.0
+    # An earlier run's work folder: its chief DNN host's checkpoints become this run's resume channel.
+    resume_from: Path | None = None
     # Platform settings the launch Lambda would choose; short here so a dead trainer is noticed fast.
     data_idle_timeout_s: float = 15.0
     data_start_deadline_s: float = 120.0
@@ -425,6 +448,7 @@ class EmulatedCluster:
         self.hosts = plan_hosts(spec, options, sorted(os.sched_getaffinity(0)), subnet)
         self._listeners: list[LineCallback] = [on_line or _print_line]
         self._trained = False  # a DNN host printed a step line (its data hosts had a client)
+        self._stopping: tuple[str, float] | None = None  # (what stopped the job, when): see stop()
         self._processes: dict[str, subprocess.Popen] = {}
         self._outcomes = {host.name: HostOutcome(host) for host in self.hosts}
         self._pumps: list[threading.Thread] = []
@@ -459,6 +483,7 @@ class EmulatedCluster:
     def prepare(self) -> None:
         """Write every host's /opt/ml tree (once: ``start`` keeps what an earlier call chose)."""
         check_channels([channel.name for channel in self.spec.inputs], self.options.channels)
+        resume = self.resume_source()  # refused before anything of this job is written
         if not self.hyperparameters:
             data_hosts = len(self.hosts_with_role("data"))
             tf_ports = (free_port(), free_port_range(max(1, data_hosts)))
@@ -484,6 +509,13 @@ class EmulatedCluster:
             (config / "hyperparameters.json").write_text(json.dumps(self.hyperparameters, indent=2))
             assigned = self._channels_of(host)
             platform_channels = [PLATFORM_CHANNEL] + ([CODE_CHANNEL] if self.code is not None else [])
+            if resume is not None and host.role == "dnn":  # routed to the DNN group alone, as the launch Lambda routes it
+                platform_channels.append(RESUME_CHANNEL)
+                folder = host.base_dir / "input" / "data" / RESUME_CHANNEL
+                if folder.is_symlink():
+                    folder.unlink()
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                folder.symlink_to(resume, target_is_directory=True)
             (config / "inputdataconfig.json").write_text(json.dumps(
                 {**{name: {"TrainingInputMode": INPUT_MODES[channels[name].input_mode],
                            "S3DistributionType": DISTRIBUTIONS[channels[name].distribution]} for name in assigned},
@@ -505,6 +537,18 @@ class EmulatedCluster:
                     folder.symlink_to(source, target_is_directory=True)
             for folder in ("model", "output/data", "checkpoints"):
                 (host.base_dir / folder).mkdir(parents=True, exist_ok=True)
+
+    def resume_source(self) -> Path | None:
+        """The earlier run's checkpoints (its chief DNN host's, as the job's S3 prefix holds them), or None;
+        EmulationError when --resume-from names a folder that holds none."""
+        if self.options.resume_from is None:
+            return None
+        chief = self.hosts_with_role("dnn")[0]
+        source = (self.options.resume_from / chief.base_dir.relative_to(self.options.workdir) / "checkpoints").resolve()
+        if not source.is_dir() or not any(path.is_file() for path in source.rglob("*")):
+            raise EmulationError(f"--resume-from {self.options.resume_from}: no checkpoint in {source} (give the --workdir of a run "
+                                 "of this spec that wrote one: a run stopped or ended after its first checkpoint_every steps)")
+        return source
 
     def _channels_of(self, host: EmulatedHost) -> list[str]:
         return [channel.name for channel in self.spec.inputs if host.spec_group in self.spec.group_names_for(channel)]
@@ -602,6 +646,17 @@ class EmulatedCluster:
     def pid(self, name: str) -> int:
         return self._processes[name].pid
 
+    def stop(self, what: str) -> None:
+        """What StopTrainingJob does: SIGTERM to every host's first process (the DNN hosts' trainers save a
+        checkpoint and the model), and after ``stop_grace_s`` SIGKILL to whatever still runs (``wait``
+        does that). ``what`` stopped it, for the result. A second call changes nothing."""
+        if self._stopping is not None:
+            return
+        self._stopping = (what, time.monotonic())
+        for process in self._processes.values():
+            if process.poll() is None:
+                _signal_all([process.pid], signal.SIGTERM)
+
     def wait(self) -> ClusterResult:
         deadline = self._started_at + self.deadline_s
         dnn_ended_at: float | None = None
@@ -629,7 +684,11 @@ class EmulatedCluster:
                         continue  # it ended since it was looked at above: its exit is recorded next time round
                     self._outcomes[name].orphaned = True
                     _signal_all(self.host_pids(name), signal.SIGKILL)
-            elif now > deadline:
+            elif self._stopping is not None and now > self._stopping[1] + self.options.stop_grace_s:
+                for name in running:
+                    self._outcomes[name].killed_after_stop_grace = True
+                    _signal_all(self.host_pids(name), signal.SIGKILL)
+            elif self._stopping is None and now > deadline:
                 deadline_exceeded = True
                 for name in running:
                     self._outcomes[name].killed_at_deadline = True
@@ -637,7 +696,8 @@ class EmulatedCluster:
             time.sleep(0.1)
         for pump in self._pumps:
             pump.join(timeout=10)
-        return ClusterResult(list(self._outcomes.values()), time.monotonic() - self._started_at, deadline_exceeded)
+        stopped_by = self._stopping[0] if self._stopping is not None else None
+        return ClusterResult(list(self._outcomes.values()), time.monotonic() - self._started_at, deadline_exceeded, stopped_by)
 
     def run(self) -> ClusterResult:
         self.start()

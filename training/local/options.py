@@ -13,15 +13,23 @@ with its own /opt/ml, loopback address and CPUs.
 stdout: a short table at the end (each host's group, role and exit; the job's step time, samples/s, data
 wait and an emulated $ per 1k steps), or with --json the chief DNN host's summary alone. stderr: the plan,
 every host's log lines prefixed "[host group]" and, on a terminal, a live progress line. The full logs
-and every host's /opt/ml tree stay under --workdir (logs/<host>.log). Exit 0 only if every host exited 0
-with no orphan and within the deadline; 2 when the spec or an option is refused; 130 on Ctrl-C and 143
-on SIGTERM, every host stopped."""
+and every host's /opt/ml tree stay under --workdir (logs/<host>.log), with result.json (status, reason,
+hosts, summary).
+
+A stop (Ctrl-C, SIGTERM) is SageMaker's StopTrainingJob: SIGTERM to every host, --stop-grace-s for the
+DNN hosts to save a checkpoint and the model, then SIGKILL; a second Ctrl-C kills every host at once.
+Continue a stopped run with --resume-from its --workdir (or rerun in the same --workdir).
+
+Four outcomes, each its exit status: 0 Completed (every host exited 0, no orphan, within the deadline);
+1 Failed; 124 TimedOut (the deadline killed it, as SageMaker's MaxRuntimeInSeconds stops a job); 130 or
+143 Stopped (by Ctrl-C or SIGTERM). 2: the spec or an option is refused, before any host starts."""
 
 EXAMPLES = """examples:
   %(prog)s examples/pytorch-heterogeneous.json --channel train=build/demo-images
   %(prog)s SPEC --channel train=DIR --cpus data_group=1 --set steps=20 --deadline-s 300
   %(prog)s SPEC --channel train=DIR --cpu-quota data_group=0.25   # a quarter core per data host
-  %(prog)s SPEC --channel train=DIR --json | jq .step_time_ms"""
+  %(prog)s SPEC --channel train=DIR --json | jq .step_time_ms
+  %(prog)s SPEC --channel train=DIR --workdir run2 --resume-from run1   # carry on a stopped run"""
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -39,6 +47,10 @@ def add_run_options(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run.add_argument("--deadline-s", type=float, default=None,
                      help="kill everything and fail after this long (default: the spec's max_runtime_s, as SageMaker stops it)")
     run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")
+    run.add_argument("--stop-grace-s", type=float, default=120.0,
+                     help="after Ctrl-C or SIGTERM, how long the hosts get to save before they are killed (StopTrainingJob's 120 s)")
+    run.add_argument("--resume-from", type=Path, metavar="RUN_DIR",
+                     help="an earlier run's --workdir: its DNN hosts' checkpoints seed this run's, as the spec's resume_from does in the cloud")
     run.add_argument("--cpus", type=key_value, action="append", default=[], metavar="GROUP=N", help="CPUs per host of a group (default 1)")
     run.add_argument("--cpu-quota", type=key_value, action="append", default=[], metavar="GROUP=CORES",
                      help="a fraction of a core per host of a group, e.g. data_group=0.25 (needs a writable cgroup CPU controller)")

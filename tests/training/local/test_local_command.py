@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,9 +64,9 @@ def test_a_channel_the_spec_lacks_names_the_nearest_one_it_has(tmp_path: Path) -
     assert "did you mean" not in str(far.value)
 
 
-def local(*args: str, **popen) -> subprocess.CompletedProcess:
+def local(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hetero.cli", "local", *args], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120, **popen)
+                          capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def test_hetero_local_refuses_a_missing_folder_before_any_host_starts(tmp_path: Path) -> None:
@@ -95,6 +96,31 @@ def test_a_data_host_whose_dnn_group_never_trained_has_its_start_deadline_before
 
 
 # Output ----------------------------------------------------------------------------------------------
+
+
+def test_completed_failed_timed_out_and_stopped_are_four_outcomes_each_with_its_exit_status(tmp_path: Path) -> None:
+    from training.local.__main__ import write_result
+    from training.local.cluster import EXIT_STATUS
+
+    def outcomes(dnn_exit: int, failure: str = "") -> list[HostOutcome]:
+        return [HostOutcome(host("algo-1", "data_group", "data"), exit_code=0),
+                HostOutcome(host("algo-2", "dnn_group", "dnn"), exit_code=dnn_exit, failure=failure)]
+
+    completed = ClusterResult(outcomes(0), elapsed_s=9.0)
+    failed = ClusterResult(outcomes(1, "AlgorithmError: boom"), elapsed_s=9.0)
+    timed_out = ClusterResult(outcomes(-9), elapsed_s=9.0, deadline_exceeded=True)
+    stopped = ClusterResult(outcomes(143, "TrainingStopped: stopped by SIGTERM after step 7 of 100; checkpoint and model saved"),
+                            elapsed_s=9.0, stopped_by="Ctrl-C")
+    assert [result.status for result in (completed, failed, timed_out, stopped)] == ["Completed", "Failed", "TimedOut", "Stopped"]
+    assert [result.ok for result in (completed, failed, timed_out, stopped)] == [True, False, False, False]
+    assert [EXIT_STATUS.get(result.status) for result in (completed, failed, timed_out)] == [0, 1, 124]
+    assert [result.report().splitlines()[-1] for result in (completed, failed, timed_out, stopped)] == [
+        "cluster succeeded in 9.0 s", "cluster FAILED in 9.0 s", "cluster TIMED OUT (its deadline) in 9.0 s", "cluster STOPPED (Ctrl-C) in 9.0 s"]
+    write_result(tmp_path / "result.json", stopped, None, stopped.status, None, 130)
+    document = json.loads((tmp_path / "result.json").read_text())
+    assert (document["status"], document["exit_status"], document["reason"]) == ("Stopped", 130, stopped.outcomes[1].failure)
+    write_result(tmp_path / "result.json", completed, {"steps": 12}, completed.status, None, 0)
+    assert json.loads((tmp_path / "result.json").read_text())["reason"] is None
 
 
 def test_the_result_is_a_short_table_of_hosts_and_the_jobs_figures_with_an_emulated_cost(tmp_path: Path) -> None:
@@ -171,39 +197,84 @@ def emulated_processes(parent: int) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize(("sig", "code", "what"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")])
-def test_a_signal_stops_every_host_says_what_it_stopped_and_where_the_logs_are(tmp_path: Path, images: Path, sig: signal.Signals,
-                                                                                code: int, what: str) -> None:
-    """Ctrl-C is sent to a `hetero local` started as a background job of a non-interactive shell is (a CI
-    runner, `nohup … &`): with SIGINT inherited as ignored, the strictest case; SIGTERM to one started
-    from a foreground shell."""
-    workdir = tmp_path / "run"
-    errors = (tmp_path / "stderr").open("w")
+def started_local(tmp_path: Path, images: Path, workdir: Path, *, in_the_background: bool) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """`hetero local` of a long job (1 data host), running until its DNN host has trained a step: the process
+    and every process of its hosts. ``in_the_background``: started as a background job of a
+    non-interactive shell is (a CI runner, `nohup … &`), with SIGINT inherited as ignored."""
     command = [sys.executable, "-m", "hetero.cli", "local", str(spec_file(tmp_path, steps=100_000)), "--channel", f"train={images}",
                "--workdir", str(workdir)]
-    if sig == signal.SIGINT:
-        command = as_if_started_in_the_background(command)
-    process = subprocess.Popen(command, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=errors,
-                               text=True)
+    errors = (tmp_path / "stderr").open("w")
+    process = subprocess.Popen(as_if_started_in_the_background(command) if in_the_background else command, cwd=REPO,
+                               env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=errors, text=True)
+    errors.close()
+    give_up = time.monotonic() + 120
+    log = workdir / "logs" / "algo-2.log"
+    while not (log.exists() and "step=" in log.read_text()) and time.monotonic() < give_up and process.poll() is None:
+        time.sleep(0.5)
+    hosts = psutil.Process(process.pid).children(recursive=True) + emulated_processes(process.pid)
+    assert len(hosts) >= 2, (tmp_path / "stderr").read_text()[-3000:]
+    return process, hosts
+
+
+@pytest.mark.cluster
+def test_ctrl_c_stops_as_stop_training_job_and_the_run_resumes_from_its_checkpoint(tmp_path: Path, images: Path) -> None:
+    """Ctrl-C, to a `hetero local` started in the background (SIGINT inherited as ignored, the strictest
+    case): SIGTERM to every host, the DNN host saves a checkpoint and the model, every host exits, the
+    run is Stopped (exit 130, the table, result.json); then --resume-from its folder carries it on."""
+    workdir = tmp_path / "run"
+    process, hosts = started_local(tmp_path, images, workdir, in_the_background=True)
     try:
-        give_up = time.monotonic() + 120
-        log = workdir / "logs" / "algo-2.log"
-        while not (log.exists() and "step=" in log.read_text()) and time.monotonic() < give_up and process.poll() is None:
-            time.sleep(0.5)
-        hosts = psutil.Process(process.pid).children(recursive=True) + emulated_processes(process.pid)
-        assert len(hosts) >= 2, (tmp_path / "stderr").read_text()[-3000:]
-        process.send_signal(sig)
-        assert process.wait(timeout=60) == code
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 130
     finally:
         if process.poll() is None:
             process.kill()
-        errors.close()
+    _, alive = psutil.wait_procs(hosts, timeout=10)
+    assert alive == [] and emulated_processes(process.pid) == []
+    said, table = (tmp_path / "stderr").read_text(), process.stdout.read()
+    assert ("Ctrl-C: stopping the emulated cluster as StopTrainingJob does: SIGTERM to algo-1 (data_group, data), algo-2 (dnn_group, dnn)"
+            in said), said[-3000:]
+    assert "cluster STOPPED (Ctrl-C)" in table and "Traceback" not in said
+    result = json.loads((workdir / "result.json").read_text())
+    assert (result["status"], result["stopped_by"], result["exit_status"]) == ("Stopped", "Ctrl-C", 130)
+    stopped = int(re.search(r"TrainingStopped: stopped by SIGTERM after step (\d+)", result["reason"]).group(1))
+    assert f"--resume-from {workdir}" in said
+    # Carried on in a new folder: the earlier run's checkpoint seeds it, and it trains only the steps left.
+    resumed = local(str(tmp_path / "spec.json"), "--channel", f"train={images}", "--workdir", str(tmp_path / "resumed"),
+                    "--resume-from", str(workdir), "--set", f"steps={stopped + 3}", "--json", timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert (summary["start_step"], summary["steps"]) == (stopped, stopped + 3)
+    assert json.loads((tmp_path / "resumed" / "result.json").read_text())["status"] == "Completed"
+
+
+@pytest.mark.cluster
+def test_a_second_stop_kills_every_host_at_once(tmp_path: Path, images: Path) -> None:
+    """SIGTERM (a scheduler's, `kill`) starts the stop; Ctrl-C during its grace kills every host now."""
+    workdir = tmp_path / "run"
+    process, hosts = started_local(tmp_path, images, workdir, in_the_background=False)
+    try:
+        process.send_signal(signal.SIGTERM)
+        give_up = time.monotonic() + 30
+        while "stopping the emulated cluster" not in (tmp_path / "stderr").read_text() and time.monotonic() < give_up:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 143  # the stop's own status: the first signal's
+    finally:
+        if process.poll() is None:
+            process.kill()
     _, alive = psutil.wait_procs(hosts, timeout=10)
     assert alive == [] and emulated_processes(process.pid) == []
     said = (tmp_path / "stderr").read_text()
-    assert f"{what}: stopped the emulated cluster: algo-1 (data_group, data), algo-2 (dnn_group, dnn); host trees and logs: {workdir}" in said
-    assert "Traceback" not in said and process.stdout.read() == ""
+    assert f"Ctrl-C: killed the emulated cluster at once: algo-1 (data_group, data), algo-2 (dnn_group, dnn); host trees and logs: {workdir}" in said
+    assert "Traceback" not in said
+
+
+def test_a_resume_from_a_folder_without_a_checkpoint_is_refused_before_any_host_starts(tmp_path: Path, images: Path) -> None:
+    refused = local(str(spec_file(tmp_path, steps=12)), "--channel", f"train={images}", "--workdir", str(tmp_path / "run"),
+                    "--resume-from", str(tmp_path / "nothing-here"))
+    assert refused.returncode == 2 and "--resume-from" in refused.stderr and "no checkpoint in" in refused.stderr
+    assert not (tmp_path / "run" / "logs").exists()
 
 
 @pytest.mark.cluster
