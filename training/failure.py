@@ -4,6 +4,7 @@ our result.json)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -28,16 +29,28 @@ def write_failure(message: str, environ: Mapping[str, str] = os.environ) -> None
 def write_first_failure(message: str, environ: Mapping[str, str] = os.environ) -> None:
     """write_failure unless a reason is already there: for an error nothing named, which may be the
     consequence of the first (a trainer orphaned by its killed torchrun finds the launcher's folders gone
-    after the launcher wrote why), never its cause's replacement."""
-    if not failure_path(environ).exists():
-        write_failure(message, environ)
+    after the launcher wrote why), never its cause's replacement. Atomic: of two writers, the first wins,
+    and a writer killed half-way leaves nothing (a check-then-write let such a trainer empty the file)."""
+    write_quietly(failure_path(environ), message[:1024], replace=False)
 
 
-def write_quietly(path: Path, text: str) -> None:
-    """Write a reason to ``path``; a full, read-only or missing tree is logged, never raised: it must not
-    hide the reason itself, which the log still holds."""
+def write_quietly(path: Path, text: str, replace: bool = True) -> None:
+    """Write a reason to ``path`` whole or not at all (written beside it, then moved in: a process killed
+    while writing leaves no empty or cut reason); ``replace`` False: only where none is yet. A full,
+    read-only or missing tree is logged, never raised: it must not hide the reason itself, which the log
+    still holds."""
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        staged.write_text(text)
+        if replace:
+            os.replace(staged, path)
+        else:
+            with contextlib.suppress(FileExistsError):  # a reason is there: it stays
+                os.link(staged, path)  # create-if-absent, atomically
     except OSError as error:
         log.warning("could not write %s: %s", path, error)
+    finally:
+        if staged.exists():
+            with contextlib.suppress(OSError):
+                staged.unlink()

@@ -485,8 +485,10 @@ def run_dnn_host(host: HostEnvironment, settings: PlatformSettings, variant: Var
         reason = failure_to_write(
             outcome, stopped=stop.is_set(), written=_failure_text(), rank_failure=read_rank_failure(rank_failure_file), host=cluster.current_host
         )
-    if reason is not None:
-        write_failure(reason)
+        if reason is not None:
+            # Before the workspace goes: a trainer orphaned by a killed torchrun fails on its removed progress
+            # folder, and its reason (a consequence) must find this one there, not the other way round.
+            write_failure(reason)
     # Node rank 0 ends the data hosts after training (every rank has passed the final barrier by then);
     # any node whose trainer failed ends them too, since the job is failing anyway.
     if data_targets and (node_rank == 0 or status != 0):
