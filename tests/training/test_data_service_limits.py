@@ -137,9 +137,11 @@ def test_unauthenticated_large_requests_are_refused_before_the_server_holds_them
         with PeakRss(process) as memory:
             statuses = [raw_call(channel, method, bytes(LARGE), metadata) for metadata in (None, call_metadata("not-the-job-token-at-all"))]
         assert set(statuses) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}, statuses
-        # 96 MiB were sent; the server took in at most what flow control let through before it refused.
+        # 96 MiB were sent; the server took in at most what flow control let through before it refused:
+        # under half of one request (a server that held a whole one would grow by 48 MiB or more; the
+        # buffers flow control lets fill grew up to 15 MiB on a loaded 2-core machine).
         grew = memory.peak - before
-        assert grew < LARGE // 4, f"{server} grew by {grew / 2**20:.0f} MiB receiving 2 × {LARGE >> 20} MiB unauthenticated"
+        assert grew < LARGE // 2, f"{server} grew by {grew / 2**20:.0f} MiB receiving 2 × {LARGE >> 20} MiB unauthenticated"
         # The job's token does not lift the limit; and a normal call still works.
         assert raw_call(channel, method, bytes(MAX_REQUEST_BYTES + 1), call_metadata(TOKEN)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert raw_call(channel, method, ask, call_metadata(TOKEN)) == grpc.StatusCode.OK

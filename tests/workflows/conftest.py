@@ -87,6 +87,9 @@ class Scenario:
     starts_for_s: float | None = 0.3
     # The first N jobs launched fail while starting, as SageMaker reports a capacity shortage.
     capacity_failures: int = 0
+    # The job ends only once the test's own thread (a CLI following it, say) has described it InProgress:
+    # on the emulated clock a short job could otherwise end before the follower's first poll.
+    ends_once_followed: bool = False
 
 
 # The emulated world's clock runs this much faster than the wall's: every Wait state, state Retry interval,
@@ -329,6 +332,11 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
         summary = next((value for run, value in scenario.summaries.items() if f"-{run}-" in job_name), scenario.summary)
 
         def finish() -> None:
+            if scenario.ends_once_followed and not state["followed"].is_set():
+                again = threading.Timer(emulated(0.2), finish)  # not seen running yet: it runs a while longer
+                timers.append(again)
+                again.start()
+                return
             body = scenario.archive if scenario.archive is not None else output_archive(summary) if summary is not None else None
             if body is not None:  # what the job's hosts leave in its output, as SageMaker uploads it
                 boto3.client("s3", region_name=REGION).put_object(
@@ -362,6 +370,9 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
             state["describes_throttled"] = state.get("describes_throttled", 0) + 1
             raise JsonRESTError("ThrottlingException", "Rate exceeded")
         job = original_describe(self, *args, **kwargs)
+        if (threading.current_thread() is threading.main_thread() and not getattr(CALLER, "name", None)
+                and job.get("TrainingJobStatus") == "InProgress"):
+            state["followed"].set()  # the test's thread, not a handler of the state machine, saw it running
         state["seen_done"] = state.get("seen_done") or job.get("TrainingJobStatus") == "Completed"
         return job
 
@@ -386,6 +397,7 @@ def run(platform, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Scenari
             state["scenario"], state["throttles_left"] = scenario, scenario.throttle_first_launches
             state["describe_throttles_left"] = scenario.throttle_describes
             state["done_throttles_left"] = scenario.throttle_describes_when_done
+            state["followed"] = threading.Event()
             harness = Harness(platform, scenario)
             harness.faults = state
             return harness

@@ -82,7 +82,8 @@ HOST_LINES = {
 
 
 def test_run_follow_shows_the_job_its_steps_and_the_result_and_exits_0(run, tmp_path: Path) -> None:
-    harness = run(Scenario(summary=SUMMARY, runs_for_s=10.0))  # 2 s of wall time: the CLI polls every second
+    # The job ends once the CLI has seen it running (it polls every second), however late its first poll.
+    harness = run(Scenario(summary=SUMMARY, runs_for_s=0.5, ends_once_followed=True))
     deploy(harness)
     write_logs(harness, HOST_LINES)
     result = runner().invoke(app, ["run", str(spec_file(tmp_path)), "--name", "cli-ok", "--follow", "--poll-s", "1"])
