@@ -4,9 +4,12 @@ What a process on a SageMaker training host learns from outside comes from a few
 directory (``/opt/ml``, moved by ``SAGEMAKER_BASE_DIR`` as the sagemaker-training toolkit moves it) and a few
 variables: resourceconfig.json (the cluster and this host's group), hyperparameters.json, inputdataconfig.json
 (how each channel was distributed), the job's shutdown token in the platform channel, and the emulated
-cluster's host addresses. The entry point of each process (the launcher; issue 45 moves the trainers and the
-tf.data.service child here too) reads them here, once: a file that is wrong is refused there with its named
-error, before any role starts, and no module below reads ``os.environ`` or ``/opt/ml`` for them again.
+cluster's host addresses. The entry point of each process reads them here, once: the launcher a
+HostEnvironment, each trainer process a TrainerEnvironment (the host's, plus what its launcher and torchrun or
+horovodrun set for it: its rank, the unpacked workload, the progress folder). A file or a variable that is
+wrong is refused there with its named error, before any role starts, and no module below reads
+``os.environ`` or ``/opt/ml`` for them again (tests/test_host_environment_door.py keeps it so; issue 45
+moves the tf.data.service child here too).
 
 The layout below the base directory, as SageMaker defines it:
 
@@ -29,6 +32,19 @@ from typing import Any
 
 from training.cluster import Cluster, ClusterConfigError, base_dir, host_addresses, load_cluster
 from training.hyperparameters import HyperparameterError, load_hyperparameters, load_shutdown_token
+
+# What the launcher sets for the trainer processes it starts (training/launcher.py writes them, the trainers'
+# door reads them). The workload: the unpacked code folder, its installed requirements, and the module to
+# import (a built-in's; a user's is the job's workload_module).
+WORKLOAD_DIR_ENV = "TRAINING_WORKLOAD_DIR"
+WORKLOAD_PACKAGES_ENV = "TRAINING_WORKLOAD_PACKAGES"
+WORKLOAD_MODULE_ENV = "TRAINING_WORKLOAD_MODULE"
+# A folder every trainer process writes its step into after each step (the launcher reads it).
+PROGRESS_DIR_ENV = "TRAINING_PROGRESS_DIR"
+# The container's start (the launcher's first moment), wall-clock seconds: time to first batch counts from it.
+CONTAINER_STARTED_ENV = "TRAINING_CONTAINER_STARTED_AT"
+# Set by neuron_parallel_compile while it runs the trainer to collect its graphs (tensors hold no values).
+GRAPH_EXTRACTION_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -93,6 +109,102 @@ class HostEnvironment:
         return self.base_dir / "cache"
 
 
+@dataclass(frozen=True)
+class OutputPaths:
+    """Where a trainer writes: SageMaker's model, output data and checkpoint folders, and the launcher's
+    progress folder (None: no launcher reads its progress, as in a test or ``hetero validate``)."""
+
+    model_dir: Path
+    output_data_dir: Path
+    checkpoint_dir: Path
+    progress_dir: Path | None = None
+
+    @classmethod
+    def under(cls, root: Path, progress_dir: Path | None = None) -> OutputPaths:
+        """SageMaker's layout below a base directory (/opt/ml on a real host)."""
+        return cls(root / "model", root / "output" / "data", root / "checkpoints", progress_dir)
+
+
+def _count(environ: Mapping[str, str], name: str, default: int, *, least: int) -> int:
+    """A count torchrun, horovodrun or the launcher set; HyperparameterError naming it when it is not one."""
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise HyperparameterError(f"{name}={text!r} is not a whole number of at least {least}: this trainer's launcher sets it")
+    return value
+
+
+def _optional_path(environ: Mapping[str, str], name: str) -> Path | None:
+    text = environ.get(name)
+    return Path(text) if text else None
+
+
+@dataclass(frozen=True)
+class TrainerEnvironment:
+    """One trainer process: its host's environment, its place among the job's processes, and what its
+    launcher prepared for it. Build it with :meth:`read`."""
+
+    host: HostEnvironment
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    workload_dir: Path | None = None
+    workload_packages: Path | None = None
+    workload_module: str = ""
+    progress_dir: Path | None = None
+    container_started_at: float | None = None
+    graph_extraction: bool = False
+    pjrt_device: str = ""  # torch-xla's device kind (CPU on the emulated cluster)
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> TrainerEnvironment:
+        """This process's host and place, checked: a rank or count that is not one is refused by name.
+        RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets them (horovodrun's HOROVOD_*
+        ones where torchrun's are absent); a process started alone is rank 0 of 1."""
+        started = environ.get(CONTAINER_STARTED_ENV)
+        try:
+            started_at = float(started) if started else None
+        except ValueError:
+            started_at = None  # a clock reading, only for time to first batch: a bad one means "not known"
+        world_size = _count(environ, "WORLD_SIZE", _count(environ, "HOROVOD_SIZE", 1, least=1), least=1)
+        local_world = _count(environ, "LOCAL_WORLD_SIZE", _count(environ, "HOROVOD_LOCAL_SIZE", 1, least=1), least=1)
+        rank = _count(environ, "RANK", _count(environ, "HOROVOD_RANK", 0, least=0), least=0)
+        local_rank = _count(environ, "LOCAL_RANK", _count(environ, "HOROVOD_LOCAL_RANK", 0, least=0), least=0)
+        if rank >= world_size or local_rank >= local_world:
+            raise HyperparameterError(f"RANK={rank} of WORLD_SIZE={world_size}, LOCAL_RANK={local_rank} of {local_world}: "
+                                      "a rank must be below its count")
+        return cls(
+            host=HostEnvironment.read(environ),
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=local_world,
+            workload_dir=_optional_path(environ, WORKLOAD_DIR_ENV),
+            workload_packages=_optional_path(environ, WORKLOAD_PACKAGES_ENV),
+            workload_module=environ.get(WORKLOAD_MODULE_ENV, ""),
+            progress_dir=_optional_path(environ, PROGRESS_DIR_ENV),
+            container_started_at=started_at,
+            graph_extraction=bool(environ.get(GRAPH_EXTRACTION_ENV)),
+            pjrt_device=environ.get("PJRT_DEVICE", ""),
+        )
+
+    @property
+    def outputs(self) -> OutputPaths:
+        return OutputPaths.under(self.host.base_dir, self.progress_dir)
+
+    def code(self) -> tuple[Path, Path | None]:
+        """(the unpacked workload's folder, its installed requirements or None), as the launcher set them."""
+        if self.workload_dir is None:
+            raise HyperparameterError(f"{WORKLOAD_DIR_ENV} is not set: the launcher starts this trainer with the unpacked workload")
+        return self.workload_dir, self.workload_packages
+
+
 def read_input_data_config(path: Path) -> dict[str, Any]:
     """inputdataconfig.json, or nothing where a host has none (SageMaker writes it on every host; a job with
     no channel has an empty one)."""
@@ -107,4 +219,17 @@ def read_input_data_config(path: Path) -> dict[str, Any]:
     return raw
 
 
-__all__ = ["ClusterConfigError", "HostEnvironment", "HyperparameterError", "read_input_data_config"]
+__all__ = [
+    "CONTAINER_STARTED_ENV",
+    "GRAPH_EXTRACTION_ENV",
+    "PROGRESS_DIR_ENV",
+    "WORKLOAD_DIR_ENV",
+    "WORKLOAD_MODULE_ENV",
+    "WORKLOAD_PACKAGES_ENV",
+    "ClusterConfigError",
+    "HostEnvironment",
+    "HyperparameterError",
+    "OutputPaths",
+    "TrainerEnvironment",
+    "read_input_data_config",
+]

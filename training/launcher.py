@@ -75,7 +75,14 @@ from training.data_service.dataset import (
 from training.data_service.server import DataHostError, PortInUseError, StopReason
 from training.data_service.tf_service import TfServiceError
 from training.failure import RANK_FAILURE_ENV, failure_path, write_failure, write_quietly
-from training.host_environment import HostEnvironment
+from training.host_environment import (
+    CONTAINER_STARTED_ENV,
+    PROGRESS_DIR_ENV,
+    WORKLOAD_DIR_ENV,
+    WORKLOAD_MODULE_ENV,
+    WORKLOAD_PACKAGES_ENV,
+    HostEnvironment,
+)
 from training.hyperparameters import (
     DATA,
     DNN,
@@ -87,15 +94,12 @@ from training.hyperparameters import (
     platform_keys,
 )
 from training.stop_signals import restore_stop_signals
-from training.trainers.loop import CONTAINER_STARTED_ENV, DONE_MARK, PROGRESS_DIR_ENV
+from training.trainers.loop import DONE_MARK
 from training.variants import VARIANTS, WORKLOAD_TRAINER, Variant
 from training.workload.code import CodeError, install_requirements
 from training.workload.contract import WorkloadError
 from training.workload.host import (
     CACHE_DIR_ENV,
-    WORKLOAD_DIR_ENV,
-    WORKLOAD_MODULE_ENV,
-    WORKLOAD_PACKAGES_ENV,
     PreparedWorkload,
     builtin_workload,
     prepare,
@@ -1146,10 +1150,10 @@ def main() -> int:
             module = ""
             if hyperparameters.get("workload_module"):
                 platform = {key: value for key, value in hyperparameters.items() if key in platform_keys()}
-                code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": host.shutdown_token}))
+                code_dir, packages_dir = unpack_on_host(build(PlatformSettings, platform | {"shutdown_token": host.shutdown_token}), host)
             else:
                 code_dir, module = builtin_workload(variant)
-            workload = prepare(code_dir, packages_dir, raw=hyperparameters, module=module)
+            workload = prepare(code_dir, packages_dir, host, raw=hyperparameters, module=module)
             settings, config = workload.settings, workload.config
             trainer_env = {WORKLOAD_DIR_ENV: str(code_dir), WORKLOAD_PACKAGES_ENV: str(packages_dir or ""), WORKLOAD_MODULE_ENV: module}
         else:
@@ -1204,7 +1208,7 @@ def keras_job_on_host(host: HostEnvironment) -> tuple[PlatformSettings, Any, Ker
     hyperparameters, token = host.hyperparameters, host.shutdown_token
     platform, _ = parse_settings({key: value for key, value in hyperparameters.items() if key in known}, KerasWorkloadConfig,
                                  token, also_known=frozenset(hyperparameters) - known)
-    code_dir, packages_dir = unpack_on_host(platform)
+    code_dir, packages_dir = unpack_on_host(platform, host)
     # The module's LOOP_DEFAULTS under the job's values, as the trainer splits them (a batch_size set there
     # is the data hosts' too): read from its source, since this process does not import TensorFlow.
     defaults = module_constant(code_dir, platform.workload_module, "LOOP_DEFAULTS") or {}
@@ -1234,7 +1238,7 @@ def run_script(host: HostEnvironment) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        code_dir, packages_dir = unpack_on_host(settings)
+        code_dir, packages_dir = unpack_on_host(settings, host)
         if not settings.workload_requirements and (code_dir / DEFAULT_REQUIREMENTS).is_file():
             # As the toolkit does: a requirements.txt in the code is installed whether or not the spec names it.
             packages_dir = install_requirements(code_dir, DEFAULT_REQUIREMENTS)

@@ -231,15 +231,15 @@ def test_tar_shards_are_read_in_their_streaming_order_and_learn_as_the_folder_do
     assert shards["final_loss"] < 0.8 * np.log(4), shards  # learnt: chance is ln 4
 
 
-def test_time_to_first_batch_counts_from_the_containers_start(images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_time_to_first_batch_counts_from_the_containers_start(images: Path, tmp_path: Path) -> None:
     import time
 
-    from training.trainers.loop import CONTAINER_STARTED_ENV
+    from training.host_environment import CONTAINER_STARTED_ENV
 
     in_process = trainer(images, tmp_path / "a", steps=2, warmup_steps=1).run()
     assert in_process["time_to_first_batch_s"] >= 0  # no launcher: from the loop's start
-    monkeypatch.setenv(CONTAINER_STARTED_ENV, repr(time.time() - 100))
-    launched = trainer(images, tmp_path / "b", steps=2, warmup_steps=1).run()
+    launched = single_host_trainer(tmp_path / "b", SMALL | {"steps": 2, "warmup_steps": 1}, {"train": images},
+                                   extra_environment={CONTAINER_STARTED_ENV: repr(time.time() - 100)}).run()
     assert launched["time_to_first_batch_s"] >= 100
 
 

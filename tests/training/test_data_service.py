@@ -218,6 +218,7 @@ def test_a_trainer_of_a_replicated_channel_starts_without_waiting_for_every_data
 
     from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
     from training.cluster import HOST_ADDRESSES_ENV
+    from training.host_environment import TrainerEnvironment
     from training.local.single_host import trainer_environment
     from training.trainers.pytorch_runtime import build_trainer
 
@@ -226,7 +227,7 @@ def test_a_trainer_of_a_replicated_channel_starts_without_waiting_for_every_data
                                                    cnn_width=8, image_size=32, batch_size=8, steps=10)
         base = write_host_tree(tmp_path / "algo-3", hetero_resource_config("algo-3"), hyperparameters)
         addresses = {"algo-1": live.settings.bind_address, "algo-2": "127.0.77.254", "algo-3": "127.0.0.1"}
-        trainer = build_trainer(trainer_environment(base) | {HOST_ADDRESSES_ENV: json.dumps(addresses)})
+        trainer = build_trainer(TrainerEnvironment.read(trainer_environment(base) | {HOST_ADDRESSES_ENV: json.dumps(addresses)}))
     assert trainer.source == "data_service" and trainer.epoch_samples == {"channel": 96} and not trainer.sharded
 
 

@@ -1,5 +1,5 @@
 """The host's environment read once at the door (training/host_environment.py): what it holds, what it
-refuses by name, and that it cannot be changed once read."""
+refuses by name, and that it cannot be changed once read; and a trainer process's, over its host's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,17 @@ import pytest
 
 from tests.conftest import TOKEN, hetero_resource_config, platform_hyperparameters, write_host_tree
 from training.cluster import BASE_DIR_ENV, HOST_ADDRESSES_ENV, ClusterConfigError
-from training.host_environment import HostEnvironment
+from training.host_environment import (
+    CONTAINER_STARTED_ENV,
+    GRAPH_EXTRACTION_ENV,
+    PROGRESS_DIR_ENV,
+    WORKLOAD_DIR_ENV,
+    WORKLOAD_MODULE_ENV,
+    WORKLOAD_PACKAGES_ENV,
+    HostEnvironment,
+    OutputPaths,
+    TrainerEnvironment,
+)
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE, HyperparameterError
 
 
@@ -55,3 +65,41 @@ def test_a_host_file_that_is_missing_or_wrong_is_refused_by_name_at_the_door(tmp
     damage(base)
     with pytest.raises(error, match=words):
         HostEnvironment.read({BASE_DIR_ENV: str(base)})
+
+
+def test_a_trainer_process_reads_its_place_its_workload_and_its_launchers_folders_at_its_door(tmp_path: Path) -> None:
+    base = host_tree(tmp_path)
+    process = TrainerEnvironment.read({
+        BASE_DIR_ENV: str(base), "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "PJRT_DEVICE": "CPU",
+        WORKLOAD_DIR_ENV: str(tmp_path / "code"), WORKLOAD_PACKAGES_ENV: "", WORKLOAD_MODULE_ENV: "vision",
+        PROGRESS_DIR_ENV: str(tmp_path / "progress"), CONTAINER_STARTED_ENV: "1700000000.5", GRAPH_EXTRACTION_ENV: "1",
+    })
+    assert (process.rank, process.world_size, process.local_rank, process.local_world_size) == (3, 4, 1, 2)
+    assert process.host.cluster.current_host == "algo-1" and process.host.shutdown_token == TOKEN
+    assert process.code() == (tmp_path / "code", None) and process.workload_module == "vision"
+    assert process.outputs == OutputPaths(base / "model", base / "output" / "data", base / "checkpoints", tmp_path / "progress")
+    assert (process.container_started_at, process.graph_extraction, process.pjrt_device) == (1700000000.5, True, "CPU")
+    # A process started alone (a test, `hetero validate`'s trial): rank 0 of 1, no launcher's folders.
+    horovods = TrainerEnvironment.read({BASE_DIR_ENV: str(base), "HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0",
+                                        "HOROVOD_LOCAL_SIZE": "2"})
+    assert (horovods.rank, horovods.world_size, horovods.local_rank, horovods.local_world_size) == (2, 4, 0, 2)
+    alone = TrainerEnvironment.read({BASE_DIR_ENV: str(base)})
+    assert (alone.rank, alone.world_size, alone.local_world_size, alone.progress_dir, alone.container_started_at) == (0, 1, 1, None, None)
+    assert not alone.graph_extraction and alone.outputs.progress_dir is None
+    with pytest.raises(HyperparameterError, match=f"{WORKLOAD_DIR_ENV} is not set"):
+        alone.code()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        alone.rank = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("variables", "words"), [
+    ({"RANK": "two"}, "RANK='two' is not a whole number"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a whole number of at least 1"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1'"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 of WORLD_SIZE=4"),
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 of 2"),
+    ({"HOROVOD_RANK": "x"}, "HOROVOD_RANK='x'"),
+], ids=["not a number", "no process", "negative", "rank past its count", "local rank past its count", "horovod's not a number"])
+def test_a_rank_its_launcher_could_not_have_written_is_refused_by_name(tmp_path: Path, variables: dict[str, str], words: str) -> None:
+    with pytest.raises(HyperparameterError, match=words):
+        TrainerEnvironment.read({BASE_DIR_ENV: str(host_tree(tmp_path))} | variables)

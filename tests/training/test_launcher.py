@@ -407,8 +407,8 @@ def test_done_marks_left_before_the_trainers_started_do_not_end_them(tmp_path: P
 
 
 def test_the_graph_extraction_run_writes_no_marks_where_the_real_run_writes_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.host_environment import PROGRESS_DIR_ENV
     from training.launcher import _precompile
-    from training.trainers.loop import PROGRESS_DIR_ENV
 
     monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
     tool = tmp_path / "neuron_parallel_compile"

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
+from training.host_environment import OutputPaths
 from training.launcher import Progress, observe, parse_mark, trainer_stalled
 from training.trainers.config import LoopConfig
-from training.trainers.loop import PROGRESS_DIR_ENV, OutputPaths, TrainingLoop
+from training.trainers.loop import TrainingLoop
 
 
 class RecordingLoop(TrainingLoop[int]):
@@ -55,11 +56,10 @@ class RecordingLoop(TrainingLoop[int]):
         return {}
 
 
-def test_every_phase_without_a_step_writes_marks_the_stall_rule_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_phase_without_a_step_writes_marks_the_stall_rule_counts(tmp_path: Path) -> None:
     progress_dir = tmp_path / "progress"
     progress_dir.mkdir()
-    monkeypatch.setenv(PROGRESS_DIR_ENV, str(progress_dir))
-    loop = RecordingLoop(LoopConfig(steps=4, warmup_steps=0, checkpoint_every=2), OutputPaths.under(tmp_path), progress_dir / "rank-0")
+    loop = RecordingLoop(LoopConfig(steps=4, warmup_steps=0, checkpoint_every=2), OutputPaths.under(tmp_path, progress_dir), progress_dir / "rank-0")
     loop.run()
     phases = [(phase, text.split()[0]) for phase, text in loop.seen]
     assert phases == [
@@ -83,8 +83,7 @@ def test_every_phase_without_a_step_writes_marks_the_stall_rule_counts(tmp_path:
     assert trainer_stalled(progress, 17.5, host="algo-1", bound_s=5, first_step_bound_s=60).startswith("TrainerStalled")
 
 
-def test_outside_a_launcher_no_mark_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PROGRESS_DIR_ENV, raising=False)
+def test_outside_a_launcher_no_mark_is_written(tmp_path: Path) -> None:
     loop = RecordingLoop(LoopConfig(steps=2, warmup_steps=0), OutputPaths.under(tmp_path), tmp_path / "rank-0")
     loop.mark_progress("evaluate")
     assert not (tmp_path / "rank-0").exists()

@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import write_host_tree
 from training.cluster import BASE_DIR_ENV
+from training.host_environment import WORKLOAD_DIR_ENV, TrainerEnvironment
 from training.trainers.pytorch_runtime import (
     LocalSamples,
     NonFiniteLossError,
@@ -28,7 +29,7 @@ from training.trainers.pytorch_runtime import (
     step_output,
 )
 from training.workload.contract import WorkloadError
-from training.workload.host import WORKLOAD_DIR_ENV, prepared_workload
+from training.workload.host import prepared_workload
 from training.workload.samples import BatchRecipe, make_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def forget_workload_module():
 
 def test_a_diverged_loss_fails_naming_its_step_and_saves_neither_checkpoint_nor_model(tmp_path):
     environ = host(tmp_path, linear_code(tmp_path), steps=20, explode_at=7, checkpoint_every=5, batch_size=4)
-    trainer = build_trainer(environ)
+    trainer = build_trainer(TrainerEnvironment.read(environ))
     with pytest.raises(NonFiniteLossError, match=r"the loss is nan at step 7"):
         trainer.run()
     checkpoint = torch.load(Path(environ[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", weights_only=True)
@@ -124,7 +125,7 @@ def test_on_xla_a_step_is_one_executed_graph_and_compiles_nothing_after_warm_up(
     make.loader.exec_module(module)
     reviews = module.write(tmp_path_factory.mktemp("reviews"), train=128, validation=32)
     environ = host(tmp_path, TEXT_EXAMPLE, xla=True, channels={"train": reviews / "train"}, steps=20, batch_size=8)
-    trainer = build_trainer(environ)
+    trainer = build_trainer(TrainerEnvironment.read(environ))
     assert trainer.xla and str(trainer.device).startswith("xla")
     batches = trainer.batches()
 
@@ -159,7 +160,7 @@ def test_on_xla_validating_mid_run_compiles_no_training_graph_again(tmp_path, tm
     reviews = module.write(tmp_path_factory.mktemp("reviews"), train=128, validation=32)
     environ = host(tmp_path, TEXT_EXAMPLE, xla=True, channels={"train": reviews / "train", "validation": reviews / "validation"},
                    steps=16, batch_size=8, eval_channel="validation", eval_every=5, checkpoint_every=0)
-    trainer = build_trainer(environ)
+    trainer = build_trainer(TrainerEnvironment.read(environ))
     step, compiles = trainer.train_step, []
 
     def compiles_of_each_step(batch):  # the real step, with the compilations it caused counted
@@ -176,7 +177,7 @@ def test_on_xla_validating_mid_run_compiles_no_training_graph_again(tmp_path, tm
 
 def test_on_xla_a_batch_whose_shapes_change_is_refused_naming_the_feature(tmp_path):
     environ = host(tmp_path, linear_code(tmp_path), xla=True, steps=10, crop_at=0, batch_size=4)
-    trainer = build_trainer(environ)
+    trainer = build_trainer(TrainerEnvironment.read(environ))
     batches = trainer.batches()
     trainer.train_step(next(batches))
     shorter = {name: tensor[:-1] for name, tensor in next(batches).items()}
@@ -186,7 +187,7 @@ def test_on_xla_a_batch_whose_shapes_change_is_refused_naming_the_feature(tmp_pa
 
 def test_the_homogeneous_loader_draws_what_a_data_hosts_worker_draws(tmp_path):
     environ = host(tmp_path, linear_code(tmp_path), steps=10)
-    prepared = prepared_workload(environ)
+    prepared = prepared_workload(TrainerEnvironment.read(environ))
     samples = prepared.list("train", training=True)
     features = prepared.features(samples, training=True)
     local = LocalSamples(prepared, samples, features, seed=prepared.config.seed)
@@ -200,7 +201,7 @@ def test_the_homogeneous_loader_draws_what_a_data_hosts_worker_draws(tmp_path):
 
 def test_the_saved_model_loads_without_the_platform(tmp_path):
     environ = host(tmp_path, linear_code(tmp_path), steps=6, batch_size=4)
-    trainer: WorkloadTrainer = build_trainer(environ)
+    trainer: WorkloadTrainer = build_trainer(TrainerEnvironment.read(environ))
     trainer.run()
     model = Path(environ[BASE_DIR_ENV]) / "model"
     # A fresh interpreter that cannot import the platform (nor this repository: its editable install's finder is dropped).
@@ -227,7 +228,7 @@ def test_workload_state_a_resume_could_not_load_is_refused_at_the_first_checkpoi
     (code / "workload.py").write_text(source)
     environ = host(tmp_path, code, steps=10, checkpoint_every=3, batch_size=4)
     with pytest.raises(StepOutputError, match=r"ctx.state\['best'\] is a float64, which a resumed run could not load"):
-        build_trainer(environ).run()
+        build_trainer(TrainerEnvironment.read(environ)).run()
     assert not (Path(environ[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt").exists()
 
 
@@ -248,13 +249,13 @@ def test_a_schedule_computed_with_numpy_checkpoints_plain_and_resumes_at_its_rat
     for run in ("first", "second"):
         (tmp_path / run).mkdir()
     first = host(tmp_path / "first", code, steps=4, batch_size=4, checkpoint_every=2)
-    build_trainer(first).run()
+    build_trainer(TrainerEnvironment.read(first)).run()
     written = torch.load(Path(first[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", weights_only=True)
     assert all(type(rate) is float for rate in written["scheduler"]["_last_lr"] + [group["lr"] for group in written["optimizer"]["param_groups"]])
     second = host(tmp_path / "second", code, steps=4, batch_size=4)
     (Path(second[BASE_DIR_ENV]) / "checkpoints").mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(first[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", Path(second[BASE_DIR_ENV]) / "checkpoints")
-    resumed = build_trainer(second)
+    resumed = build_trainer(TrainerEnvironment.read(second))
     assert resumed.load_checkpoint(resumed.checkpoint_path)["step"] == 4
     assert resumed.scheduler.last_epoch == 4 and resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 * (1 + np.cos(np.pi)))
 
@@ -279,7 +280,7 @@ def test_state_a_resume_could_not_load_fails_the_run_at_its_first_checkpoint_nam
     environ = host(tmp_path, code, steps=6, batch_size=4, checkpoint_every=2)
     with pytest.raises(UnrestorableCheckpointError, match=r"the checkpoint of step 2 could not be resumed: the scheduler's state_dict holds "
                                                           r"an object .*decimal\.Decimal"):
-        build_trainer(environ).run()
+        build_trainer(TrainerEnvironment.read(environ)).run()
     assert not list((Path(environ[BASE_DIR_ENV]) / "checkpoints").glob("checkpoint.pt*"))
 
 
@@ -291,7 +292,7 @@ def test_a_scheduler_that_steps_on_a_metric_is_refused_by_name(tmp_path):
             return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
     '''))
     with pytest.raises(StepOutputError, match="ReduceLROnPlateau, which steps on a metric"):
-        build_trainer(host(tmp_path, code, steps=4))
+        build_trainer(TrainerEnvironment.read(host(tmp_path, code, steps=4)))
 
 
 PROBE = '''
@@ -323,7 +324,7 @@ def test_each_rank_draws_its_own_augmentations_and_workers_never_restart(tmp_pat
     code = tmp_path / "code"
     code.mkdir()
     (code / "workload.py").write_text(PROBE)
-    trainer = build_trainer(host(tmp_path, code, batch_size=2, dataloader_workers=2, steps=100))
+    trainer = build_trainer(TrainerEnvironment.read(host(tmp_path, code, batch_size=2, dataloader_workers=2, steps=100)))
     batches = [next(batches) for batches in [trainer.batches()] for _ in range(12)]  # three epochs of 8 samples
     assert len({int(pid) for batch in batches for pid in batch["pid"]}) == 2  # the same two worker processes all along
     epochs = [sorted(int(i) for batch in batches[at:at + 4] for i in batch["index"]) for at in (0, 4, 8)]
@@ -374,7 +375,7 @@ def test_an_evaluation_listing_with_classes_of_its_own_is_refused_by_name(tmp_pa
     environ = host(tmp_path, code, channels={"train": tmp_path / "channel", "validation": tmp_path / "channel"},
                    steps=2, batch_size=2, eval_channel="validation")
     with pytest.raises(WorkloadError, match=r"channel 'validation' lists classes \['bee', 'cat'\], but the training channel's are \['ant', 'bee', 'cat'\]"):
-        build_trainer(environ)
+        build_trainer(TrainerEnvironment.read(environ))
 
 
 def test_a_resumed_run_trains_at_its_own_rate_with_the_first_runs_moments(tmp_path):
@@ -389,11 +390,11 @@ def test_a_resumed_run_trains_at_its_own_rate_with_the_first_runs_moments(tmp_pa
     for run in ("first", "second"):
         (tmp_path / run).mkdir()
     first = host(tmp_path / "first", code, steps=4, batch_size=4, checkpoint_every=2, learning_rate=0.1)
-    build_trainer(first).run()
+    build_trainer(TrainerEnvironment.read(first)).run()
     second = host(tmp_path / "second", code, steps=8, batch_size=4, learning_rate=0.5)
     (Path(second[BASE_DIR_ENV]) / "checkpoints").mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(first[BASE_DIR_ENV]) / "checkpoints" / "checkpoint.pt", Path(second[BASE_DIR_ENV]) / "checkpoints")
-    resumed = build_trainer(second)
+    resumed = build_trainer(TrainerEnvironment.read(second))
     assert resumed.load_checkpoint(resumed.checkpoint_path)["step"] == 4
     assert [group["lr"] for group in resumed.optimizer.param_groups] == [0.5]
     assert all(int(state["step"]) == 4 for state in resumed.optimizer.state_dict()["state"].values())

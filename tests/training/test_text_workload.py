@@ -28,14 +28,21 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from tests.conftest import write_host_tree  # noqa: E402
 from training.cluster import BASE_DIR_ENV  # noqa: E402
+from training.host_environment import (  # noqa: E402
+    PROGRESS_DIR_ENV,
+    WORKLOAD_DIR_ENV,
+    WORKLOAD_MODULE_ENV,
+    OutputPaths,
+    TrainerEnvironment,
+)
 from training.metrics import parse_metric_line  # noqa: E402
 from training.trainers import host_collectives  # noqa: E402
-from training.trainers.loop import OutputPaths, TrainingStopped  # noqa: E402
+from training.trainers.loop import TrainingStopped  # noqa: E402
 from training.trainers.pytorch_runtime import EvalSamples, WorkloadTrainer, build_trainer  # noqa: E402
 from training.variants import BUILTIN_WORKLOADS_DIR  # noqa: E402
 from training.workload.contexts import ChannelContext  # noqa: E402
 from training.workload.contract import load_workload  # noqa: E402
-from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_MODULE_ENV, prepared_workload  # noqa: E402
+from training.workload.host import prepared_workload  # noqa: E402
 from training.workload.samples import MAX_SAMPLE_ITEM_BYTES, list_channel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +133,7 @@ def metric_lines(output: str) -> list[dict]:
 
 def test_the_builtin_learns_the_polarity_task_on_xla_and_its_model_loads(tiny_model, polarity, tmp_path, capsys) -> None:
     environ = polarity_host(tmp_path, tiny_model, polarity, eval_channel="test", eval_every=30)
-    trainer = build_trainer(environ)
+    trainer = build_trainer(TrainerEnvironment.read(environ))
     assert trainer.xla and trainer.runtime.grad_clip_norm == 1.0  # the module's LOOP_DEFAULTS
     assert trainer.classes == ("1", "2") and trainer.features[0].name == "input_ids" and str(trainer.features[0]) == "int32 [16]"
     summary = trainer.run()
@@ -161,7 +168,7 @@ def test_the_builtin_learns_the_polarity_task_on_xla_and_its_model_loads(tiny_mo
 def test_training_resumes_where_its_checkpoint_left_off(tiny_model, polarity, tmp_path) -> None:
     """A SIGTERM after step 6 of 10: the checkpoint's step, data position, random state and schedule."""
     environ = polarity_host(tmp_path, tiny_model, polarity, steps=10, warmup_steps=1, checkpoint_every=3)
-    first = build_trainer(environ)
+    first = build_trainer(TrainerEnvironment.read(environ))
     at_checkpoint: list[torch.Tensor] = []
     step, save = first.train_step, first.save_checkpoint
 
@@ -175,7 +182,7 @@ def test_training_resumes_where_its_checkpoint_left_off(tiny_model, polarity, tm
     with pytest.raises(TrainingStopped, match="after step 6 of 10"):
         first.run()
 
-    resumed = build_trainer(environ)
+    resumed = build_trainer(TrainerEnvironment.read(environ))
     torch.manual_seed(1234)  # anything: the checkpoint's state must win
     loaded = resumed.load_checkpoint(resumed.checkpoint_path)
     assert loaded["step"] == 6 and loaded["samples_per_rank"] == 6 * 16
@@ -194,7 +201,7 @@ def test_a_steady_state_step_is_one_executed_graph(tiny_model, polarity, tmp_pat
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
-    trainer = build_trainer(polarity_host(tmp_path, tiny_model, polarity, steps=12, warmup_steps=1))
+    trainer = build_trainer(TrainerEnvironment.read(polarity_host(tmp_path, tiny_model, polarity, steps=12, warmup_steps=1)))
     batches = trainer.batches()
 
     def count(metric: str) -> int:
@@ -224,7 +231,7 @@ def _pending(tensors: list[torch.Tensor]) -> bool:
 
 
 def test_every_step_has_settled_when_the_chief_saves(tiny_model, polarity, tmp_path) -> None:
-    trainer = build_trainer(polarity_host(tmp_path, tiny_model, polarity, steps=4, warmup_steps=1, checkpoint_every=2))
+    trainer = build_trainer(TrainerEnvironment.read(polarity_host(tmp_path, tiny_model, polarity, steps=4, warmup_steps=1, checkpoint_every=2)))
     seen: list[bool] = []
     save = trainer.save_checkpoint
 
@@ -239,8 +246,8 @@ def test_every_step_has_settled_when_the_chief_saves(tiny_model, polarity, tmp_p
 
 
 def test_the_rate_warms_up_then_decays_linearly_and_decay_spares_norms_and_biases(tiny_model, polarity, tmp_path) -> None:
-    trainer = build_trainer(polarity_host(tmp_path, tiny_model, polarity, steps=10, warmup_steps=1, lr_warmup_fraction=0.2,
-                                          learning_rate=1e-3))
+    trainer = build_trainer(TrainerEnvironment.read(polarity_host(tmp_path, tiny_model, polarity, steps=10, warmup_steps=1, lr_warmup_fraction=0.2,
+                                          learning_rate=1e-3)))
     decayed, spared = trainer.optimizer.param_groups
     names = {id(parameter): name for name, parameter in trainer.module.named_parameters()}
     assert decayed["weight_decay"] == 0.01 and spared["weight_decay"] == 0.0
@@ -258,12 +265,9 @@ def test_the_rate_warms_up_then_decays_linearly_and_decay_spares_norms_and_biase
 def test_a_validation_writes_a_progress_mark_per_batch_and_counts_every_example_once(tiny_model, polarity, tmp_path, monkeypatch) -> None:
     """The launcher's stall rule sees no step during a validation: each of its batches is a mark. Its
     batches have one shape (one compiled graph) and hold every example once across the ranks."""
-    from training.trainers.loop import PROGRESS_DIR_ENV
-
     (tmp_path / "progress").mkdir()
-    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path / "progress"))
-    environ = polarity_host(tmp_path, tiny_model, polarity, eval_channel="test")
-    trainer = build_trainer(environ)
+    environ = polarity_host(tmp_path, tiny_model, polarity, eval_channel="test") | {PROGRESS_DIR_ENV: str(tmp_path / "progress")}
+    trainer = build_trainer(TrainerEnvironment.read(environ))
     written: list[str] = []
     write = trainer._write_mark
     monkeypatch.setattr(trainer, "_write_mark", lambda mark: (written.append(mark), write(mark)))
@@ -271,7 +275,7 @@ def test_a_validation_writes_a_progress_mark_per_batch_and_counts_every_example_
     assert written == [f"evaluate {count} 0" for count in range(1, 7)]  # 96 examples, batches of 16
     assert (tmp_path / "progress" / "rank-0").read_text() == "evaluate 6 0"
 
-    prepared = prepared_workload(environ)
+    prepared = prepared_workload(TrainerEnvironment.read(environ))
     counted: list[int] = []
     for rank in range(5):
         shard = EvalSamples(prepared, trainer.eval_samples, trainer.eval_features, seed=0, rank=rank, world_size=5, batch_size=7)
@@ -457,7 +461,7 @@ def test_the_model_is_built_the_same_whatever_the_random_stream_did_before_and_i
     channels = {"train": polarity / "train", "model": encoder}
 
     def head(seed: int, run: str) -> torch.Tensor:
-        return build_trainer(text_host(tmp_path / run, channels, seed=seed)).module.classifier.weight.detach().cpu()
+        return build_trainer(TrainerEnvironment.read(text_host(tmp_path / run, channels, seed=seed))).module.classifier.weight.detach().cpu()
 
     torch.rand(3)
     first = head(0, "a")
@@ -477,7 +481,7 @@ def _one_model(rank: int, world: int, port: int, roots: list[str], results: dict
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = host_collectives.host_group()
     environ = json.loads((Path(roots[rank]) / "environ.json").read_text())
-    prepared = prepared_workload(environ)
+    prepared = prepared_workload(TrainerEnvironment.read(environ))
     samples = prepared.list("train", training=True)
     config = replace(prepared.config, seed=100 + rank)
     trainer = WorkloadTrainer(config, OutputPaths.under(Path(roots[rank])), prepared=prepared, classes=samples.classes,

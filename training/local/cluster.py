@@ -60,13 +60,13 @@ from lambdas.core.catalog import CATALOG
 from lambdas.core.job_spec import DISTRIBUTIONS, INPUT_MODES, JobSpec
 from lambdas.core.training_request import container_hyperparameters, platform_settings
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
+from training.host_environment import CONTAINER_STARTED_ENV
 from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, RESUME_CHANNEL, TOKEN_FILE
 
 # process_tree: also a container's first process's (every process of a host, across sessions)
 from training.launcher import SUPERVISE_ENV, process_tree
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
-from training.trainers.loop import CONTAINER_STARTED_ENV
 from training.workload.code import ARCHIVE_NAME, CodeError, PackedCode, pack_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

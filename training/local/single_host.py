@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from training.cluster import BASE_DIR_ENV
+from training.host_environment import WORKLOAD_DIR_ENV, WORKLOAD_MODULE_ENV, WORKLOAD_PACKAGES_ENV, TrainerEnvironment
 from training.hyperparameters import PLATFORM_CHANNEL, TOKEN_FILE
 from training.variants import VARIANTS
-from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_MODULE_ENV, WORKLOAD_PACKAGES_ENV, builtin_workload
+from training.workload.host import builtin_workload
 
 GROUP = "homogeneousCluster"
 
@@ -60,7 +61,7 @@ def single_host_trainer(base: Path, hyperparameters: Mapping[str, Any], channels
     write_single_host(base, hyperparameters, channels, variant=variant,
                       instance_type="ml.trn1.2xlarge" if VARIANTS[variant].accelerator == "trainium" else "ml.p3.2xlarge")
     environment = trainer_environment(base, variant=variant, code_dir=code_dir, module=module) | dict(extra_environment or {})
-    return build_trainer(environment)
+    return build_trainer(TrainerEnvironment.read(environment))
 
 
 def _text(value: Any) -> str:

@@ -54,25 +54,19 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from training.cluster import ClusterConfigError, host_addresses, load_cluster  # noqa: E402
+from training.cluster import ClusterConfigError  # noqa: E402
 from training.data_service.control import DataServiceError, describe, describe_every, wait_for_port  # noqa: E402
-from training.data_service.dataset import ChannelError, ImageDataset, channel_dir, file_samples, scan_image_files  # noqa: E402
+from training.data_service.dataset import ChannelError, ImageDataset, file_samples, scan_image_files  # noqa: E402
 from training.data_service.tf_pipeline import DATASET_ID, batched, element_spec, file_source, read_from_service  # noqa: E402
 from training.failure import write_failure  # noqa: E402
-from training.hyperparameters import (  # noqa: E402
-    HyperparameterError,
-    PlatformSettings,
-    load_hyperparameters,
-    load_settings,
-    load_shutdown_token,
-)
+from training.host_environment import HostEnvironment, OutputPaths, TrainerEnvironment  # noqa: E402
+from training.hyperparameters import HyperparameterError, PlatformSettings, parse_settings  # noqa: E402
 from training.metrics import metric_line  # noqa: E402
 from training.trainers.config import KerasVisionConfig, KerasWorkloadConfig  # noqa: E402
 from training.trainers.loop import (  # noqa: E402
     CheckpointWriteError,
     DataExhaustedError,
     NonFiniteLossError,
-    OutputPaths,
     TrainingLoop,
     TrainingStopped,
     leave_stopped,
@@ -81,7 +75,7 @@ from training.trainers.precision import resolve_precision  # noqa: E402
 from training.trainers.schedule import Schedule  # noqa: E402
 from training.variants import BUILTIN_WORKLOADS_DIR, KERAS_BUILTIN  # noqa: E402
 from training.workload.contract import CONTRACT_VERSION, Workload, WorkloadError, user_frame  # noqa: E402
-from training.workload.host import WORKLOAD_DIR_ENV, WORKLOAD_PACKAGES_ENV, channel_folders, split_settings  # noqa: E402
+from training.workload.host import channel_folders, split_settings  # noqa: E402
 from training.workload.tf_contract import (  # noqa: E402
     KerasContext,
     ModelBuildError,
@@ -500,21 +494,17 @@ class KerasJob:
         return scan_image_files(root, channel, group)
 
 
-def load_keras_job(environ: Mapping[str, str]) -> KerasJob:
-    """The job's workload: a user's (its module, unpacked by the launcher: WORKLOAD_DIR_ENV), or the built-in."""
-    raw = load_hyperparameters(environ)
+def load_keras_job(process: TrainerEnvironment) -> KerasJob:
+    """The job's workload: a user's (its module, unpacked by the launcher), or the built-in."""
+    raw, token = process.host.hyperparameters, process.host.shutdown_token
     if raw.get("workload_module"):
-        try:
-            code_dir = Path(environ[WORKLOAD_DIR_ENV])
-        except KeyError:
-            raise HyperparameterError(f"{WORKLOAD_DIR_ENV} is not set: the launcher starts this trainer with the unpacked workload") from None
-        packages = environ.get(WORKLOAD_PACKAGES_ENV) or None
-        workload = load_keras_workload(code_dir, str(raw["workload_module"]), Path(packages) if packages else None)
-        settings, config, hyperparameters = split_settings(raw, workload, load_shutdown_token(environ), KerasWorkloadConfig)
+        code_dir, packages = process.code()
+        workload = load_keras_workload(code_dir, str(raw["workload_module"]), packages)
+        settings, config, hyperparameters = split_settings(raw, workload, token, KerasWorkloadConfig)
         if config.eval_channel and not workload.has("eval_step"):
             raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
         return KerasJob(workload, settings, config, hyperparameters, file_pattern(code_dir, workload.name), settings.workload_sha256)
-    settings, config = load_settings(KerasVisionConfig, environ)
+    settings, config = parse_settings(raw, KerasVisionConfig, token)
     workload, hyperparameters = builtin_workload(config)
     return KerasJob(workload, settings, config, hyperparameters, "*", "")
 
@@ -525,19 +515,21 @@ def builtin_workload(config: KerasVisionConfig) -> tuple[Workload, dict[str, Any
     return workload, {name: getattr(config, name) for name in workload.hyperparameters}
 
 
-def build_trainer(environ: dict[str, str]) -> KerasTrainer:
-    cluster = load_cluster(environ)
-    job = load_keras_job(environ)
+def build_trainer(process: TrainerEnvironment) -> KerasTrainer:
+    """This process's trainer, from what its door read (``TrainerEnvironment.read``): the job's workload
+    (a user's, unpacked by its launcher, or the built-in), and tf.data.service when the job has data hosts."""
+    host = process.host
+    cluster = host.cluster
+    job = load_keras_job(process)
     settings, config = job.settings, job.config
     # Threads first: they cannot change once TensorFlow's context exists (a strategy creates it).
-    local_processes = int(environ.get("HOROVOD_LOCAL_SIZE", 1))
-    tf.config.threading.set_intra_op_parallelism_threads(max(1, len(os.sched_getaffinity(0)) // local_processes))
+    tf.config.threading.set_intra_op_parallelism_threads(max(1, len(os.sched_getaffinity(0)) // process.local_world_size))
     tf.config.threading.set_inter_op_parallelism_threads(2)
     distribution = DISTRIBUTIONS[settings.distribution]()
-    paths = OutputPaths.from_environment(environ)
-    addresses = host_addresses(environ)
+    paths = process.outputs
+    addresses = host.addresses
     control = settings.data_service_targets(cluster, addresses)
-    channels = channel_folders(environ)
+    channels = channel_folders(host)
     common: dict[str, Any] = dict(distribution=distribution, workload=job.workload, hyperparameters=job.hyperparameters, sha256=job.sha256,
                                   channels=channels)
     if control:
@@ -559,23 +551,29 @@ def build_trainer(environ: dict[str, str]) -> KerasTrainer:
         # A sharded channel's epoch is every host's share.
         hosts = describe_every(control, settings.shutdown_token, settings.data_connect_timeout_s) if info.sharded else [info]
         classes = list(info.classes)
-        return KerasTrainer(config, paths, classes=classes, dataset=service, source="tf.data.service", num_samples=int(info.num_samples),
-                            epoch_samples=sum(int(host.num_samples) for host in hosts), evaluation=_evaluation(job, cluster, classes, environ),
-                            **common)
-    folder = job.listing(channel_dir(settings.data_channel, environ), settings.data_channel, cluster.current_group)
+        return started_at(process, KerasTrainer(config, paths, classes=classes, dataset=service, source="tf.data.service",
+                                                num_samples=int(info.num_samples), epoch_samples=sum(int(peer.num_samples) for peer in hosts),
+                                                evaluation=_evaluation(job, host, classes), **common))
+    folder = job.listing(host.channel(settings.data_channel), settings.data_channel, cluster.current_group)
     ctx = KerasContext(dict(job.hyperparameters), classes=folder.classes, num_samples=len(folder), rank=distribution.rank,
                        world_size=distribution.size, steps=config.steps, batch_size=config.batch_size, seed=config.seed,
                        learning_rate=config.learning_rate, channels=channels)
     dataset = local_dataset(job.workload, ctx, folder, config.batch_size, config.seed, distribution.rank, distribution.size)
-    return KerasTrainer(config, paths, classes=list(folder.classes), dataset=dataset, source="local", num_samples=len(folder),
-                        evaluation=_evaluation(job, cluster, list(folder.classes), environ), **common)
+    return started_at(process, KerasTrainer(config, paths, classes=list(folder.classes), dataset=dataset, source="local",
+                                            num_samples=len(folder), evaluation=_evaluation(job, host, list(folder.classes)), **common))
 
 
-def _evaluation(job: KerasJob, cluster: Any, classes: list[str], environ: Mapping[str, str]) -> tuple[list[str], list[int]] | None:
+def started_at(process: TrainerEnvironment, trainer: KerasTrainer) -> KerasTrainer:
+    """``trainer``, its time to first batch counted from its container's start."""
+    trainer.container_started_at = process.container_started_at
+    return trainer
+
+
+def _evaluation(job: KerasJob, host: HostEnvironment, classes: list[str]) -> tuple[list[str], list[int]] | None:
     channel = getattr(job.config, "eval_channel", "")
     if not channel:
         return None
-    return file_samples(job.listing(channel_dir(channel, environ), channel, cluster.current_group, classes), channel)
+    return file_samples(job.listing(host.channel(channel), channel, host.cluster.current_group, classes), channel)
 
 
 def keras_trial(workload: Workload, config: KerasWorkloadConfig, hyperparameters: Mapping[str, Any], channels: Mapping[str, Path],
@@ -607,7 +605,7 @@ def keras_trial(workload: Workload, config: KerasWorkloadConfig, hyperparameters
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     try:
-        trainer = build_trainer(dict(os.environ))
+        trainer = build_trainer(TrainerEnvironment.read())
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, DataServiceError, DataExhaustedError, CheckpointWriteError,
             NonFiniteLossError, WorkloadError) as error:

@@ -52,14 +52,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from training.cluster import base_dir
 from training.failure import write_failure
+from training.host_environment import OutputPaths
 from training.hyperparameters import config_to_dict
 from training.metrics import metric_line
 from training.trainers.config import LoopConfig
@@ -69,19 +68,10 @@ log = logging.getLogger(__name__)
 BatchT = TypeVar("BatchT")
 
 
-# The launcher names a folder here; every trainer process writes its step into a file in it after each
-# step, and DONE_MARK and the step once the run finished and was saved (training/launcher.py reads them).
-PROGRESS_DIR_ENV = "TRAINING_PROGRESS_DIR"
+# Every trainer process writes its step into a file of the launcher's progress folder (OutputPaths'
+# progress_dir) after each step, and DONE_MARK and the step once the run finished and was saved
+# (training/launcher.py reads them).
 DONE_MARK = "done"
-# The container's start (the launcher's first moment), wall-clock seconds: time to first batch counts from it.
-CONTAINER_STARTED_ENV = "TRAINING_CONTAINER_STARTED_AT"
-
-
-def container_started_at(environ: Mapping[str, str] = os.environ) -> float | None:
-    try:
-        return float(environ[CONTAINER_STARTED_ENV])
-    except (KeyError, ValueError):
-        return None
 
 
 class DataExhaustedError(RuntimeError):
@@ -166,22 +156,6 @@ def elementwise_max(series: list[list[float]]) -> list[float]:
     return [max(values) for values in zip(*series, strict=True)] if series else []
 
 
-@dataclass(frozen=True)
-class OutputPaths:
-    model_dir: Path
-    output_data_dir: Path
-    checkpoint_dir: Path
-
-    @classmethod
-    def under(cls, root: Path) -> OutputPaths:
-        """SageMaker's layout below a base directory (/opt/ml on a real host)."""
-        return cls(root / "model", root / "output" / "data", root / "checkpoints")
-
-    @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> OutputPaths:
-        return cls.under(base_dir(environ))
-
-
 def summarize(values_ms: list[float]) -> dict[str, float] | None:
     if not values_ms:
         return None
@@ -216,6 +190,9 @@ class TrainingLoop(ABC, Generic[BatchT]):
         self.stopping = False  # set once a stop vote ended training, before the summary: a variant may skip work
         self._marked_step = 0  # the last step this process's mark reported
         self._phase_marks = 0  # phase marks written: each one's text differs from the last
+        # The container's start (its door's TrainerEnvironment.container_started_at): time to first batch
+        # counts from it; None outside a launcher (a trainer run in-process), from the loop's own start.
+        self.container_started_at: float | None = None
 
     @property
     def is_chief(self) -> bool:
@@ -315,9 +292,8 @@ class TrainingLoop(ABC, Generic[BatchT]):
         self._write_mark(f"{phase} {self._phase_marks} {self._marked_step}")
 
     def _write_mark(self, text: str) -> None:
-        mark = _progress_mark(self.rank)
-        if mark is not None:
-            mark.write_text(text)
+        if self.paths.progress_dir is not None:
+            (self.paths.progress_dir / f"rank-{self.rank}").write_text(text)
 
     # The loop ------------------------------------------------------------------------------------
 
@@ -332,8 +308,7 @@ class TrainingLoop(ABC, Generic[BatchT]):
     def _run(self, stop: StopRequest) -> dict[str, Any]:
         config = self.config
         started = time.perf_counter()
-        # Outside a launcher (a trainer run in-process), from the loop's own start.
-        container_started = container_started_at() or time.time()
+        container_started = self.container_started_at or time.time()
         first_batch_s = float("nan")
         start_step = self._restore()
         self._marked_step = start_step
@@ -531,11 +506,6 @@ def encode_bytes(data: bytes) -> str:
 
 def decode_bytes(text: str) -> bytes:
     return base64.b64decode(text)
-
-
-def _progress_mark(rank: int, environ: Mapping[str, str] = os.environ) -> Path | None:
-    folder = environ.get(PROGRESS_DIR_ENV)
-    return Path(folder) / f"rank-{rank}" if folder else None
 
 
 def _write_json(path: Path, value: Any) -> None:

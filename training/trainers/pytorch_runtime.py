@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from training.cluster import ClusterConfigError, base_dir, host_addresses, load_cluster
+from training.cluster import ClusterConfigError
 from training.data_service import codec
 from training.data_service.client import DataServiceDataset
 from training.data_service.control import DataServiceError, describe, describe_every
@@ -63,6 +63,7 @@ from training.data_service.epochs import last_epochs, merge
 from training.data_service.positions import Layout, Position, ResumePlan, advance, resume_plan
 from training.data_service.server import epoch_share
 from training.failure import write_failure, write_first_failure
+from training.host_environment import OutputPaths, TrainerEnvironment
 from training.hyperparameters import HyperparameterError
 from training.trainers import host_collectives
 from training.trainers.checkpoint_state import UnrestorableCheckpointError, check_loads_back, plain
@@ -71,7 +72,6 @@ from training.trainers.loop import (
     CheckpointWriteError,
     DataExhaustedError,
     NonFiniteLossError,
-    OutputPaths,
     TrainingStopped,
     check_finite,
     leave_stopped,
@@ -766,10 +766,6 @@ def _to_cpu(value: Any) -> Any:
 
 
 
-# Set by neuron_parallel_compile while it runs the trainer to collect its graphs (tensors hold no values).
-GRAPH_EXTRACTION_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
-
-
 def graph_extraction_run(config: WorkloadConfig, scratch: Path) -> tuple[WorkloadConfig, OutputPaths]:
     """Under neuron_parallel_compile (``precompile_steps``): that many steps (every graph of a step is seen
     after a few), a checkpoint and a validation (their graphs too), into a scratch folder, never the job's
@@ -780,18 +776,20 @@ def graph_extraction_run(config: WorkloadConfig, scratch: Path) -> tuple[Workloa
     return extraction, OutputPaths.under(scratch)
 
 
-def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
-    cluster = load_cluster(environ)
-    prepared = prepared_workload(environ)
+def build_trainer(process: TrainerEnvironment) -> WorkloadTrainer:
+    """This process's trainer, from what its door read (``TrainerEnvironment.read``): the workload its
+    launcher unpacked, its rank, and the data hosts to read from when the job has them."""
+    host = process.host
+    cluster = host.cluster
+    prepared = prepared_workload(process)
     settings, config = prepared.settings, prepared.config
     xla = settings.variant == "neuron"
-    rank, world_size = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
-    local_rank, local_world = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
-    cpus = max(1, host_cpus() // local_world)
+    rank, world_size, local_rank = process.rank, process.world_size, process.local_rank
+    cpus = max(1, host_cpus() // process.local_world_size)
     torch.set_num_threads(cpus)
     if torch.cuda.is_available() and not xla:
         torch.cuda.set_device(local_rank)  # before NCCL and any pinned memory
-    if xla and world_size > 1 and environ.get("PJRT_DEVICE") == "CPU":
+    if xla and world_size > 1 and process.pjrt_device == "CPU":
         raise HyperparameterError(f"torch-xla's CPU device runs one trainer process per host ({world_size} were started): on the "
                                   "emulated cluster pass --processes-per-host 1")
     host_group = None
@@ -803,13 +801,13 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
         else:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         host_group = host_collectives.host_group()
-    paths = OutputPaths.from_environment(environ)
-    extracting = xla and bool(environ.get(GRAPH_EXTRACTION_ENV))
+    paths = process.outputs
+    extracting = xla and process.graph_extraction
     if extracting:
-        config, paths = graph_extraction_run(config, base_dir(environ) / "precompile")
+        config, paths = graph_extraction_run(config, host.base_dir / "precompile")
     common: dict[str, Any] = dict(prepared=prepared, rank=rank, world_size=world_size, local_rank=local_rank, cpus=cpus, xla=xla,
                                   host_group=host_group)
-    addresses = settings.data_service_targets(cluster, host_addresses(environ))
+    addresses = settings.data_service_targets(cluster, host.addresses)
     if addresses:
         info = describe(addresses, settings.shutdown_token, settings.data_connect_timeout_s)
         if not info.features:
@@ -852,6 +850,7 @@ def build_trainer(environ: dict[str, str]) -> WorkloadTrainer:
         trainer = WorkloadTrainer(config, paths, classes=classes_of(samples), features=features, num_samples=len(samples), source="local",
                                   samples=samples, **common)
     trainer.report_metrics = not extracting  # a graph extraction's step times are not the job's
+    trainer.container_started_at = process.container_started_at
     return trainer
 
 
@@ -870,7 +869,7 @@ def evaluation(prepared: PreparedWorkload, config: WorkloadConfig, classes: Sequ
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     try:
-        trainer = build_trainer(dict(os.environ))
+        trainer = build_trainer(TrainerEnvironment.read())
         summary = trainer.run()
     except (ClusterConfigError, HyperparameterError, ChannelError, WorkloadError, DataServiceError, DataExhaustedError,
             CheckpointWriteError, CheckpointFormatError, UnrestorableCheckpointError, NonFiniteLossError) as error:

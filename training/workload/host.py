@@ -5,17 +5,15 @@ against the SHA-256 the run was started with, unpack it into a fresh folder of i
 requirements into that folder, import the module and check it against the contract, and split the job's
 hyperparameters into the platform's, the loop's and the workload's (a key none of them knows is refused,
 with the nearest name). A workload that cannot run fails every host here, with the reason, before any
-data host serves or any trainer starts. The trainer processes it then starts find the folder in the
-environment (``prepared_workload``) and load the same module the same way.
-
-    WORKLOAD_DIR_ENV  the unpacked code folder      WORKLOAD_PACKAGES_ENV  its installed requirements
-    WORKLOAD_MODULE_ENV  the module, for a built-in (training/workloads/, in the image: nothing unpacked)
+data host serves or any trainer starts. The trainer processes it then starts find the folder in their
+TrainerEnvironment (``prepared_workload``; training/host_environment.py names the variables the launcher
+sets for them) and load the same module the same way. Everything here takes the host's environment as
+read at its process's door: nothing reads os.environ or /opt/ml itself.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import types
 from collections.abc import Mapping, Sequence
@@ -23,15 +21,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from training.cluster import base_dir
+from training.host_environment import HostEnvironment, TrainerEnvironment
 from training.hyperparameters import (
     CODE_CHANNEL,
     PLATFORM_CHANNEL,
     RESUME_CHANNEL,
     HyperparameterError,
     PlatformSettings,
-    load_hyperparameters,
-    load_shutdown_token,
     parse_settings,
 )
 from training.trainers.config import WorkloadConfig
@@ -42,12 +38,9 @@ from training.workload.samples import FeatureSpec, list_channel, probe_features
 
 log = logging.getLogger(__name__)
 
-WORKLOAD_DIR_ENV = "TRAINING_WORKLOAD_DIR"
-WORKLOAD_PACKAGES_ENV = "TRAINING_WORKLOAD_PACKAGES"
 # A node-local folder on the job's volume for a workload's caches (set by the launcher for every process
 # of the host; the text built-in keeps its tokenised channels there).
 CACHE_DIR_ENV = "TRAINING_CACHE_DIR"
-WORKLOAD_MODULE_ENV = "TRAINING_WORKLOAD_MODULE"  # the module to import (a built-in's; a user's is the job's workload_module)
 
 
 def builtin_workload(variant: Any) -> tuple[Path, str]:
@@ -78,9 +71,9 @@ def split_settings(raw: Mapping[str, Any], workload: Workload, token: str,
     return platform, config, resolve_hyperparameters(workload, raw)
 
 
-def channel_folders(environ: Mapping[str, str] = os.environ) -> dict[str, Path]:
+def channel_folders(host: HostEnvironment) -> dict[str, Path]:
     """The channels this host received (the platform's own are not the workload's)."""
-    root = base_dir(environ) / "input" / "data"
+    root = host.base_dir / "input" / "data"
     skip = {PLATFORM_CHANNEL, RESUME_CHANNEL, CODE_CHANNEL}
     return {path.name: path for path in sorted(root.iterdir()) if path.is_dir() and path.name not in skip} if root.is_dir() else {}
 
@@ -109,36 +102,31 @@ class PreparedWorkload:
         return probe_features(self.workload, samples, seed=self.config.seed, hyperparameters=self.hyperparameters, training=training)
 
 
-def prepare(code_dir: Path, packages_dir: Path | None, environ: Mapping[str, str] = os.environ,
+def prepare(code_dir: Path, packages_dir: Path | None, host: HostEnvironment,
             raw: Mapping[str, Any] | None = None, module: str = "") -> PreparedWorkload:
-    """Load and check the workload in ``code_dir`` against this host's job: ``module``, or the job's
-    workload_module (a user's)."""
-    raw = load_hyperparameters(environ) if raw is None else raw
+    """Load and check the workload in ``code_dir`` against this host's job (``raw``: its hyperparameters,
+    the host's by default): ``module``, or the job's workload_module (a user's)."""
+    raw = host.hyperparameters if raw is None else raw
     module = module or str(raw.get("workload_module", ""))
     workload = load_workload(code_dir, module, packages_dir)
-    settings, config, hyperparameters = split_settings(raw, workload, load_shutdown_token(environ))
+    settings, config, hyperparameters = split_settings(raw, workload, host.shutdown_token)
     if config.eval_channel and not workload.has("eval_step"):
         raise WorkloadError(f"the job validates on {config.eval_channel!r} (eval_channel), but {workload.file} defines no eval_step()")
-    return PreparedWorkload(workload, settings, config, hyperparameters, settings.workload_sha256, channel_folders(environ))
+    return PreparedWorkload(workload, settings, config, hyperparameters, settings.workload_sha256, channel_folders(host))
 
 
-def prepared_workload(environ: Mapping[str, str] = os.environ) -> PreparedWorkload:
+def prepared_workload(process: TrainerEnvironment) -> PreparedWorkload:
     """In a trainer process: the workload its launcher unpacked and checked."""
-    try:
-        code_dir = Path(environ[WORKLOAD_DIR_ENV])
-    except KeyError:
-        raise HyperparameterError(f"{WORKLOAD_DIR_ENV} is not set: the launcher starts this trainer with the unpacked workload") from None
-    packages = environ.get(WORKLOAD_PACKAGES_ENV) or None
-    return prepare(code_dir, Path(packages) if packages else None, environ, module=environ.get(WORKLOAD_MODULE_ENV, ""))
+    code_dir, packages = process.code()
+    return prepare(code_dir, packages, process.host, module=process.workload_module)
 
 
-def unpack_on_host(settings: PlatformSettings, environ: Mapping[str, str] = os.environ) -> tuple[Path, Path | None]:
+def unpack_on_host(settings: PlatformSettings, host: HostEnvironment) -> tuple[Path, Path | None]:
     """The code channel's archive, checked and unpacked into a fresh folder, its requirements installed:
     (the code folder, the installed packages or None)."""
-    channel = base_dir(environ) / "input" / "data" / CODE_CHANNEL
-    archive = find_archive(channel)
+    archive = find_archive(host.channel(CODE_CHANNEL))
     # Fresh for every start of the host: a restarted container never runs a half-unpacked or stale folder.
-    destination = base_dir(environ) / "workload" / settings.workload_sha256[:16]
+    destination = host.base_dir / "workload" / settings.workload_sha256[:16]
     shutil.rmtree(destination, ignore_errors=True)
     unpack_code(archive, destination, settings.workload_sha256)
     packages = install_requirements(destination, settings.workload_requirements)
