@@ -17,7 +17,9 @@ DOORS = {
     "training/host_environment.py": "the door itself: HostEnvironment and TrainerEnvironment read once per process",
     "training/cluster.py": "resourceconfig.json and the emulated addresses, which HostEnvironment.read composes",
     "training/hyperparameters.py": "hyperparameters.json and the token file, which HostEnvironment.read composes",
-    "training/launcher.py": "the launcher's door: it stamps the container's start, supervises itself, and writes its children's environment",
+    "training/launcher.py": "the launcher's door: it stamps the container's start and sets the host's cache folder for its children",
+    "training/dnn_host.py": "its trainers' environment, written from its own (the progress folder, the rank failure file, the workload)",
+    "training/supervisor.py": "the container's first process: the heartbeat pipe it hands its launcher, and the frozen note's folder",
     "training/trainers/keras_runtime.py": "TensorFlow's log level, set before TensorFlow is imported (no fact of the host)",
     "training/data_service/tf_service.py": "its child's TensorFlow log level, and the child started with the launcher's environment",
 }

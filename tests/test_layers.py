@@ -42,6 +42,6 @@ def test_without_its_named_exceptions_the_contract_names_each_upward_import(tmp_
     config.write_text("\n".join(sections))
     done = lint(config)
     assert done.returncode == 1, done.stdout[-4000:]
-    for upward in ("training.script_mode -> training.launcher", "training.variants -> training.trainers.config",
+    for upward in ("training.workload.host -> training.trainers.config", "training.variants -> training.trainers.config",
                    "lambdas.launch_job.handler -> training.hyperparameters"):
         assert upward in done.stdout, done.stdout[-4000:]

@@ -33,7 +33,7 @@ from typing import Any
 from training.cluster import Cluster, ClusterConfigError, base_dir, host_addresses, load_cluster
 from training.hyperparameters import HyperparameterError, load_hyperparameters, load_shutdown_token
 
-# What the launcher sets for the trainer processes it starts (training/launcher.py writes them, the trainers'
+# What the launcher sets for the trainer processes it starts (training/dnn_host.py writes them, the trainers'
 # door reads them). The workload: the unpacked code folder, its installed requirements, and the module to
 # import (a built-in's; a user's is the job's workload_module).
 WORKLOAD_DIR_ENV = "TRAINING_WORKLOAD_DIR"

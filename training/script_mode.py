@@ -117,7 +117,7 @@ def script_command(settings: PlatformSettings, code_dir: Path, arguments: Sequen
 def machine_facts() -> MachineFacts:
     """What the toolkit counts on the machine: this host's CPUs (its affinity: emulated hosts share a
     machine), GPUs and Neuron devices."""
-    from training.launcher import gpu_count
+    from training.processes import gpu_count
 
     neurons = len(list(Path("/dev").glob("neuron[0-9]*")))
     return MachineFacts(num_cpus=len(os.sched_getaffinity(0)), num_gpus=gpu_count(), num_neurons=neurons)
@@ -331,7 +331,7 @@ class ScriptProcess:
 
     def kill(self) -> None:
         """SIGKILL the group and every process of the script's tree (torchrun's ranks leave the group)."""
-        from training.launcher import kill_trees
+        from training.processes import kill_trees
 
         assert self.process is not None
         if self.process.poll() is None:
@@ -421,7 +421,8 @@ def trainer_hosts(cluster: Cluster, settings: PlatformSettings) -> tuple[str, ..
 
 def run_script_data_host(host: HostEnvironment, settings: PlatformSettings, script: ScriptProcess, stop: threading.Event) -> int:
     """Run the script on a host of a data group until the trainer group has ended (see the module's docstring)."""
-    from training.launcher import CONFIG_ERROR_EXIT, exit_status, fail_data_host
+    from training.data_host import fail_data_host
+    from training.processes import CONFIG_ERROR_EXIT, exit_status
 
     cluster = host.cluster
     control = ScriptHostControl(cluster.current_host, trainer_hosts(cluster, settings))
@@ -494,8 +495,10 @@ def run_script_trainer_host(host: HostEnvironment, settings: PlatformSettings, s
                             steps: StepLog | None) -> int:
     """Run the script on a host of the trainer group; then tell every data host that it ended, and on the
     group's first host write the summary from the script's step lines."""
+    from training.data_host import data_failure_verdict
     from training.data_service.control import FailureReports, KeepAlive
-    from training.launcher import data_failure_verdict, exit_status, seed_checkpoints
+    from training.dnn_host import seed_checkpoints
+    from training.processes import exit_status
 
     seed_checkpoints(host)
     cluster, addresses = host.cluster, host.addresses

@@ -15,26 +15,19 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import hetero_resource_config, platform_hyperparameters, write_host_tree
+from training.data_host import data_failure_verdict, dispatcher_lost
+from training.dnn_host import EFA_ENVIRONMENT, precompile_command, trainer_command, trainer_environment
 from training.hyperparameters import HyperparameterError
-from training.launcher import (
-    CONFIG_ERROR_EXIT,
-    EFA_ENVIRONMENT,
-    Heartbeat,
+from training.processes import CONFIG_ERROR_EXIT, exit_status
+from training.supervisor import Heartbeat, heard, heartbeat_lost
+from training.trainer_watch import (
     Progress,
     TrainersOutcome,
     TrainerWatch,
-    data_failure_verdict,
     describe_rank_failure,
-    dispatcher_lost,
-    exit_status,
     failure_to_write,
-    heard,
-    heartbeat_lost,
     observe,
-    precompile_command,
     read_marks,
-    trainer_command,
-    trainer_environment,
     trainer_failure,
     trainer_stalled,
     trainers_lingering,
@@ -60,7 +53,7 @@ def test_multi_node_trainium_trainers_get_efa_and_every_neuron_trainer_the_cache
 
 
 def test_pre_compilation_without_the_neuron_sdk_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    from training.launcher import _precompile
+    from training.dnn_host import _precompile
 
     with pytest.raises(HyperparameterError, match="precompile_steps needs neuron_parallel_compile"):
         _precompile(["python", "-c", "raise SystemExit(3)"], {"PATH": str(tmp_path)}, threading.Event(), "algo-1")
@@ -304,7 +297,7 @@ def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_
     # trainers go on with the other data hosts): it exits 0, its reason logged and left in its output/data.
     launcher = (
         "import os, signal, subprocess, sys, time\n"
-        "from training.launcher import start_heartbeat\n"
+        "from training.supervisor import start_heartbeat\n"
         f"assert start_heartbeat(2.0, 'algo-1', {role!r})\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
         "print(child.pid, flush=True)\n"
@@ -312,7 +305,7 @@ def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_
         "os.kill(os.getpid(), signal.SIGSTOP)\n"  # frozen, every thread of it: no beat any more
     )
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; from training.launcher import supervise; sys.exit(supervise([sys.executable, '-c', {launcher!r}]))"],
+        [sys.executable, "-c", f"import sys; from training.supervisor import supervise; sys.exit(supervise([sys.executable, '-c', {launcher!r}]))"],
         env=os.environ | {"PYTHONPATH": str(REPO), "SAGEMAKER_BASE_DIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True,
     )
     grandchild = int(supervisor.stdout.readline())
@@ -325,7 +318,7 @@ def test_the_first_process_kills_a_frozen_launcher_and_all_it_started_and_names_
 
 
 def test_the_heartbeat_says_the_hosts_role_and_a_frozen_data_host_exits_0() -> None:
-    from training.launcher import LAUNCHER_FROZEN_EXIT, frozen_exit_status
+    from training.supervisor import LAUNCHER_FROZEN_EXIT, frozen_exit_status
 
     beat = heard(Heartbeat(checked_at=0.0), b'{"bound_s": 30, "host": "algo-1", "role": "data"}\n', 1.0)
     assert (beat.host, beat.role) == ("algo-1", "data")
@@ -407,8 +400,8 @@ def test_done_marks_left_before_the_trainers_started_do_not_end_them(tmp_path: P
 
 
 def test_the_graph_extraction_run_writes_no_marks_where_the_real_run_writes_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.dnn_host import _precompile
     from training.host_environment import PROGRESS_DIR_ENV
-    from training.launcher import _precompile
 
     monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(tmp_path))
     tool = tmp_path / "neuron_parallel_compile"
@@ -518,7 +511,7 @@ def test_as_the_containers_first_process_it_passes_sigterm_on_and_exits_with_the
         "time.sleep(60)\n"
     )
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; from training.launcher import supervise; sys.exit(supervise([sys.executable, '-c', {launcher!r}]))"],
+        [sys.executable, "-c", f"import sys; from training.supervisor import supervise; sys.exit(supervise([sys.executable, '-c', {launcher!r}]))"],
         env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True,
     )
     assert supervisor.stdout.readline().strip() == "ready"
@@ -528,8 +521,8 @@ def test_as_the_containers_first_process_it_passes_sigterm_on_and_exits_with_the
 
 def test_a_resuming_run_starts_from_the_earlier_runs_checkpoints_and_a_restart_keeps_its_own(tmp_path: Path) -> None:
     from training.cluster import BASE_DIR_ENV
+    from training.dnn_host import seed_checkpoints
     from training.host_environment import HostEnvironment
-    from training.launcher import seed_checkpoints
 
     host = HostEnvironment.read({BASE_DIR_ENV: str(write_host_tree(tmp_path, hetero_resource_config("algo-3")))})
     earlier = tmp_path / "input" / "data" / "resume"

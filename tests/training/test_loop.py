@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from training.host_environment import OutputPaths
-from training.launcher import Progress, observe, parse_mark, trainer_stalled
+from training.trainer_watch import Progress, observe, parse_mark, trainer_stalled
 from training.trainers.config import LoopConfig
 from training.trainers.loop import TrainingLoop
 

@@ -178,7 +178,7 @@ def test_shard_layouts_a_reader_cannot_take_are_refused_by_name(images: Path, tm
 
 
 def test_tensorflow_readers_refuse_tar_shards_by_name(images: Path, image_shards: Path) -> None:
-    from training.launcher import CHANNEL_CHECKS
+    from training.data_host import CHANNEL_CHECKS
     from training.variants import VARIANTS
 
     assert len(scan_image_files(images, "train", "g")) == 96

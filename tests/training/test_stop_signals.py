@@ -77,7 +77,8 @@ def test_a_launcher_started_with_sigint_ignored_still_ends_its_other_ranks_when_
     after the peer grace. Without the door, the same run shows the survivor killed (-9)."""
     run = """
         import subprocess, sys, threading, time
-        from training.launcher import restore_stop_signals, wait_for_trainers
+        from training.launcher import restore_stop_signals
+        from training.trainer_watch import wait_for_trainers
         if sys.argv[1:] == ["door"]:
             restore_stop_signals()  # what training.launcher's main does first
         failing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); exit(3)"])

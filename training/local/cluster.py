@@ -11,7 +11,7 @@ takes, it plans one host per instance, and for each host:
   the rest), so that preprocessing moved to a data host really leaves the DNN host's cores;
 * the real entrypoint, ``python -m training.launcher``, in its own session so it can be killed whole,
   supervised as on SageMaker: its first process runs the launcher as a child and watches its heartbeat
-  (training.launcher.supervise), so a frozen launcher is killed here as it would be there.
+  (training.supervisor.supervise), so a frozen launcher is killed here as it would be there.
 
 Every process a host starts carries the host's tag in its environment (``EMULATED_HOST``), so the
 host's processes are found even after they left its process tree (torchrun starts its workers in
@@ -62,11 +62,12 @@ from lambdas.core.training_request import container_hyperparameters, platform_se
 from training.cluster import BASE_DIR_ENV, HOMOGENEOUS_GROUP, HOST_ADDRESSES_ENV
 from training.host_environment import CONTAINER_STARTED_ENV
 from training.hyperparameters import CODE_CHANNEL, PLATFORM_CHANNEL, RESUME_CHANNEL, TOKEN_FILE
-
-# process_tree: also a container's first process's (every process of a host, across sessions)
-from training.launcher import SUPERVISE_ENV, process_tree
 from training.local.cpu_quota import ClusterQuotas, CpuQuotaUnavailableError
 from training.local.cpu_quota import enter as enter_quota
+
+# process_tree: also a container's first process's (every process of a host, across sessions)
+from training.processes import process_tree
+from training.supervisor import SUPERVISE_ENV
 from training.workload.code import ARCHIVE_NAME, CodeError, PackedCode, pack_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

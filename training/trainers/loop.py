@@ -70,7 +70,7 @@ BatchT = TypeVar("BatchT")
 
 # Every trainer process writes its step into a file of the launcher's progress folder (OutputPaths'
 # progress_dir) after each step, and DONE_MARK and the step once the run finished and was saved
-# (training/launcher.py reads them).
+# (training/trainer_watch.py reads them).
 DONE_MARK = "done"
 
 
