@@ -128,6 +128,9 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
             workload = workload_check(path, raw, code, folders, install)
             if workload:
                 verdict["workload"] = workload
+            here = local_runtime_note(raw)
+            if here:
+                verdict["local"] = here
             verdicts.append(verdict)
         except api.SpecRefused as error:
             verdicts.append({"spec": str(path), "ok": False, "field": error.field, "error": str(error)})
@@ -142,6 +145,8 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
                 out.print(f"        {escape(cost_line(verdict))}", highlight=False, soft_wrap=True)
                 if "workload" in verdict:
                     out.print(f"        {escape(workload_line(verdict['workload']))}", highlight=False, soft_wrap=True)
+                if "local" in verdict:
+                    out.print(f"        [yellow]note[/]: not on this machine yet: {escape(verdict['local'])}", highlight=False, soft_wrap=True)
             else:
                 out.print(f"[red]refused[/] {escape(verdict['error'])}", highlight=False, soft_wrap=True)
     if not all(verdict["ok"] for verdict in verdicts):
@@ -199,6 +204,21 @@ def workload_check(path: Path, raw: Any, code: Path | None, channels: dict[str, 
         return dry_run.dry_run(spec, folder, channels, install=install)
     except (ValueError, LookupError) as error:  # WorkloadError, CodeError, HyperparameterError: ValueErrors, each named
         raise api.SpecRefused(str(path), "workload", f"{type(error).__name__}: {error}") from None
+
+
+def local_runtime_note(raw: Any) -> str | None:
+    """What this machine lacks to run a valid job spec on the emulated cluster (`hetero local`), naming the
+    command that installs it; None for a sweep, or when nothing is missing. The spec stays valid: the
+    platform's image has it."""
+    if not isinstance(raw, dict) or "sweep_name" in raw:
+        return None
+    from lambdas.core.job_spec import validate_job_spec
+
+    try:
+        from training.local.cluster import missing_runtime
+    except ImportError:  # the client alone (no .venv): `hetero local` says what it needs itself
+        return None
+    return missing_runtime(validate_job_spec(raw).distribution)
 
 
 def _dry_run_module():

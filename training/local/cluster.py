@@ -427,10 +427,41 @@ def free_port_range(count: int, attempts: int = 50) -> int:
     raise EmulationError(f"found no {count} consecutive free ports")
 
 
+# What a distribution needs on this machine beyond `make venv`, the module that shows it is there, and the
+# command that installs it (Horovod is compiled against the installed TensorFlow: `make horovod`).
+RUNTIMES = {"horovod": ("horovod.tensorflow", "make horovod")}
+
+
+def missing_runtime(distribution: str, find: Any = None) -> str | None:
+    """Why this machine cannot run a job of ``distribution``, naming the command that fixes it; None when it
+    can. ``find``: importlib.util.find_spec, or a stand-in."""
+    if distribution not in RUNTIMES:
+        return None
+    module, command = RUNTIMES[distribution]
+    find = find or _find_spec
+    if find(module) is not None:
+        return None
+    return (f"distribution {distribution!r} runs its trainers with {module.split('.')[0]}, which this environment "
+            f"({sys.executable}) does not have: run `{command}` (once; it builds it against the installed TensorFlow), "
+            "then run this again")
+
+
+def _find_spec(module: str) -> Any:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module)
+    except ImportError:  # a parent package that is there but cannot be imported: not usable either
+        return None
+
+
 class EmulatedCluster:
     """Start with ``start()``, then ``wait()``; ``kill(host)`` injects a host failure."""
 
     def __init__(self, spec: JobSpec, options: EmulationOptions, on_line: LineCallback | None = None) -> None:
+        missing = missing_runtime(spec.distribution)
+        if missing:  # refused before anything is packed, planned or started
+            raise EmulationError(missing)
         # A user workload's code travels as on SageMaker: packed, then a channel of every host.
         self.code: PackedCode | None = None
         if spec.code is not None:

@@ -296,3 +296,40 @@ def test_a_data_host_left_without_a_client_ends_at_its_start_deadline_and_is_no_
     assert result.orphans == [] and not data.orphaned and data.exit_code == 3, result.report()
     assert any("stopping (start deadline)" in line for line in watcher.of("algo-1"))
     assert "ORPHAN" not in result.report()
+
+
+# A runtime `make venv` does not build ----------------------------------------------------------------
+
+# This interpreter as a machine without Horovod: its import is refused, as on an environment where
+# `make horovod` never ran (the suite's own has it).
+WITHOUT_HOROVOD = """
+import runpy, sys
+class NoHorovod:
+    def find_spec(self, name, path=None, target=None):
+        if name == "horovod" or name.startswith("horovod."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoHorovod())
+sys.argv = ["hetero", *sys.argv[1:]]
+runpy.run_module("hetero.cli", run_name="__main__")
+"""
+
+
+def test_without_horovod_a_horovod_job_is_refused_at_once_naming_make_horovod_and_validate_says_so(tmp_path: Path) -> None:
+    from training.local.cluster import missing_runtime
+
+    assert missing_runtime("torchrun") is None and missing_runtime("horovod", find=lambda _module: object()) is None
+    assert "run `make horovod`" in missing_runtime("horovod", find=lambda _module: None)
+    spec = REPO / "examples" / "tensorflow-homogeneous.json"
+
+    def hetero(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", WITHOUT_HOROVOD, *args], cwd=tmp_path, env=os.environ | {"PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=120)
+
+    run = hetero("local", str(spec), "--channel", f"train={tmp_path}", "--workdir", str(tmp_path / "run"))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("error: EmulationError: distribution 'horovod' runs its trainers with horovod") and "run `make horovod`" in run.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # nothing planned, nothing started
+    checked = hetero("validate", str(spec))
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # a valid spec: the platform's image has Horovod
+    assert "ok" in checked.stdout and "note: not on this machine yet" in checked.stdout and "make horovod" in checked.stdout
+    assert "note" not in hetero("validate", str(REPO / "examples" / "pytorch-homogeneous.json")).stdout
