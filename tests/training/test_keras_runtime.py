@@ -5,6 +5,7 @@ homogeneous rank its own shard, resumed runs reading on, the per-worker learning
 from __future__ import annotations
 
 import collections
+import math
 import os
 from pathlib import Path
 
@@ -115,14 +116,21 @@ def test_mixed_precision_and_xla_compiled_steps_train(images: Path, tmp_path: Pa
     assert summary["final_loss"] is not None and summary["final_loss"] == summary["final_loss"]  # a number, not NaN
 
 
-def test_the_tensorflow_rate_warms_up_to_the_per_worker_rate(images: Path, tmp_path: Path) -> None:
+def test_the_tensorflow_rate_warms_up_to_the_per_worker_rate_then_follows_a_cosine_and_decay_spares_biases_and_norms(
+        images: Path, tmp_path: Path) -> None:
     run = trainer(images, tmp_path, steps=20, warmup_steps=1, lr_warmup_fraction=0.2, learning_rate=0.1)
     batches = iter(run.batches())
     rates = []
-    for _ in range(5):
+    for _ in range(20):
         run.train_step(next(batches))
         rates.append(float(run.optimizer.learning_rate.numpy()))
-    assert rates == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+    assert rates[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])  # warm-up over 4 steps; step 5 at the peak
+    # The cosine: half the peak halfway through the 16 steps after the warm-up, near zero at the last.
+    assert rates[12] == pytest.approx(0.05) and rates[-1] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+    assert all(later < earlier for earlier, later in zip(rates[4:], rates[5:], strict=False))
+    decayed = {variable.path for variable in run.model.trainable_variables if run.optimizer._use_weight_decay(variable)}
+    kernels = {variable.path for variable in run.model.trainable_variables if len(variable.shape) > 1}
+    assert decayed == kernels and len(kernels) < len(run.model.trainable_variables)  # no bias, no norm's scale or shift
 
 
 def test_a_resumed_tf_data_service_run_counts_what_each_earlier_job_repeats() -> None:

@@ -23,8 +23,10 @@ Distribution (the job's ``distribution``):
 The workload's train_step runs inside the compiled step, under the GradientTape. On a GPU the defaults
 are what it is fast at: mixed precision (``precision``: bf16 on Ampere and later, fp16 with loss scaling
 on older GPUs) and XLA compilation of the forward and backward pass (``jit_compile``). The default
-optimizer's learning rate is per worker, scaled by the number of workers after a linear warm-up
-(training/trainers/schedule.py). A homogeneous job gives each rank its own shard of the files and its own
+optimizer (SGD with momentum, when the workload has no build_optimizer) has a learning rate per worker,
+scaled by the number of workers after a linear warm-up, then a cosine towards zero by the last step
+(training/trainers/schedule.py), and decays convolution and dense kernels only (not biases or the norms'
+scales and shifts). A homogeneous job gives each rank its own shard of the files and its own
 augmentation seed, and a resumed one reads on from its checkpoint's data position. With an
 ``eval_channel``, the workload's eval_step runs over it every ``eval_every`` steps and at the end. The
 shared loop (training/trainers/loop.py) does timing, metric lines, the stop vote, checkpoints and the summary.
@@ -239,7 +241,7 @@ class KerasTrainer(TrainingLoop[Batch]):
                                 world_size=distribution.size, steps=config.steps, batch_size=config.batch_size, seed=config.seed,
                                 learning_rate=config.learning_rate, precision=self.precision, channels=dict(channels or {}))
         self.schedule = Schedule(config.learning_rate, config.steps, config.lr_warmup_fraction, workers=distribution.size,
-                                 scale_with_workers=config.scale_lr)
+                                 scale_with_workers=config.scale_lr, cosine=True)
         self.own_rate = not workload.has("build_optimizer")  # a build_optimizer's rate (or schedule) is the module's
         with distribution.scope():
             self.model = build_model(workload, self.ctx)
@@ -255,8 +257,13 @@ class KerasTrainer(TrainingLoop[Batch]):
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
         if self.own_rate:
-            return keras.optimizers.SGD(learning_rate=self.config.learning_rate, momentum=self.config.momentum,
-                                        weight_decay=self.config.weight_decay or None)
+            optimizer = keras.optimizers.SGD(learning_rate=self.config.learning_rate, momentum=self.config.momentum,
+                                             weight_decay=self.config.weight_decay or None)
+            # Decay on convolution and dense kernels only, as the PyTorch built-in: decaying the norms' scales
+            # and shifts and the biases only pulls them from where the data puts them.
+            optimizer.exclude_from_weight_decay(var_list=[variable for variable in self.model.trainable_variables
+                                                          if len(variable.shape) <= 1])
+            return optimizer
         try:
             optimizer = self.workload.build_optimizer(self.model, self.ctx)
         except Exception as error:  # noqa: BLE001 — the user's code
