@@ -43,7 +43,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     today = datetime.datetime.now(datetime.UTC).date().isoformat()
     prices = prices_for(instance_types, region=os.environ["PRICING_REGION_CODE"], day=today, pricing=pricing_client(),
                         s3=client("s3"), bucket=bucket)
-    report = compare(outcomes, prices, sweep.get("step_time_target_ms"))
+    report = compare(outcomes, prices, sweep.get("step_time_target_ms"), sweep.get("run_steps"))
     report |= {"sweep_id": sweep["sweep_id"], "sweep_name": sweep["sweep_name"], "date": today}
     title = f"{sweep['sweep_name']} {today}"
     prefix = f"benchmarks/{sweep['sweep_id']}"

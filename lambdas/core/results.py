@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from lambdas.core.job_spec import split_s3_uri
+from lambdas.core.job_spec import is_script_workload, split_s3_uri, trainer_config, validate_job_spec
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost
 
 SUMMARY_NAME = "summary.json"
@@ -183,6 +183,23 @@ def billed_ms_per_step(summary: Mapping[str, Any] | None) -> float | None:
     return mean if mean is not None and mean > 0 else None
 
 
+def configured_steps(spec: Mapping[str, Any]) -> int | None:
+    """The steps a configuration's run trains (its trainer's ``steps``, default included); None for a
+    script job, whose steps are the script's own. Pure."""
+    if is_script_workload(spec.get("workload")):
+        return None
+    try:
+        return int(trainer_config(validate_job_spec(spec)).steps)
+    except ValueError:  # JobSpecError, HyperparameterError: a spec the sweep could not have run
+        return None
+
+
+def with_startup(cost_per_1k: float, startup_s: float, usd_per_hour: float, steps: int) -> float:
+    """The cost per 1k steps of a run of ``steps`` steps: the steady state plus the start-up's billed
+    seconds (before the first batch) spread over them. Pure."""
+    return cost_per_1k + startup_s / 3600 * usd_per_hour * 1000 / steps
+
+
 def _seconds(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
@@ -212,6 +229,10 @@ def result_document(
     billed_step_ms = billed_ms_per_step(summary)
     final_metrics = {item["MetricName"]: item["Value"] for item in describe.get("FinalMetricDataList", [])}
     billable = describe.get("BillableTimeInSeconds")
+    startup = startup_times(describe, summary)
+    steps = configured_steps(raw_spec) if raw_spec is not None else None
+    steady = cost_per_1k_steps(usd_per_hour, billed_step_ms) if usd_per_hour is not None and billed_step_ms else None
+    first_batch = startup.get("billed_to_first_batch_s")
     return {
         "run_id": run_id,
         "job_name": job_name,
@@ -228,9 +249,14 @@ def result_document(
         "samples_per_s": (summary or {}).get("samples_per_s"),
         "final_metrics": final_metrics,
         "usd_per_hour": usd_per_hour,
-        "cost_per_1k_steps_usd": round(cost_per_1k_steps(usd_per_hour, billed_step_ms), 6) if usd_per_hour is not None and billed_step_ms else None,
+        # The steady state (billed time per step); beside it what the run was billed in all, start-up
+        # included, and the cost per 1k steps of a run of the spec's steps with its start-up spread over them.
+        "cost_per_1k_steps_usd": round(steady, 6) if steady is not None else None,
         "run_cost_usd": round(billable / 3600 * usd_per_hour, 4) if usd_per_hour is not None and billable else None,
-        "startup": startup_times(describe, summary),
+        "spec_steps": steps,
+        "cost_per_1k_steps_with_startup_usd": (round(with_startup(steady, first_batch, usd_per_hour, steps), 6)
+                                               if steady is not None and first_batch is not None and steps else None),
+        "startup": startup,
         "prices": {
             "source": prices.source,
             "date": prices.date,

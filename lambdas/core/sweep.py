@@ -14,13 +14,19 @@ A sweep's input (the "benchmark sweep" state machine's execution input, or the s
      "data_instance_type": "ml.c5.9xlarge",               # default: the base's data group type, else this
      "extra": [<job spec>, ...],                          # e.g. Trainium configurations
      "step_time_target_ms": 150,                          # optional: only configurations this fast qualify
+     "run_steps": 100000,                                 # optional: the length of the runs it sizes for
      "max_cost_usd": 400}                                 # optional: lowers the deployment's sweep ceiling
 
 Each configuration is a full job spec, validated as a training run would be, with a run name of its own
 (``<base run name>-d<n>`` for the generated ones). The comparison takes each run's result.json and the
-day's prices: cost per 1k steps, improvement over the baseline (the first configuration that
-succeeded; for generated sweeps that is the GPU alone), and the recommended configuration: the cheapest
-per step among those that succeeded within the step-time target.
+day's prices: the steady-state cost per 1k steps (the billed time per step), improvement over the
+baseline (the first configuration that succeeded; for generated sweeps that is the GPU alone), what each
+run was billed in all (billed seconds, start-up included), and the recommended configuration: the
+cheapest per 1k steps among those that succeeded within the step-time target, counting each one's
+start-up (the billed seconds before its first batch) spread over ``run_steps`` steps, or over its own
+steps without it. A long run is billed its steady state; a short one its start-up too, which a
+steady-state figure alone leaves out (and so favours the configurations that start slowly: more data
+hosts, bigger images). The report says which basis it used.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from lambdas.core.job_spec import (
     worst_case_cost_usd,
 )
 from lambdas.core.price_performance import Prices, cost_per_1k_steps, hourly_cost, improvement
-from lambdas.core.results import billed_ms_per_step
+from lambdas.core.results import billed_ms_per_step, configured_steps, with_startup
 from lambdas.core.sizing import SizingError, SizingProfile, data_hosts_needed, ms_per_batch_per_vcpu
 from training.variants import VARIANTS
 
@@ -56,7 +62,7 @@ SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")
 MAX_CONFIGURATIONS = 16
 DEFAULT_DATA_INSTANCE_TYPE = "ml.c5.9xlarge"
 SWEEP_KEYS = {"sweep_name", "configurations", "base", "data_hosts", "advisor", "data_instance_type", "extra", "step_time_target_ms",
-              "max_cost_usd"}
+              "run_steps", "max_cost_usd"}
 
 
 class SweepSpecError(ValueError):
@@ -72,12 +78,14 @@ class SweepPlan:
     sweep_name: str
     configurations: tuple[dict[str, Any], ...]  # job specs, each valid, run names unique
     step_time_target_ms: float | None
+    run_steps: int | None = None  # the runs the recommendation is for; None: each configuration's own steps
 
     def to_json(self) -> dict[str, Any]:
         return {
             "sweep_name": self.sweep_name,
             "configurations": [{"index": index, "name": spec["run_name"], "spec": spec} for index, spec in enumerate(self.configurations)],
             "step_time_target_ms": self.step_time_target_ms,
+            "run_steps": self.run_steps,
         }
 
 
@@ -128,6 +136,9 @@ def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
     target = raw.get("step_time_target_ms")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target) or target <= 0):
         raise SweepSpecError("step_time_target_ms", f"must be a positive number of milliseconds, got {target!r}")
+    run_steps = raw.get("run_steps")
+    if run_steps is not None and (isinstance(run_steps, bool) or not isinstance(run_steps, int) or run_steps < 1):
+        raise SweepSpecError("run_steps", f"must be a whole number of steps (at least 1), got {run_steps!r}")
     if ("configurations" in raw) == ("base" in raw):
         raise SweepSpecError("configurations", "give either 'configurations' (job specs) or 'base' with 'data_hosts', not both or neither")
     specs = _spec_list(raw, "configurations") if "configurations" in raw else _generated(raw)
@@ -145,7 +156,7 @@ def plan_sweep(raw: Any, policy: SpecPolicy = NO_POLICY) -> SweepPlan:
     duplicates = sorted({run for run in names if names.count(run) > 1})
     if duplicates:
         raise SweepSpecError("configurations", f"run names must differ within a sweep: {duplicates} appear twice")
-    return SweepPlan(name, tuple(specs), float(target) if target is not None else None)
+    return SweepPlan(name, tuple(specs), float(target) if target is not None else None, run_steps)
 
 
 def _spec_list(raw: Mapping[str, Any], key: str) -> list[Any]:
@@ -243,13 +254,16 @@ def describe_cluster(spec: Mapping[str, Any]) -> str:
     return " + ".join(f"{group['count']}× {group['instance_type']}" for group in spec["instance_groups"])
 
 
-def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_target_ms: float | None) -> dict[str, Any]:
+def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_target_ms: float | None,
+            run_steps: int | None = None) -> dict[str, Any]:
     """The report: one row per configuration, in sweep order, and the recommendation.
 
     ``outcomes``: per configuration, {"name", "spec", "status": "SUCCEEDED"|"FAILED", "error"?, "result"?: result.json}.
+    ``run_steps``: the length of the runs the recommendation is for (None: each configuration's own steps).
     """
     rows: list[dict[str, Any]] = []
     costs: list[float | None] = []
+    amortised: list[float | None] = []
     for outcome in outcomes:
         spec, result = outcome["spec"], outcome.get("result") or {}
         # What a step was billed for (result.json's billed_ms_per_step, or, for a result written before it
@@ -258,6 +272,7 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
         stats = result.get("step_time_ms") or {}
         step = result.get("billed_ms_per_step") or billed_ms_per_step({"step_time_ms": stats})
         succeeded = outcome["status"] == "SUCCEEDED" and step is not None
+        billable = result.get("billable_seconds")
         row: dict[str, Any] = {
             "name": outcome["name"],
             "cluster": describe_cluster(spec),
@@ -274,18 +289,30 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
             "price_note": None,
             # Billed seconds before the first batch (result.json's startup).
             "first_batch_s": (result.get("startup") or {}).get("billed_to_first_batch_s") if succeeded else None,
+            # What the run was billed in all, start-up included (a failed one too: it was billed).
+            "billable_seconds": billable if isinstance(billable, int | float) and not isinstance(billable, bool) else None,
+            "run_cost_usd": None,
+            "spec_steps": configured_steps(spec),
+            "cost_per_1k_steps_with_startup_usd": None,
         }
-        cost = None  # unrounded, for the comparisons; the report shows it rounded
+        cost, whole = None, None  # unrounded, for the comparisons; the report shows them rounded
         try:
             usd_per_hour = hourly_cost([(g["instance_type"], g["count"]) for g in spec["instance_groups"]], prices)
             row["usd_per_hour"] = round(usd_per_hour, 4)
+            if row["billable_seconds"] is not None:
+                row["run_cost_usd"] = round(row["billable_seconds"] / 3600 * usd_per_hour, 4)
             if succeeded:
                 cost = cost_per_1k_steps(usd_per_hour, step)
                 row["cost_per_1k_steps_usd"] = round(cost, 6)
+                steps = run_steps or row["spec_steps"]
+                if row["first_batch_s"] is not None and steps:
+                    whole = with_startup(cost, row["first_batch_s"], usd_per_hour, steps)
+                    row["cost_per_1k_steps_with_startup_usd"] = round(whole, 6)
         except KeyError as error:
             row["price_note"] = str(error).strip("'\"")
         rows.append(row)
         costs.append(cost)
+        amortised.append(whole)
     priced = [index for index, cost in enumerate(costs) if cost is not None]
     baseline = rows[priced[0]] if priced else None
     for row, cost in zip(rows, costs, strict=True):
@@ -294,31 +321,48 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
         )
         row["meets_target"] = row["step_time_ms"] is not None and (step_time_target_ms is None or row["step_time_ms"] <= step_time_target_ms)
     eligible = [index for index in priced if rows[index]["meets_target"]]
-    recommended = rows[min(eligible, key=lambda index: costs[index])] if eligible else None
+    # With every eligible configuration's start-up known, the cost of runs of that length; else the steady
+    # state alone for all of them (one basis for every configuration compared).
+    with_start = bool(eligible) and all(amortised[index] is not None for index in eligible)
+    basis = amortised if with_start else costs
+    recommended = rows[min(eligible, key=lambda index: basis[index])] if eligible else None
     return {
         "configurations": rows,
         "baseline": baseline["name"] if baseline else None,
         "recommended": recommended["name"] if recommended else None,
         "recommended_data_hosts": recommended["data_hosts"] if recommended else None,
+        "recommendation_basis": recommendation_basis(with_start, run_steps) if eligible else None,
+        "run_steps": run_steps,
         "step_time_target_ms": step_time_target_ms,
         "failed": [row["name"] for row in rows if row["status"] == "failed"],
         "prices": {"source": prices.source, "date": prices.date},
     }
 
 
+def recommendation_basis(with_start: bool, run_steps: int | None) -> str:
+    """Which cost the recommendation compared, and why, in a sentence. Pure."""
+    if not with_start:
+        return ("the steady-state cost per 1k steps: the start-up of a configuration is not known (no billing start in its result), "
+                "so every configuration is compared as a long run is billed, its start-up left out")
+    over = f"{run_steps:,}-step runs (run_steps)" if run_steps else "each configuration's own steps"
+    return (f"the cost per 1k steps of {over}: the steady state plus the billed seconds before the first batch spread over the "
+            "steps; a long run's tends to the steady state, a short one's is mostly start-up")
+
+
 def render_markdown(report: Mapping[str, Any], title: str) -> str:
     lines = [f"# {title}", ""]
     target = report["step_time_target_ms"]
     lines += [
-        "| configuration | cluster | data hosts | status | ms per step (billed) | p50 / p90 ms | first batch (s) | $/hour | $ per 1k steps | vs baseline |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| configuration | cluster | data hosts | status | ms per step (billed) | p50 / p90 ms | first batch (s) | $/hour | $ per 1k steps | vs baseline | billed s | run $ | $ per 1k steps with start-up |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["configurations"]:
         mark = " **(recommended)**" if row["name"] == report["recommended"] else ""
         status = row["status"] if row["status"] == "succeeded" else f"FAILED: {row['error']}"
         lines.append(
             f"| {row['name']}{mark} | {row['cluster']} | {row['data_hosts']} | {status} | {_number(row['step_time_ms'], 1)} | "
-            f"{_number(row.get('step_p50_ms'), 1)} / {_number(row.get('step_p90_ms'), 1)} | {_number(row['first_batch_s'], 1)} | {_number(row['usd_per_hour'], 3)} | {_number(row['cost_per_1k_steps_usd'], 4)} | {_percent(row['improvement_vs_baseline'])} |"
+            f"{_number(row.get('step_p50_ms'), 1)} / {_number(row.get('step_p90_ms'), 1)} | {_number(row['first_batch_s'], 1)} | {_number(row['usd_per_hour'], 3)} | {_number(row['cost_per_1k_steps_usd'], 4)} | {_percent(row['improvement_vs_baseline'])} | "
+            f"{_number(row.get('billable_seconds'), 0)} | {_number(row.get('run_cost_usd'), 2)} | {_number(row.get('cost_per_1k_steps_with_startup_usd'), 4)} |"
         )
     lines.append("")
     if report.get("disturbed"):  # an emulated sweep measured on a busy machine (training/local/demo.py)
@@ -326,6 +370,8 @@ def render_markdown(report: Mapping[str, Any], title: str) -> str:
     elif report["recommended"]:
         rule = f"within the {target:g} ms step-time target" if target else "with no step-time target"
         lines.append(f"**Recommended:** {report['recommended']} ({report['recommended_data_hosts']} data hosts): the lowest cost per step {rule}.")
+        if report.get("recommendation_basis"):
+            lines.append(f"Compared by {report['recommendation_basis']}.")
     else:
         lines.append("**No recommendation:** no configuration succeeded" + (f" within the {target:g} ms step-time target." if target else "."))
     if report["baseline"]:
@@ -335,7 +381,9 @@ def render_markdown(report: Mapping[str, Any], title: str) -> str:
     prices = report["prices"]
     lines += ["", "ms per step (billed): the timed steps' wall time per step, with the evaluations, checkpoints and stalls "
               "between them (what the job is billed for); the cost per step and the recommendation use it. p50 / p90: "
-              "the step-time distribution, which leaves those out.",
+              "the step-time distribution, which leaves those out. $ per 1k steps: the steady state (billed time per step); "
+              "billed s and run $: what each run was billed in all, start-up included; $ per 1k steps with start-up: the "
+              "steady state plus the billed seconds before the first batch spread over the run's steps.",
               "", f"Prices: {prices['source']}, {prices['date']}."]
     notes = sorted({row["price_note"] for row in report["configurations"] if row["price_note"]})
     lines += [f"Not priced: {note}." for note in notes]

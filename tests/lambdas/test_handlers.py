@@ -229,7 +229,9 @@ def test_collect_writes_the_result_once(aws, context) -> None:
     assert result["usd_per_hour"] == pytest.approx(5.661)  # 1× ml.c5.9xlarge + 1× ml.p3.2xlarge
     assert result["billed_ms_per_step"] == 230.0  # what a step is billed for: not the median
     assert result["cost_per_1k_steps_usd"] == pytest.approx(5.661 * 0.230 / 3.6, rel=1e-4)
-    assert result["run_cost_usd"] == pytest.approx(5.661 / 2, rel=1e-3)
+    assert result["run_cost_usd"] == pytest.approx(5.661 / 2, rel=1e-3)  # the whole run, start-up included
+    assert result["spec_steps"] == spec()["hyperparameters"]["steps"]
+    assert result["cost_per_1k_steps_with_startup_usd"] is None  # no billing start known here: no amortised figure
     assert result["prices"]["source"].startswith("fallback table") and result["prices"]["date"]
     # A retried collect of the same execution (its reply lost) finds its own result and returns it...
     assert collect({"spec": spec(), "execution_arn": EXECUTION, "job_name": name}, context) == reply

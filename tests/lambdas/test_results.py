@@ -6,6 +6,7 @@ import io
 import json
 import tarfile
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from lambdas.core import results
 from lambdas.core.results import SummaryUnreadable, startup_times, summary_from_output_archive
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def at(seconds: float) -> datetime:
@@ -66,3 +68,23 @@ def test_an_archive_that_inflates_past_the_bound_is_refused_without_inflating_it
         summary_from_output_archive(archive)
     monkeypatch.setattr(results, "MAX_INFLATED_BYTES", 8 << 20)  # within the bound, the summary is found
     assert summary_from_output_archive(archive) == {"timed_steps": 1}
+
+
+def test_a_result_holds_the_steady_state_cost_the_whole_runs_billed_cost_and_the_cost_with_its_start_up() -> None:
+    from lambdas.core.price_performance import FALLBACK_PRICES
+
+    spec = json.loads((EXAMPLES / "pytorch-heterogeneous.json").read_text())
+    fastfile = {"TrainingJobStatus": "Completed", "BillableTimeInSeconds": 400, "TrainingStartTime": at(100),
+                "SecondaryStatusTransitions": [{"Status": "Starting", "StartTime": T0, "EndTime": at(100)},
+                                               {"Status": "Training", "StartTime": at(100)}]}
+    summary = {"container_started_at": at(160).timestamp(), "first_batch_at": at(230).timestamp(), "time_to_first_batch_s": 70,
+               "timed_steps": 50, "step_time_ms": {"p50": 180.0, "p90": 190.0, "mean": 185.0}, "wall_ms_per_step": 200.0}
+    groups = [(group["instance_type"], group["count"]) for group in spec["instance_groups"]]
+    document = results.result_document(run_id="r", groups=groups, raw_spec=spec, job_name="j", describe=fastfile, summary=summary,
+                                       prices=FALLBACK_PRICES)
+    hourly, steps = document["usd_per_hour"], spec["hyperparameters"]["steps"]
+    assert document["spec_steps"] == steps and document["billable_seconds"] == 400
+    assert document["cost_per_1k_steps_usd"] == pytest.approx(hourly * 0.200 / 3.6, rel=1e-5)  # the steady state
+    assert document["run_cost_usd"] == pytest.approx(400 / 3600 * hourly, abs=1e-4)  # all of it, start-up included
+    # The steady state plus the 130 billed seconds before the first batch, spread over the spec's steps.
+    assert document["cost_per_1k_steps_with_startup_usd"] == pytest.approx(hourly * 0.200 / 3.6 + 130 / 3600 * hourly * 1000 / steps, rel=1e-5)

@@ -345,7 +345,7 @@ def write_report(comparison: Comparison, folder: Path, title: str) -> tuple[Path
     report = compare(outcomes, emulated_prices(), step_time_target_ms=None)
     disturbed = disturbance(comparison)
     if disturbed:
-        report |= {"recommended": None, "recommended_data_hosts": None, "disturbed": disturbed}
+        report |= {"recommended": None, "recommended_data_hosts": None, "recommendation_basis": None, "disturbed": disturbed}
     report["measurement"] = {"rounds": {run.label: list(run.rounds_ms) for run in (comparison.homogeneous, comparison.heterogeneous)},
                              "other_cpus": round(comparison.other_cores, 3)}
     markdown = render_markdown(report, title)
