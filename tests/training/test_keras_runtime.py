@@ -33,7 +33,7 @@ def labels_of(dataset: tf.data.Dataset, batches: int) -> list[int]:
     return [int(label) for _, labels in dataset.take(batches) for label in labels.numpy()]
 
 
-def test_two_tf_data_service_workers_send_each_file_once_per_epoch(images: Path) -> None:
+def test_two_tf_data_service_workers_hand_each_file_out_once_per_epoch_and_blur_only_its_edge(images: Path) -> None:
     """Labels stand for file indices here, so the batches say which files they were made from."""
     service = tf.data.experimental.service
     dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))

@@ -16,7 +16,8 @@ DNN host's CPU on every batch, the one thing the data group is there to save.
 
 With several data hosts, the trainers read with dynamic sharding (``read_from_service``): the
 dispatcher hands the file list out one file at a time to whichever worker asks next, so each file is
-read once per epoch across all data hosts. With ``parallel_epochs`` every worker would run the whole
+handed out once per epoch across all data hosts (what a slower worker still holds at an epoch's edge
+reaches the trainers in the next epoch's window: about once per epoch, not exactly). With ``parallel_epochs`` every worker would run the whole
 graph, and N data hosts would send every image N times per epoch.
 """
 

@@ -14,8 +14,8 @@ still the launcher that started it, which closes the window between the start an
 
 The dispatcher host registers the augmentation pipeline (training/data_service/tf_pipeline.py) under
 a fixed dataset id, uncompressed; trainers read it with ``from_dataset_id``, one shared job name and
-dynamic sharding, so each batch goes to exactly one trainer process and each file is read once per epoch
-across the data hosts. The child runs in the channel folder: the pipeline lists files relative
+dynamic sharding, so each batch goes to exactly one trainer process and each file is handed out once per
+epoch across the data hosts (an epoch's edge blurred by what a slower worker holds: about once per epoch). The child runs in the channel folder: the pipeline lists files relative
 to it, so every worker reads its own host's copy of the channel.
 
     python -m training.data_service.tf_service --worker-address 10.0.0.5:6200 \
