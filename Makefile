@@ -100,9 +100,9 @@ test-times:
 	$(PY) -m tests.timing build/test-times.json
 
 demo: venv
-	$(PY) -m training.local.demo
-	$(PY) -m training.local.demo --variant tensorflow
-	$(PY) -m training.local.demo --workload examples/workloads/augmented_cnn
+	$(VENV)/bin/hetero demo
+	$(VENV)/bin/hetero demo --variant tensorflow
+	$(VENV)/bin/hetero demo --workload examples/workloads/augmented_cnn
 	$(PY) app.py > /dev/null && echo "synthesized the platform stack into cdk.out/ (cdk-nag clean)"
 
 # The docs site into build/site (warnings, broken links and anchors are errors); the generated reference

@@ -517,7 +517,7 @@ def local(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The job
     """Run a spec on the emulated cluster on this machine: a short result table on stdout (`--json`: the
     summary), the hosts' logs on stderr; `hetero local --help` lists its options."""
     local_main = emulator("training.local.__main__")
-    raise typer.Exit(local_main(["run", str(spec), *ctx.args]) or 0)
+    raise typer.Exit(local_main([str(spec), *ctx.args], prog="hetero local") or 0)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -525,14 +525,24 @@ def profile(ctx: typer.Context, spec: Annotated[Path, typer.Argument(help="The j
     """Measure a spec's workload on this machine, for the sweep's sizing advisor: its preprocessing per batch
     on one CPU (as a data host runs it) and its train-only step (`--channel train=DIR`, `--code DIR`)."""
     profile_main = emulator("training.local.profile")
-    raise typer.Exit(profile_main([str(spec), *ctx.args]) or 0)
+    raise typer.Exit(profile_main([str(spec), *ctx.args], prog="hetero profile") or 0)
 
 
-@app.command()
-def demo() -> None:
-    """The demo: the example specs on the emulated cluster, compared, offline."""
+class DemoHelp(typer.core.TyperCommand):
+    """`hetero demo`'s help is the demo's own (training/local/demo.py's demo_parser), as `hetero local`'s is."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from training.local.demo import demo_parser
+
+        formatter.write(demo_parser(f"hetero {ctx.info_name}").format_help())
+
+
+@app.command(cls=DemoHelp, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """The demo: the example specs on the emulated cluster, compared, offline (`hetero demo --help` lists
+    its options: --workload DIR for your own workload, --steps, --rounds, --variant, --workdir)."""
     demo_main = emulator("training.local.demo")
-    raise typer.Exit(demo_main([]) or 0)
+    raise typer.Exit(demo_main(list(ctx.args), prog="hetero demo") or 0)
 
 
 def emulator(module: str):

@@ -140,7 +140,7 @@ def quick_start_commands() -> list[str]:
 def test_the_quick_start_makes_its_data_validates_and_runs_both_jobs_as_written(tmp_path: Path) -> None:
     """The quick start's commands up to its comparison, in order, as a reader runs them from the
     repository's root (the data lands in build/quickstart/), for fewer steps."""
-    before_demo = [command for command in quick_start_commands() if "training.local.demo" not in command]
+    before_demo = [command for command in quick_start_commands() if "hetero demo" not in command]
     assert any(command.startswith(".venv/bin/hetero validate") for command in before_demo)
     assert sum(command.startswith(".venv/bin/hetero local") for command in before_demo) == 2
     outputs = run_commands(before_demo, timeout_s=500, cwd=a_readers_checkout(tmp_path))
@@ -154,7 +154,7 @@ def test_the_quick_start_makes_its_data_validates_and_runs_both_jobs_as_written(
 def test_the_quick_starts_comparison_runs_as_written(tmp_path: Path) -> None:
     """The quick start's comparison, `make demo`'s third part (the example workload's own specs): it
     compares both, and the heterogeneous run's model validates."""
-    (demo_command,) = [command for command in quick_start_commands() if "training.local.demo --workload" in command]
+    (demo_command,) = [command for command in quick_start_commands() if "hetero demo --workload" in command]
     demo = run_commands([demo_command], timeout_s=500, cwd=a_readers_checkout(tmp_path))[demo_command]
     assert "homogeneous: 1× ml.p3.2xlarge" in demo and "heterogeneous: 1× ml.c5.9xlarge + 1× ml.p3.2xlarge" in demo
     assert re.search(r"validation accuracy of the heterogeneous run's model: \d\.\d{3}", demo)

@@ -44,7 +44,7 @@ from training.local.cluster import (
     EmulationOptions,
     check_channels,
 )
-from training.local.options import key_value, parser
+from training.local.options import key_value, parser, run_parser
 from training.stop_signals import Stopped, restore_stop_signals, stopped_by_signals
 
 __all__ = ["key_value", "main", "parser", "resolve_code"]  # key_value: training/local/profile.py's too
@@ -187,9 +187,11 @@ def write_result(path: Path, result: ClusterResult, summary: Mapping[str, Any] |
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``python -m training.local run SPEC ...``; with ``prog`` (``hetero local``), the run command's own
+    arguments under that name, so that its usage and errors name the command the user typed."""
     restore_stop_signals()  # Ctrl-C and a stop alike, whether the shell started this in the foreground or not
-    args = parser().parse_args(argv)
+    args = run_parser(prog).parse_args(argv) if prog else parser().parse_args(argv)
     try:
         raw = resolve_code(json.loads(args.spec.read_text()), args.spec)
         if args.set and isinstance(raw, dict):

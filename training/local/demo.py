@@ -357,13 +357,20 @@ def write_report(comparison: Comparison, folder: Path, title: str) -> tuple[Path
     return (*paths, markdown)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo")
+def demo_parser(prog: str = "python -m training.local.demo") -> argparse.ArgumentParser:
+    """The demo's options, defined once: `hetero demo` parses and shows them under its own name."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "demo", help="where the runs, logs and report go (default: build/demo)")
     parser.add_argument("--steps", type=int, default=40, help="steps per job")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of each configuration (median and spread)")
-    parser.add_argument("--variant", choices=[name for name, variant in VARIANTS.items() if variant.has_data_service], default="pytorch")
+    parser.add_argument("--variant", choices=[name for name, variant in VARIANTS.items() if variant.has_data_service], default="pytorch",
+                        help="the built-in workload's variant to compare (default: pytorch)")
     parser.add_argument("--workload", type=Path, help="a user workload's folder (homogeneous.json and heterogeneous.json beside its code)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m training.local.demo") -> int:
+    parser = demo_parser(prog)
     args = parser.parse_args(argv)
     if args.workload is not None:
         workdir = args.workdir / f"workload-{args.workload.resolve().name}"

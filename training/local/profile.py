@@ -156,7 +156,7 @@ def train_ms_per_step(spec: JobSpec, options: EmulationOptions, on_line: LineCal
     return summary["step_time_ms"]["p50"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m training.local.profile") -> int:
     """Profile a spec's workload on this machine: the figures the sweep's sizing advisor takes."""
     import argparse
     import json
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from lambdas.core.job_spec import JobSpecError, validate_job_spec
     from training.local.__main__ import key_value, resolve_code
 
-    parser = argparse.ArgumentParser(prog="python -m training.local.profile", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("spec", type=Path)
     parser.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR")
     parser.add_argument("--code", type=Path, help="the workload's code folder (default: the spec's)")

@@ -333,3 +333,22 @@ def test_without_horovod_a_horovod_job_is_refused_at_once_naming_make_horovod_an
     assert checked.returncode == 0, checked.stdout + checked.stderr  # a valid spec: the platform's image has Horovod
     assert "ok" in checked.stdout and "note: not on this machine yet" in checked.stdout and "make horovod" in checked.stdout
     assert "note" not in hetero("validate", str(REPO / "examples" / "pytorch-homogeneous.json")).stdout
+
+
+def test_the_emulators_commands_parse_and_show_their_options_under_the_hetero_name_the_user_typed(tmp_path: Path) -> None:
+    """`hetero local`, `hetero demo`, `hetero profile`: one entry point; each error's usage names it."""
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec(data_hosts=1)))
+    typo = local(str(path), "--chanel", f"train={tmp_path}")
+    assert typo.returncode == 2 and "usage: hetero local" in typo.stderr and "hetero local: error: unrecognized arguments: --chanel" in typo.stderr
+    assert "python -m training.local" not in typo.stderr
+
+    def hetero(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hetero.cli", *args], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=60)
+
+    shown = hetero("demo", "--help")
+    assert shown.returncode == 0 and "usage: hetero demo" in shown.stdout and "--workload WORKLOAD" in shown.stdout and "--steps" in shown.stdout
+    wrong = hetero("demo", "--stepz", "3")
+    assert wrong.returncode == 2 and "hetero demo: error: unrecognized arguments: --stepz 3" in wrong.stderr
+    assert "usage: hetero profile" in hetero("profile", str(path), "--batchez", "2").stderr
