@@ -8,7 +8,7 @@ A sweep's input (the "benchmark sweep" state machine's execution input, or the s
     {"sweep_name": "resnet-weekly",
      "base": <job spec>,                                  # its dnn group and hyperparameters
      "data_hosts": [0, 1, 2, 4],                          # one configuration per data-group size, or
-     "advisor": {"images_per_s_per_vcpu": 150,            # sizes around the sizing advisor's prediction
+     "advisor": {"samples_per_s_per_vcpu": 150,           # sizes around the sizing advisor's prediction
                  "train_ms_per_step": 80},                 #   (lambdas/core/sizing.py); or, instead of
                                                            #   images/s, "preprocess_ms_per_batch_per_vcpu"
      "data_instance_type": "ml.c5.9xlarge",               # default: the base's data group type, else this
@@ -206,20 +206,28 @@ def _generated(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [with_data_hosts(base, count, instance) for count in counts]
 
 
+# The preprocessing figure per sample: samples/s per vCPU (what `hetero profile` prints), or its earlier
+# name images_per_s_per_vcpu, still accepted (a sample need not be an image).
+PER_SAMPLE_KEYS = ("samples_per_s_per_vcpu", "images_per_s_per_vcpu")
+
+
 def _advised_sizes(advisor: Any, data_instance_type: str, base: Mapping[str, Any]) -> list[int]:
     """None, and the sizes around the advisor's prediction for this data instance type. The
-    preprocessing figure comes per step, or per image (images/s per vCPU, as bench/preprocess.py
-    measures it), then costed at the images the base's step takes."""
-    fields = {"preprocess_ms_per_batch_per_vcpu", "images_per_s_per_vcpu", "train_ms_per_step", "dnn_spare_vcpus", "efficiency"}
+    preprocessing figure comes per step, or per sample (samples/s per vCPU, as `hetero profile` and
+    bench/preprocess.py measure it), then costed at the samples the base's step takes."""
+    fields = {"preprocess_ms_per_batch_per_vcpu", *PER_SAMPLE_KEYS, "train_ms_per_step", "dnn_spare_vcpus", "efficiency"}
     if not isinstance(advisor, dict) or set(advisor) - fields:
         raise SweepSpecError("advisor", f"must be an object with {sorted(fields)}, got {advisor!r}")
-    if ("images_per_s_per_vcpu" in advisor) == ("preprocess_ms_per_batch_per_vcpu" in advisor):
-        raise SweepSpecError("advisor", "give the preprocessing cost once: images_per_s_per_vcpu or preprocess_ms_per_batch_per_vcpu")
-    images = images_per_step(base) if "images_per_s_per_vcpu" in advisor else 0  # a bad base is named as the base
+    given = [key for key in (*PER_SAMPLE_KEYS, "preprocess_ms_per_batch_per_vcpu") if key in advisor]
+    if len(given) != 1:
+        raise SweepSpecError("advisor", "give the preprocessing cost once: samples_per_s_per_vcpu (or its earlier name "
+                                        "images_per_s_per_vcpu) or preprocess_ms_per_batch_per_vcpu")
+    per_sample = given[0] in PER_SAMPLE_KEYS
+    samples = images_per_step(base) if per_sample else 0  # a bad base is named as the base
     try:
         figures = {key: float(value) for key, value in advisor.items()}
-        if "images_per_s_per_vcpu" in figures:
-            figures["preprocess_ms_per_batch_per_vcpu"] = ms_per_batch_per_vcpu(figures.pop("images_per_s_per_vcpu"), images)
+        if per_sample:
+            figures["preprocess_ms_per_batch_per_vcpu"] = ms_per_batch_per_vcpu(figures.pop(given[0]), samples)
         profile = SizingProfile(**figures)
         vcpus = instance_type(data_instance_type).vcpus
     except (SizingError, TypeError, ValueError, KeyError) as error:

@@ -84,6 +84,11 @@ def test_the_advisor_takes_images_per_second_per_vcpu_at_the_bases_batch_size() 
     # The PyTorch trainer's default batch (32) halves the cost of a batch: fewer data hosts.
     halved = plan_sweep({"sweep_name": "advised", "base": default_batch, "advisor": {"images_per_s_per_vcpu": 64 / 9.544, "train_ms_per_step": 184}})
     assert max(data_host_count(spec) for spec in halved.configurations) == 2
+    # samples/s per vCPU, what `hetero profile` prints for any workload, is the same figure by its own name.
+    per_sample = plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"samples_per_s_per_vcpu": 64 / 9.544, "train_ms_per_step": 184}})
+    assert per_sample.configurations == per_image.configurations
+    with pytest.raises(SweepSpecError, match="give the preprocessing cost once"):
+        plan_sweep({"sweep_name": "advised", "base": base, "advisor": {"samples_per_s_per_vcpu": 7, "images_per_s_per_vcpu": 7, "train_ms_per_step": 184}})
 
 
 @pytest.mark.parametrize(("advisor", "field", "message"), [

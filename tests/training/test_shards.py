@@ -4,6 +4,7 @@ data host or in the homogeneous DataLoader) or refuse them (TensorFlow's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import shutil
@@ -42,6 +43,12 @@ def contents(dataset) -> list[tuple[bytes, int]]:
 def test_the_shards_hold_the_image_folders_files_byte_for_byte_with_their_labels(images: Path, image_shards: Path) -> None:
     folder, shards = scan_images(images, "train", "g"), scan_images(image_shards, "train", "g")
     assert (folder.layout, shards.layout) == ("ImageFolder", "tar shards")
+    # A data host's log names where its samples came from: the layout it scanned, or the workload's own
+    # listing (a CSV of paths is not an ImageFolder, whatever its items are).
+    assert (folder.described(), shards.described()) == ("in ImageFolder", "in tar shards")
+    listed = dataclasses.replace(folder, lister="tabular.list_samples")
+    assert listed.described() == "from tabular.list_samples"
+    assert dataclasses.replace(shards, lister="vision.list_samples").described() == "from vision.list_samples over tar shards"
     assert shards.shard_ends == (16, 32, 48, 64, 80, 96) and shards.unusable == 0
     assert len(shards.classes) == len(folder.classes) == 4
     assert contents(shards) == contents(folder)

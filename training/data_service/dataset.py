@@ -103,6 +103,8 @@ class ImageDataset:
     # Tar shards only: where each shard's samples end in ``samples``; () for an ImageFolder.
     shard_ends: tuple[int, ...] = ()
     unusable: int = 0  # shard members left out when listing (see the module docstring)
+    # What listed the samples when a workload did ("augmented_cnn.list_samples"); "" for a channel scanned here.
+    lister: str = ""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -110,6 +112,13 @@ class ImageDataset:
     @property
     def layout(self) -> str:
         return "tar shards" if self.shard_ends else "ImageFolder"
+
+    def described(self) -> str:
+        """Where the samples come from, for a log line: the channel's layout, or the workload's listing
+        (a CSV of paths, text records: not an ImageFolder, whatever its items are)."""
+        if not self.lister:
+            return f"in {self.layout}"
+        return f"from {self.lister}" + (" over tar shards" if self.shard_ends else "")
 
 
 def read_sample(source: SampleSource) -> np.ndarray:

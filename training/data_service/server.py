@@ -551,8 +551,8 @@ def serve(settings: ServerSettings, folder: ImageDataset, stop_signal: threading
     source.start()
     server.start()
     log.info(
-        "data host %s serving channel %r (%d samples in %s, %d classes) on %s with %d workers, batch %d",
-        settings.host, settings.channel, len(folder), folder.layout, len(folder.classes), target, settings.workers, settings.batch_size,
+        "data host %s serving channel %r (%d samples %s, %d classes) on %s with %d workers, batch %d",
+        settings.host, settings.channel, len(folder), folder.described(), len(folder.classes), target, settings.workers, settings.batch_size,
     )
     reason = None
     signalled_at: float | None = None

@@ -290,8 +290,8 @@ def render(comparison: Comparison) -> str:
     rows += [
         "",
         f"profile: preprocessing {comparison.profile.preprocess_ms_per_batch:.1f} ms/batch on one data-host CPU "
-        f"({images_per_s(base.spec, comparison.profile.preprocess_ms_per_batch):.0f} images/s per vCPU: the sizing advisor's "
-        f"images_per_s_per_vcpu), "
+        f"({images_per_s(base.spec, comparison.profile.preprocess_ms_per_batch):.0f} samples/s per vCPU: the sizing advisor's "
+        f"samples_per_s_per_vcpu), "
         f"training {comparison.profile.train_ms_per_step:.1f} ms/step with input in memory",
         f"ideal = (preprocess + train) / max(train, preprocess / data hosts) with {comparison.data_capacity:g} data hosts' "
         f"worth of CPUs here; "

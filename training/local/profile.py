@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.local.pr
     samples = int(spec.hyperparameters.get("batch_size", 32))
     print(json.dumps({"preprocess_ms_per_batch_per_vcpu": round(preprocess, 2), "train_ms_per_step": round(train, 2),
                       "samples_per_s_per_vcpu": round(samples * 1000 / preprocess, 1),
-                      "advisor": {"images_per_s_per_vcpu": round(samples * 1000 / preprocess, 1), "train_ms_per_step": round(train, 2)}},
+                      "advisor": {"samples_per_s_per_vcpu": round(samples * 1000 / preprocess, 1), "train_ms_per_step": round(train, 2)}},
                      indent=2))
     return 0
 

@@ -31,7 +31,8 @@ def host_listing(workload: Workload, channel: str, path: Path, hyperparameters: 
                          training_channel=channel)
     samples = list_channel(workload, ctx)
     # Tar shards' members (Samples.shard_ends) are served shard by shard, as the homogeneous loader reads them.
-    return ImageDataset(root=path, classes=classes_of(samples), samples=samples, shard_ends=tuple(getattr(samples, "shard_ends", ())))
+    return ImageDataset(root=path, classes=classes_of(samples), samples=samples, shard_ends=tuple(getattr(samples, "shard_ends", ())),
+                        lister=f"{workload.name}.list_samples")
 
 
 def recipe_for(workload: Workload, listing: ImageDataset, *, packages_dir: Path | None, hyperparameters: Mapping[str, Any],

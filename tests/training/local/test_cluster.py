@@ -336,9 +336,10 @@ def test_two_data_hosts_each_serving_its_own_shard_train_the_job_from_files_or_t
         assert summary["time_to_first_batch_s"] > 0  # from the DNN host launcher's start
         assert_epochs_add_up(summary)
         logs = {host: "\n".join(watcher.of(host)) for host in ("algo-1", "algo-2")}
-        served = [re.search(r"serving channel 'train' \((\d+) samples in ([a-zA-Z ]+),", text) for text in logs.values()]
+        served = [re.search(r"serving channel 'train' \((\d+) samples from ([\w. ]+),", text) for text in logs.values()]
         assert all(served) and sum(int(match.group(1)) for match in served) == total, logs
-        assert {match.group(2) for match in served} == {"ImageFolder" if layout == "files" else "tar shards"}
+        # The built-in's own listing names it, over the layout it found (not "ImageFolder" for any listing).
+        assert {match.group(2) for match in served} == {"vision.list_samples" if layout == "files" else "vision.list_samples over tar shards"}
     # Each data host makes batches ahead (a queue of 8 of 8 images) beyond its ~49 images: every
     # sample of its first epoch is decoded, the broken one too.
     assert re.search(r"skipped 1 undecodable files", "\n".join(line for host in ("algo-1", "algo-2") for line in watcher.of(host)))

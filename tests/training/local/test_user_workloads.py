@@ -323,7 +323,7 @@ def test_the_profile_measures_the_workloads_own_preprocessing_and_step_for_the_a
     figures = json.loads(capsys.readouterr().out)
     assert figures["preprocess_ms_per_batch_per_vcpu"] > 0 and figures["train_ms_per_step"] > 0
     advisor = figures["advisor"]
-    sizing = SizingProfile(ms_per_batch_per_vcpu(advisor["images_per_s_per_vcpu"], 8), advisor["train_ms_per_step"])
+    sizing = SizingProfile(ms_per_batch_per_vcpu(advisor["samples_per_s_per_vcpu"], 8), advisor["train_ms_per_step"])
     assert data_hosts_needed(sizing, vcpus_per_data_host=4) >= 0
     # Heavier augmentation of the same workload costs more per batch: the figure is the workload's own. Both
     # sides are measured the same way, one after the other, at a contrast (no blur against 24 passes) that
