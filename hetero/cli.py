@@ -468,14 +468,25 @@ def prices(ctx: typer.Context,
         emit_json({"source": quoted.source, "date": quoted.date, "usd_per_hour": {row["instance_type"]: row["usd_per_hour"] for row in rows},
                    "hardware": {"source": HARDWARE_SOURCE, "date": HARDWARE_DATE}, "instance_types": rows})
         return
-    table = Table("instance type", "vCPUs", "memory GiB", "accelerators", "NeuronCores", "$/hour",
-                  caption=f"$/hour: {quoted.source}, {quoted.date} (–: none known{'' if live else '; try --live'}). "
-                          f"Hardware: AWS's EC2 instance-type specifications, compiled {HARDWARE_DATE} (lambdas/core/catalog.py).")
-    for row in rows:
-        accelerators = (f"{row['accelerators']}× {row['accelerator']} {row['accelerator_memory_gb']:g} GB" if row["accelerators"] else "")
-        table.add_row(row["instance_type"], str(row["vcpus"]), f"{row['memory_gib']:g}", accelerators,
-                      str(row["neuron_cores"] or ""), number(row["usd_per_hour"], 3))
+    header = ("instance type", "vCPUs", "memory GiB", "accelerators", "NeuronCores", "$/hour")
+    caption = (f"$/hour: {quoted.source}, {quoted.date} (–: none known{'' if live else '; try --live'}). "
+               f"Hardware: AWS's EC2 instance-type specifications, compiled {HARDWARE_DATE} (lambdas/core/catalog.py).")
+    cells = [(row["instance_type"], str(row["vcpus"]), f"{row['memory_gib']:g}",
+              f"{row['accelerators']}× {row['accelerator']} {row['accelerator_memory_gb']:g} GB" if row["accelerators"] else "",
+              str(row["neuron_cores"] or ""), number(row["usd_per_hour"], 3)) for row in rows]
+    if not out.is_terminal:  # a pipe or a file: whole names in plain columns, for grep, awk and sort
+        sys.stdout.write(plain_columns([header, *cells]) + caption + "\n")
+        return
+    table = Table(*header, caption=caption)
+    for line in cells:
+        table.add_row(*line)
     out.print(table)
+
+
+def plain_columns(lines: list[tuple[str, ...]]) -> str:
+    """Rows as left-aligned columns two spaces apart, nothing cut, no box characters. Pure."""
+    widths = [max(len(line[index]) for line in lines) for index in range(len(lines[0]))]
+    return "".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() + "\n" for line in lines)
 
 
 def live_prices_of(ctx: typer.Context, names: list[str], region: str | None, profile: str | None) -> Any:

@@ -5,6 +5,9 @@ and their one AWS call is replaced."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -71,8 +74,22 @@ def test_prices_offline_list_hardware_and_the_dated_fallback_price_by_family_or_
     # A wide terminal. Rich fixes a console's width from COLUMNS when it is made (at import): pytest-xdist's
     # workers set COLUMNS=80, so the CLI's console is widened itself.
     monkeypatch.setattr(cli.out, "_width", 250)
+    monkeypatch.setattr(cli.out, "_force_terminal", True)
     table = invoke("prices", "ml.p4d.24xlarge")
     assert table.exit_code == 0 and "37.688" in table.stdout and "2022-07-01" in table.stdout and "8× NVIDIA A100 40 GB" in table.stdout
+    assert "┃" in table.stdout
+
+
+def test_prices_into_a_pipe_are_plain_columns_with_whole_names() -> None:
+    piped = subprocess.run([sys.executable, "-m", "hetero.cli", "prices", "g5", "p4d"], capture_output=True, text=True, timeout=60,
+                           env=os.environ | {"COLUMNS": "40"})
+    assert piped.returncode == 0, piped.stderr
+    lines = piped.stdout.splitlines()
+    assert lines[0].split() == ["instance", "type", "vCPUs", "memory", "GiB", "accelerators", "NeuronCores", "$/hour"]
+    assert not any(box in piped.stdout for box in "┃│━─┏") and "…" not in piped.stdout  # no box drawn, no name cut
+    p4d = next(line for line in lines if line.startswith("ml.p4d.24xlarge "))
+    assert p4d.split()[:3] == ["ml.p4d.24xlarge", "96", "1152"] and p4d.endswith("37.688")
+    assert lines[-1].startswith("$/hour: fallback table")
 
 
 def test_prices_of_every_type_need_no_stack_and_no_credentials() -> None:

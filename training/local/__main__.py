@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -187,6 +188,25 @@ def write_result(path: Path, result: ClusterResult, summary: Mapping[str, Any] |
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
+# Marks a work folder this command made itself (no --workdir): only those are ever pruned.
+TEMPORARY_MARK = ".hetero-local-workdir"
+
+
+def temporary_workdir(run_name: str, keep: int, parent: Path | None = None) -> Path:
+    """A new temporary work folder for ``run_name``, after removing the oldest of the earlier ones this
+    command made for it so that ``keep`` remain with this one (a folder not marked as ours is left alone)."""
+    if keep < 1:
+        raise ValueError(f"--keep-runs must be at least 1 (this run's folder), got {keep}")
+    parent = parent or Path(tempfile.gettempdir())
+    ours = sorted((folder for folder in parent.glob(f"{run_name}-*") if (folder / TEMPORARY_MARK).is_file()),
+                  key=lambda folder: (folder / TEMPORARY_MARK).stat().st_mtime)
+    for folder in ours[:max(0, len(ours) - (keep - 1))]:
+        shutil.rmtree(folder, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"{run_name}-", dir=parent))
+    (folder / TEMPORARY_MARK).write_text(f"made by hetero local for {run_name}; the newest {keep} are kept\n")
+    return folder
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``python -m training.local run SPEC ...``; with ``prog`` (``hetero local``), the run command's own
     arguments under that name, so that its usage and errors name the command the user typed."""
@@ -202,7 +222,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         check_channels([channel.name for channel in spec.inputs], channels)  # before any host is planned or started
         options = EmulationOptions(
             # Absolute: every host runs from its own folder, and a relative tree would be looked for there.
-            workdir=(args.workdir or Path(tempfile.mkdtemp(prefix=f"{spec.run_name}-"))).resolve(),
+            workdir=(args.workdir or temporary_workdir(spec.run_name, args.keep_runs)).resolve(),
             channels=channels,
             deadline_s=args.deadline_s,
             orphan_grace_s=args.orphan_grace_s,

@@ -39,11 +39,19 @@ def key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+# Temporary work folders (no --workdir) of one run name kept: enough to compare and resume the last few.
+KEEP_RUNS = 5
+
+
 def add_run_options(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `run` command's arguments, on ``run`` (a subcommand's parser, or `hetero local`'s own)."""
     run.add_argument("spec", type=Path, help="job spec JSON (the platform's format: docs/reference/job-spec.md)")
     run.add_argument("--channel", type=key_value, action="append", default=[], metavar="NAME=DIR", help="local folder for an input channel")
-    run.add_argument("--workdir", type=Path, help="where host trees and logs go (default: a new temporary folder)")
+    run.add_argument("--workdir", type=Path, help="where host trees and logs go (default: a new temporary folder; of those, the "
+                                                 "newest --keep-runs of each run name are kept, older ones removed)")
+    run.add_argument("--keep-runs", type=int, default=KEEP_RUNS, metavar="N",
+                     help=f"temporary work folders of the same run name to keep, this one included (default {KEEP_RUNS}; "
+                          "folders given with --workdir are never removed)")
     run.add_argument("--deadline-s", type=float, default=None,
                      help="kill everything and fail after this long (default: the spec's max_runtime_s, as SageMaker stops it)")
     run.add_argument("--orphan-grace-s", type=float, default=30.0, help="how long hosts may outlive the DNN group")

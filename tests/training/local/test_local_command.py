@@ -352,3 +352,19 @@ def test_the_emulators_commands_parse_and_show_their_options_under_the_hetero_na
     wrong = hetero("demo", "--stepz", "3")
     assert wrong.returncode == 2 and "hetero demo: error: unrecognized arguments: --stepz 3" in wrong.stderr
     assert "usage: hetero profile" in hetero("profile", str(path), "--batchez", "2").stderr
+
+
+def test_temporary_work_folders_keep_the_newest_of_each_run_name_and_never_one_given_or_not_ours(tmp_path: Path) -> None:
+    from training.local.__main__ import TEMPORARY_MARK, temporary_workdir
+
+    made = []
+    for _ in range(4):
+        made.append(temporary_workdir("run", keep=3, parent=tmp_path))
+        time.sleep(0.01)  # distinct mtimes: the order they were made in
+    given = tmp_path / "run-mine"  # a folder the user named (no mark): never ours to remove
+    given.mkdir()
+    other = temporary_workdir("other", keep=3, parent=tmp_path)
+    assert [folder.exists() for folder in made] == [False, True, True, True]  # three kept, this one included
+    assert given.exists() and other.exists() and (made[-1] / TEMPORARY_MARK).is_file()
+    with pytest.raises(ValueError, match="--keep-runs must be at least 1"):
+        temporary_workdir("run", keep=0, parent=tmp_path)
