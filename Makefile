@@ -7,8 +7,10 @@ PYTHON ?= python3
 # Environments are installed by uv (about 10× faster than pip here: the whole .venv in about a minute
 # from a warm network), itself installed into each environment by its pip, pinned.
 UV_VERSION := 0.13.9
-# $(call uv_install,VENV): uv pip install into that environment (arguments follow).
-uv_install = $(1)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION) && $(1)/bin/uv pip install --quiet --python $(1)/bin/python
+# $(call uv_install,VENV): uv pip install into that environment (arguments follow). Not quiet: uv shows
+# what it resolves, downloads and installs (progress bars on a terminal), so a first install of a few
+# minutes is seen to move.
+uv_install = $(1)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION) && echo "installing into $(1) (uv; the first time takes a few minutes)" && $(1)/bin/uv pip install --python $(1)/bin/python
 VENV := .venv
 PY := $(VENV)/bin/python
 # Horovod is built from source against the venv's TensorFlow (≈4 minutes on 2 cores); the wheel is kept
