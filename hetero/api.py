@@ -251,26 +251,33 @@ def deployment_policy(start: Path | None = None) -> tuple[SpecPolicy, Path | Non
     check refuses what the deployed launch function would. Its bucket allow-list is left out (the datasets
     bucket is named at deployment), as is anything given with ``cdk deploy -c``. No such cdk.json:
     NO_POLICY (no ceiling), and None."""
-    from infra.config import CONTEXT_KEY, PlatformConfig, PlatformConfigError
-
     folder = (start or Path.cwd()).resolve()
     for candidate in (folder, *folder.parents):
         path = candidate / "cdk.json"
-        if not path.is_file():
-            continue
-        try:
-            context = json.loads(path.read_text(encoding="utf-8")).get("context") or {}
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
-            raise InputRefused(f"{path}: not a readable cdk.json ({error})") from None
-        if not isinstance(context, dict) or CONTEXT_KEY not in context:
-            continue  # another CDK app's
-        raw = context[CONTEXT_KEY]
-        try:
-            config = PlatformConfig.from_context(json.loads(raw) if isinstance(raw, str) else raw)
-        except (PlatformConfigError, SweepSpecError, TypeError, ValueError) as error:
-            raise InputRefused(f"{path}: its {CONTEXT_KEY!r} settings cannot be deployed: {error}") from None
-        return config.policy_for_synthesis(), path
+        if path.is_file():
+            policy = settings_policy(path)
+            if policy is not None:
+                return policy, path
     return NO_POLICY, None
+
+
+def settings_policy(path: Path) -> SpecPolicy | None:
+    """The spec policy of one CDK settings file (a cdk.json); None when it holds no platform context
+    (another CDK app's). A file that is unreadable or whose settings cannot be deployed is refused."""
+    from infra.config import CONTEXT_KEY, PlatformConfig, PlatformConfigError
+
+    try:
+        context = json.loads(path.read_text(encoding="utf-8")).get("context") or {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise InputRefused(f"{path}: not a readable cdk.json ({error})") from None
+    if not isinstance(context, dict) or CONTEXT_KEY not in context:
+        return None
+    raw = context[CONTEXT_KEY]
+    try:
+        config = PlatformConfig.from_context(json.loads(raw) if isinstance(raw, str) else raw)
+    except (PlatformConfigError, SweepSpecError, TypeError, ValueError) as error:
+        raise InputRefused(f"{path}: its {CONTEXT_KEY!r} settings cannot be deployed: {error}") from None
+    return config.policy_for_synthesis()
 
 
 @dataclass(frozen=True)

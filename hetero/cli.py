@@ -101,8 +101,11 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
                  "--channel", metavar="NAME=DIR", help="A local folder for a channel: the workload's hooks (a user's, or a PyTorch built-in's) then run on its first samples.")] = None,
              code: Annotated[Path | None, typer.Option(help="A user workload's code folder, in place of the spec's.")] = None,
              install: Annotated[bool, typer.Option(help="Check that the workload's requirements resolve (pip --dry-run).")] = True,
-             deployment: Annotated[bool, typer.Option(help="Apply the cost policy a deployment of this checkout would: cdk.json's "
-                                                          "ceilings and ceiling prices, found from the working directory up.")] = True,
+             deployment: Annotated[bool, typer.Option(help="Apply the cost policy a deployment would: cdk.json's ceilings and "
+                                                          "ceiling prices, from --settings, else the cdk.json found from each spec's "
+                                                          "folder up (never the working directory's).")] = True,
+             settings_file: Annotated[Path | None, typer.Option("--settings", metavar="CDK_JSON", help="The deployment settings "
+                                                                "(a cdk.json with the platform's context) to check against.")] = None,
              as_json: AsJson = False) -> None:
     """Check specs with the platform's own rules, offline; each refusal names its field.
 
@@ -111,20 +114,29 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
     run on a few local samples (listing, preprocessing, one training step on the CPU).
 
     Each spec's worst case is printed: every instance billed for its whole max_runtime_s. Run inside the
-    repository (a cdk.json with the platform's settings in the working directory or above), a spec is
-    held to the run and sweep ceilings the deployment would hold it to, and refused (exit 2) above them."""
+    repository (a cdk.json with the platform's settings in the spec's folder or above), or with
+    `--settings cdk.json`, a spec is held to the run and sweep ceilings the deployment would hold it to,
+    and refused (exit 2) above them. The verdict depends on the spec and those settings alone, wherever it
+    is run from; the output names the settings it used."""
     from lambdas.core.job_spec import NO_POLICY
 
     folders = dict(key_value(item) for item in channel or [])
-    policy, settings = guarded(api.deployment_policy) if deployment else (NO_POLICY, None)
-    if settings is not None and not as_json:
-        err.print(f"policy of {escape(str(settings))}: run ceiling {usd(policy.run_cost_ceiling_usd)}, sweep ceiling "
-                  f"{usd(policy.sweep_cost_ceiling_usd)} (--no-deployment: none)", highlight=False, soft_wrap=True)
     verdicts = []
+    announced: set[Path | None] = set()
     for path in specs:
+        policy, settings = spec_policy(path, settings_file) if deployment else (NO_POLICY, None)
+        if settings not in announced and not as_json:
+            announced.add(settings)
+            if settings is not None:
+                err.print(f"policy of {escape(str(settings))}: run ceiling {usd(policy.run_cost_ceiling_usd)}, sweep ceiling "
+                          f"{usd(policy.sweep_cost_ceiling_usd)} (--no-deployment: none)", highlight=False, soft_wrap=True)
+            else:
+                err.print("policy: none (no deployment settings: no cdk.json of the platform's above the spec, no --settings)",
+                          highlight=False, soft_wrap=True)
         try:
             raw = api.validate_any(path, policy)
-            verdict: dict[str, Any] = {"spec": str(path), "ok": True} | cost_fields(api.estimate_cost(raw, policy))
+            verdict: dict[str, Any] = ({"spec": str(path), "ok": True, "settings": str(settings) if settings else None}
+                                       | cost_fields(api.estimate_cost(raw, policy)))
             workload = workload_check(path, raw, code, folders, install)
             if workload:
                 verdict["workload"] = workload
@@ -151,6 +163,20 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
                 out.print(f"[red]refused[/] {escape(verdict['error'])}", highlight=False, soft_wrap=True)
     if not all(verdict["ok"] for verdict in verdicts):
         raise typer.Exit(2)
+
+
+def spec_policy(spec: Path, settings_file: Path | None) -> tuple[Any, Path | None]:
+    """The deployment policy a spec is checked against, and the cdk.json it came from: ``settings_file``,
+    else the nearest platform cdk.json in the spec's folder or above it (None: none). Not the working
+    directory's: one spec gets one verdict wherever `hetero validate` runs."""
+    if settings_file is not None:
+        if not settings_file.is_file():
+            fail(f"--settings {settings_file}: no such file (a cdk.json with the platform's context)", 2)
+        policy = guarded(lambda: api.settings_policy(settings_file))
+        if policy is None:
+            fail(f"--settings {settings_file}: holds no platform settings (its context has no 'platform')", 2)
+        return policy, settings_file
+    return guarded(lambda: api.deployment_policy(api.spec_folder(spec).resolve()))
 
 
 def usd(value: float | None) -> str:

@@ -122,7 +122,7 @@ def run_commands(block_commands: list[str], timeout_s: float, cwd: Path = ROOT) 
 
 def a_readers_checkout(tmp_path: Path) -> Path:
     """A folder that reads as the repository's root to the guides' commands: its examples and the
-    settings `hetero validate` reads from the working directory (cdk.json), linked; its own build/. So
+    settings `hetero validate` finds above a spec (cdk.json), linked; its own build/. So
     two halves of one guide run at once, each writing only its own data and runs."""
     for name in ("examples", "cdk.json"):
         (tmp_path / name).symlink_to(ROOT / name)

@@ -145,28 +145,42 @@ def test_validate_prints_the_worst_case_outside_a_checkout(tmp_path: Path, monke
     assert "worst case $90,451.20" in text.stdout and "no ceiling" in text.stdout
 
 
-def test_inside_a_checkout_validate_refuses_what_the_deployment_would_with_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_spec_in_a_checkout_is_refused_what_the_deployment_would_wherever_validate_runs(tmp_path: Path,
+                                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """cdk.json sets no ceiling: the CDK app's default ($1,000 a run, infra/config.py) applies, as the
-    launch function would apply it; from a folder below the checkout's root too."""
+    launch function would apply it, to a spec in a folder below the checkout's root; the verdict is the
+    spec's and its settings' alone: the same from inside the checkout and from outside it."""
     below = checkout(tmp_path / "repo", {"prefix": "hetero"}) / "examples"
     below.mkdir()
+    inside = expensive(below)
+    for where in (below, tmp_path, Path("/")):
+        monkeypatch.chdir(where)
+        refused = invoke("validate", str(inside))
+        assert refused.exit_code == 2, (where, refused.output)
+        assert "refused" in refused.stdout and "$90,451.20" in refused.stdout and "ceiling of $1,000.00" in refused.stdout
+        assert "max_runtime_s" in refused.stdout and f"policy of {tmp_path / 'repo' / 'cdk.json'}" in refused.stderr
+    # A spec outside any checkout is checked without a policy, even when validate runs inside one, and says so.
     monkeypatch.chdir(below)
-    refused = invoke("validate", str(expensive(tmp_path)))
-    assert refused.exit_code == 2, refused.output
-    assert "refused" in refused.stdout and "$90,451.20" in refused.stdout and "ceiling of $1,000.00" in refused.stdout
-    assert "max_runtime_s" in refused.stdout and str(tmp_path / "repo" / "cdk.json") in refused.stderr
-    cheap = invoke("validate", str(EXAMPLES / "tensorflow-homogeneous.json"), "--json")
+    outside = invoke("validate", str(expensive(tmp_path)))
+    assert outside.exit_code == 0 and "policy: none" in outside.stderr, outside.output
+    settings = tmp_path / "repo" / "cdk.json"
+    cheap = invoke("validate", str(EXAMPLES / "tensorflow-homogeneous.json"), "--settings", str(settings), "--json")
     assert cheap.exit_code == 0 and json.loads(cheap.stdout)[0]["ceiling_usd"] == 1000.0
-    assert invoke("validate", str(expensive(tmp_path)), "--no-deployment").exit_code == 0
+    assert json.loads(cheap.stdout)[0]["settings"] == str(settings)
+    named = invoke("validate", str(expensive(tmp_path)), "--settings", str(settings))  # the named settings, for a spec anywhere
+    assert named.exit_code == 2 and "ceiling of $1,000.00" in named.stdout
+    assert invoke("validate", str(inside), "--no-deployment").exit_code == 0
+    missing = invoke("validate", str(inside), "--settings", str(tmp_path / "nope.json"))
+    assert missing.exit_code == 2 and "no such file" in missing.stderr
 
 
-def test_cdk_jsons_own_ceiling_and_prices_are_the_ones_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(checkout(tmp_path / "repo", {"run_cost_ceiling_usd": 100000}))
-    assert invoke("validate", str(expensive(tmp_path))).exit_code == 0
-    unpriced = invoke("validate", str(g5_with_c6i_data_hosts(tmp_path)))
+def test_cdk_jsons_own_ceiling_and_prices_are_the_ones_applied(tmp_path: Path) -> None:
+    generous = checkout(tmp_path / "repo", {"run_cost_ceiling_usd": 100000}) / "cdk.json"
+    assert invoke("validate", str(expensive(tmp_path)), "--settings", str(generous)).exit_code == 0
+    unpriced = invoke("validate", str(g5_with_c6i_data_hosts(tmp_path)), "--settings", str(generous))
     assert unpriced.exit_code == 2 and "no price known for ml.c6i.8xlarge" in unpriced.stdout and "ceiling_prices_usd_per_hour" in unpriced.stdout
-    monkeypatch.chdir(checkout(tmp_path / "priced", {"ceiling_prices_usd_per_hour": {"ml.c6i.8xlarge": 1.5, "ml.g5.2xlarge": 1.6}}))
-    checked = invoke("validate", str(g5_with_c6i_data_hosts(tmp_path)), "--json")
+    priced = checkout(tmp_path / "priced", {"ceiling_prices_usd_per_hour": {"ml.c6i.8xlarge": 1.5, "ml.g5.2xlarge": 1.6}}) / "cdk.json"
+    checked = invoke("validate", str(g5_with_c6i_data_hosts(tmp_path)), "--settings", str(priced), "--json")
     assert checked.exit_code == 0, checked.output
     assert json.loads(checked.stdout)[0]["worst_case_usd"] == pytest.approx(2 * 1.5 + 1.6)  # its 3,600 s
 
@@ -178,14 +192,16 @@ def test_a_sweeps_worst_case_is_its_runs_together_under_the_sweep_ceiling(tmp_pa
     monkeypatch.chdir(tmp_path)
     (verdict,) = json.loads(invoke("validate", str(sweep), "--json").stdout)
     assert verdict["runs"] == 3 and verdict["worst_case_usd"] == pytest.approx(3 * 376.88)
-    monkeypatch.chdir(checkout(tmp_path / "repo", {"sweep_cost_ceiling_usd": 1000}))
-    refused = invoke("validate", str(sweep))
+    ceiling = checkout(tmp_path / "repo", {"sweep_cost_ceiling_usd": 1000}) / "cdk.json"
+    refused = invoke("validate", str(sweep), "--settings", str(ceiling))
     assert refused.exit_code == 2 and "above the sweep ceiling of $1,000.00" in refused.stdout
 
 
-def test_another_apps_cdk_json_sets_no_policy_and_a_broken_one_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(checkout(tmp_path / "other"))  # no "platform" context: some other CDK app's
-    assert invoke("validate", str(expensive(tmp_path))).exit_code == 0
-    monkeypatch.chdir(checkout(tmp_path / "broken", {"run_cost_ceiling_usd": -1}))
-    refused = invoke("validate", str(EXAMPLES / "tensorflow-homogeneous.json"))
+def test_another_apps_cdk_json_sets_no_policy_and_a_broken_one_is_one_line(tmp_path: Path) -> None:
+    other = checkout(tmp_path / "other")  # no "platform" context: some other CDK app's
+    assert invoke("validate", str(expensive(other))).exit_code == 0
+    named = invoke("validate", str(expensive(other)), "--settings", str(other / "cdk.json"))
+    assert named.exit_code == 2 and "holds no platform settings" in named.stderr
+    broken = checkout(tmp_path / "broken", {"run_cost_ceiling_usd": -1})
+    refused = invoke("validate", str(spec(broken)))
     assert refused.exit_code == 2 and "run_cost_ceiling_usd must be a positive number" in refused.stderr and "Traceback" not in refused.output
