@@ -21,7 +21,6 @@ DOORS = {
     "training/dnn_host.py": "its trainers' environment, written from its own (the progress folder, the rank failure file, the workload)",
     "training/supervisor.py": "the container's first process: the heartbeat pipe it hands its launcher, and the frozen note's folder",
     "training/trainers/keras_runtime.py": "TensorFlow's log level, set before TensorFlow is imported (no fact of the host)",
-    "training/data_service/tf_service.py": "its child's TensorFlow log level, and the child started with the launcher's environment",
 }
 # Modules that still read the environment themselves: each is a step of issue 45 still to take.
 DEBTS = {
@@ -30,6 +29,7 @@ DEBTS = {
     "training/script_mode.py": "reads the script's own failure file from the environment (step 4)",
     "training/torchrun.py": "a rank's failure file named by a variable torchrun passes (step 4)",
     "training/data_service/dataset.py": "channel_dir/channel_is_sharded and the shard-index cache from the environment (step 3)",
+    "training/data_service/tf_service.py": "its child reads the job's hyperparameters and token itself, and its TensorFlow log level (step 3)",
     "training/workloads/text.py": "the tokenised-channel cache folder from the environment (step 3: the context carries it)",
 }
 

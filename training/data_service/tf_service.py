@@ -234,11 +234,9 @@ def run_servers(args: argparse.Namespace) -> None:
 def register_workload(args: argparse.Namespace) -> None:
     """Build a user's dataset over this host's channel (the child's working directory) and register it,
     checked as tf_contract says; a refusal is printed as REFUSED_LINE and the child exits REFUSED_EXIT."""
-    from training.cluster import ClusterConfigError
     from training.data_service.dataset import ChannelError
     from training.data_service.tf_pipeline import DATASET_ID, batched, file_source, register, relative_samples
-    from training.host_environment import HostEnvironment
-    from training.hyperparameters import HyperparameterError
+    from training.hyperparameters import HyperparameterError, load_hyperparameters, load_shutdown_token
     from training.trainers.config import KerasWorkloadConfig
     from training.workload.contract import WorkloadError
     from training.workload.host import split_settings
@@ -252,19 +250,16 @@ def register_workload(args: argparse.Namespace) -> None:
     )
 
     try:
-        # This child's one read of its host's files (the job's hyperparameters and token): the launcher
-        # that started it checked them, and only the registration needs them.
-        host = HostEnvironment.read()
         code_dir = Path(args.workload_dir)
         workload = load_keras_workload(code_dir, args.workload_module, Path(args.workload_packages) if args.workload_packages else None)
-        settings, config, hyperparameters = split_settings(host.hyperparameters, workload, host.shutdown_token, KerasWorkloadConfig)
+        settings, config, hyperparameters = split_settings(load_hyperparameters(), workload, load_shutdown_token(), KerasWorkloadConfig)
         listing = list_channel_files(Path.cwd(), settings.data_channel, file_pattern(code_dir, args.workload_module))
         paths, labels = relative_samples(listing)
         ctx = KerasContext(dict(hyperparameters), classes=listing.classes, num_samples=len(listing), steps=config.steps,
                            batch_size=args.batch_size, seed=args.seed, learning_rate=config.learning_rate)
         probe_elements(workload, paths, labels, ctx)
         dataset = batched(build_elements(workload, file_source(paths, labels, args.seed), ctx), args.batch_size, prefetch=False)
-    except (WorkloadError, HyperparameterError, ClusterConfigError, ChannelError) as error:
+    except (WorkloadError, HyperparameterError, ChannelError) as error:
         print(f"{REFUSED_LINE}{type(error).__name__}: {error}", flush=True)
         os._exit(REFUSED_EXIT)
     register(args.dispatcher_address, dataset)
