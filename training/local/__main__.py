@@ -125,6 +125,11 @@ def emulated_cost_per_1k_steps(spec: JobSpec, summary: Mapping[str, Any]) -> tup
     return cost_per_1k_steps(usd_per_hour, step_ms), f"{step_ms:.1f} ms per step at ${usd_per_hour:.3f}/h ({cluster}, fallback prices of {PRICE_DATE})"
 
 
+# One line under the figures that says what they are (docs/reference/glossary.md says more).
+COLUMNS_LINE = ("p50: the median training step, its wait for input included; data wait: the part of a step spent waiting "
+                "for its batch; $ per 1k steps: the billed time per step here × the spec's list prices (see the glossary)")
+
+
 def job_table(result: ClusterResult, spec: JobSpec, summary: Mapping[str, Any] | None, workdir: Path) -> str:
     """stdout's result: the host table, then the job's figures, then where the logs are. Pure."""
     lines = [result.report()]
@@ -138,6 +143,7 @@ def job_table(result: ClusterResult, spec: JobSpec, summary: Mapping[str, Any] |
             f"{'samples/s':<24}{_number(samples, 1)}",
             f"{'data wait p50':<24}{_number(wait.get('p50') if isinstance(wait, Mapping) else wait, 1, ' ms')}",
             f"{'$ per 1k steps':<24}{'–' if cost is None else f'${cost:.4f}'} (emulated: {basis})",
+            COLUMNS_LINE,
         ]
     else:
         lines.append("no summary: training did not get that far (see the hosts' logs)")

@@ -300,6 +300,9 @@ def render(comparison: Comparison) -> str:
         f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
         f"rounds: {len(base.rounds_ms) or 1} per configuration, interleaved; ms/step is the median round's, spread (slowest − "
         f"fastest) / median; other programs used {comparison.other_cores:.2f} CPUs on average meanwhile",
+        "ms/step: the billed time per step (the timed steps' wall time, with the evaluations, checkpoints and stalls between "
+        "them), which is why it is above hetero local's step time p50 (the median step alone); speed-up: the homogeneous "
+        "ms/step over this one's; $ per 1k steps: ms/step × the spec's list prices, EMULATED (docs/reference/glossary.md)",
     ]
     return "\n".join(rows)
 

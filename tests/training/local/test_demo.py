@@ -46,8 +46,8 @@ def test_comparison_figures_and_table() -> None:
     stalling = Comparison(Profile(60, 40), comparison.homogeneous, dataclasses.replace(comparison.heterogeneous, step_ms=70, p50_ms=61.5))
     assert stalling.offload_efficiency == pytest.approx(61.5 / 60)
     assert stalling.heterogeneous.cost_per_1k_steps > comparison.heterogeneous.cost_per_1k_steps
-    # 60 ms for the example's batch of 64: what the sizing advisor takes as images_per_s_per_vcpu.
-    assert "(1067 images/s per vCPU" in table
+    # 60 ms for the example's batch of 64: what the sizing advisor takes as samples_per_s_per_vcpu.
+    assert "(1067 samples/s per vCPU" in table
 
 
 def test_the_demo_writes_the_sweep_report_with_emulated_prices(tmp_path: Path) -> None:

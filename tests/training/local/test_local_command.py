@@ -137,6 +137,7 @@ def test_the_result_is_a_short_table_of_hosts_and_the_jobs_figures_with_an_emula
     assert cost == pytest.approx(5.661 * 15.0 / 3600)
     assert rows["$ per 1k steps"].startswith(f"${cost:.4f} (emulated: 15.0 ms per step at $5.661/h") and "fallback prices" in basis
     assert table[-1] == f"host trees and logs: {tmp_path} (logs/<host>.log)"
+    assert table[-2].startswith("p50: the median training step") and "data wait:" in table[-2] and "$ per 1k steps:" in table[-2]
 
 
 def test_a_spec_without_fallback_prices_says_so_instead_of_a_cost() -> None:
