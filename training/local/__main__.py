@@ -127,7 +127,7 @@ def emulated_cost_per_1k_steps(spec: JobSpec, summary: Mapping[str, Any]) -> tup
 
 # One line under the figures that says what they are (docs/reference/glossary.md says more).
 COLUMNS_LINE = ("p50: the median training step, its wait for input included; data wait: the part of a step spent waiting "
-                "for its batch; $ per 1k steps: the billed time per step here × the spec's list prices (see the glossary)")
+                "for its batch; $ per 1k steps: the billed time per step here × the spec's list prices (docs/reference/glossary.md)")
 
 
 def job_table(result: ClusterResult, spec: JobSpec, summary: Mapping[str, Any] | None, workdir: Path) -> str:
