@@ -63,6 +63,18 @@ Stack = Annotated[str | None, typer.Option(help="The platform's CloudFormation s
 Region = Annotated[str | None, typer.Option(help="The stack's AWS region.", envvar="AWS_REGION")]
 Profile = Annotated[str | None, typer.Option(help="AWS CLI profile for the credentials.", envvar="AWS_PROFILE")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout, for scripts.")]
+GivenPrices = Annotated[list[str] | None, typer.Option("--price", metavar="TYPE=USD_PER_HOUR", help=(
+    "Your $/hour for an instance type (a negotiated or newer price), in place of the dated table's; repeatable."))]
+
+
+def given_prices(items: list[str] | None) -> dict[str, float]:
+    """``--price`` options as {instance type: $/hour}; a malformed one ends the command with its reason (exit 2)."""
+    from lambdas.core.price_performance import given_price
+
+    try:
+        return dict(given_price(item) for item in items or [])
+    except ValueError as error:
+        fail(str(error), 2)
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")]
 Direct = Annotated[bool, typer.Option("--direct", help="RUN is a job launched with `run --direct` (its job name).")]
 
@@ -106,7 +118,7 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
                                                           "folder up (never the working directory's).")] = True,
              settings_file: Annotated[Path | None, typer.Option("--settings", metavar="CDK_JSON", help="The deployment settings "
                                                                 "(a cdk.json with the platform's context) to check against.")] = None,
-             as_json: AsJson = False) -> None:
+             price: GivenPrices = None, as_json: AsJson = False) -> None:
     """Check specs with the platform's own rules, offline; each refusal names its field.
 
     A spec of a user workload is checked as every host will check it: its code imported and checked
@@ -118,13 +130,18 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
     `--settings cdk.json`, a spec is held to the run and sweep ceilings the deployment would hold it to,
     and refused (exit 2) above them. The verdict depends on the spec and those settings alone, wherever it
     is run from; the output names the settings it used."""
+    import dataclasses
+
     from lambdas.core.job_spec import NO_POLICY
 
     folders = dict(key_value(item) for item in channel or [])
+    given = given_prices(price)
     verdicts = []
     announced: set[Path | None] = set()
     for path in specs:
         policy, settings = spec_policy(path, settings_file) if deployment else (NO_POLICY, None)
+        if given:  # the user's $/hour over the settings' and the table's, for the worst case and the ceiling
+            policy = dataclasses.replace(policy, prices_usd_per_hour={**policy.prices_usd_per_hour, **given})
         if settings not in announced and not as_json:
             announced.add(settings)
             if settings is not None:
@@ -470,14 +487,14 @@ def prices(ctx: typer.Context,
            types: Annotated[list[str] | None, typer.Argument(help="Instance types or families (ml.g5.xlarge, ml.g5, g5; default: every type).",
                                                              show_default=False)] = None,
            live: Annotated[bool, typer.Option("--live", help="Today's prices from the AWS Price List API (needs AWS credentials).")] = False,
-           region: Region = None, profile: Profile = None, as_json: AsJson = False) -> None:
+           region: Region = None, profile: Profile = None, price: GivenPrices = None, as_json: AsJson = False) -> None:
     """Every SageMaker training instance type: its hardware and $/hour, offline from the dated fallback
     table (none for a type it has no sourced price for), or with `--live` from the AWS Price List API for
     `--region` (default us-east-1); always with the source and date.
 
     Example: `hetero prices g5 c6i` · `hetero prices ml.p4d.24xlarge --live --json`"""
     from lambdas.core.catalog import HARDWARE_DATE, HARDWARE_SOURCE, UnknownInstanceTypeError, select
-    from lambdas.core.price_performance import FALLBACK_PRICES
+    from lambdas.core.price_performance import FALLBACK_PRICES, with_given
 
     if live and not types:  # one Price List query per type: 200-odd of them would take minutes and be throttled
         fail("--live asks the Price List API type by type: name the types or families to price (hetero prices g5 c6i --live)", 2)
@@ -485,7 +502,8 @@ def prices(ctx: typer.Context,
         chosen = select(tuple(types or ()))
     except UnknownInstanceTypeError as error:
         fail(error.args[0], 2)
-    quoted = live_prices_of(ctx, [item.name for item in chosen], region, profile) if live else FALLBACK_PRICES
+    given = given_prices(price)
+    quoted = with_given(live_prices_of(ctx, [item.name for item in chosen], region, profile) if live else FALLBACK_PRICES, given)
     rows = [{"instance_type": item.name, "family": item.family, "vcpus": item.vcpus, "memory_gib": item.memory_gib,
              "accelerator_kind": item.accelerator_kind or "cpu", "accelerators": item.accelerators, "accelerator": item.accelerator,
              "accelerator_memory_gb": item.accelerator_memory_gb, "neuron_cores": item.neuron_cores,

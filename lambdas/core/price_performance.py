@@ -8,7 +8,8 @@ Pure arithmetic; the prices' source and date travel with every figure that uses 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lambdas.core.catalog import CATALOG, PRICE_DATE, PRICE_SOURCE, instance_type
@@ -26,6 +27,32 @@ FALLBACK_PRICES = Prices(
     source=PRICE_SOURCE,
     date=PRICE_DATE,
 )
+
+
+def given_price(text: str) -> tuple[str, float]:
+    """``TYPE=USD_PER_HOUR`` (a `--price` option) as (instance type, $/hour): a type the catalog knows and a
+    positive, finite price; ValueError naming what is wrong. Pure."""
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise ValueError(f"--price takes TYPE=USD_PER_HOUR (ml.g5.xlarge=1.41), got {text!r}")
+    try:
+        instance_type(name)
+    except LookupError as error:  # UnknownInstanceTypeError: the name, and the families the catalog has
+        raise ValueError(f"--price {text}: {error.args[0]}") from None
+    try:
+        usd = float(value)
+    except ValueError:
+        usd = math.nan
+    if not math.isfinite(usd) or usd <= 0:
+        raise ValueError(f"--price {text}: the $/hour must be a positive number")
+    return name, usd
+
+
+def with_given(prices: Prices, given: Mapping[str, float]) -> Prices:
+    """``prices`` with the $/hour a user gave (``--price``) in place of the table's, its source saying so. Pure."""
+    if not given:
+        return prices
+    return Prices({**prices.usd_per_hour, **given}, f"{prices.source}; given with --price for {', '.join(sorted(given))}", prices.date)
 
 
 def hourly_cost(groups: Iterable[tuple[str, int]], prices: Prices) -> float:

@@ -205,3 +205,32 @@ def test_another_apps_cdk_json_sets_no_policy_and_a_broken_one_is_one_line(tmp_p
     broken = checkout(tmp_path / "broken", {"run_cost_ceiling_usd": -1})
     refused = invoke("validate", str(spec(broken)))
     assert refused.exit_code == 2 and "run_cost_ceiling_usd must be a positive number" in refused.stderr and "Traceback" not in refused.output
+
+
+def test_a_users_own_prices_replace_the_tables_in_prices_validate_and_the_emulated_cost(tmp_path: Path) -> None:
+    from lambdas.core.job_spec import validate_job_spec
+    from lambdas.core.price_performance import FALLBACK_PRICES, given_price, with_given
+    from training.local.__main__ import emulated_cost_per_1k_steps
+
+    assert given_price("ml.g5.2xlarge=1.515") == ("ml.g5.2xlarge", 1.515)
+    for bad, words in (("ml.g5.2xlarge", "takes TYPE=USD_PER_HOUR"), ("ml.g9.xlarge=1", "not in the catalog"),
+                       ("ml.g5.2xlarge=-1", "positive number"), ("ml.g5.2xlarge=nan", "positive number")):
+        with pytest.raises(ValueError, match=words):
+            given_price(bad)
+    mine = with_given(FALLBACK_PRICES, {"ml.c5.xlarge": 0.1})
+    assert mine.usd_per_hour["ml.c5.xlarge"] == 0.1 and "given with --price for ml.c5.xlarge" in mine.source
+    shown = json.loads(invoke("prices", "ml.g5.2xlarge", "ml.c5.xlarge", "--price", "ml.g5.2xlarge=1.515", "--json").stdout)
+    assert shown["usd_per_hour"] == {"ml.c5.xlarge": 0.204, "ml.g5.2xlarge": 1.515} and "--price" in shown["source"]
+    refused = invoke("prices", "g5", "--price", "g5=1")
+    assert refused.exit_code == 2 and "--price g5=1" in refused.stderr
+    # validate: the worst case priced with them (a type the table has no price for, priced by the user).
+    checked = invoke("validate", str(g5_with_c6i_data_hosts(tmp_path)), "--no-deployment", "--price", "ml.c6i.8xlarge=1.5",
+                     "--price", "ml.g5.2xlarge=1.6", "--json")
+    assert checked.exit_code == 0, checked.output
+    assert json.loads(checked.stdout)[0]["worst_case_usd"] == pytest.approx(2 * 1.5 + 1.6)
+    # hetero local's emulated cost: the user's $/hour where given, the table's for the rest, and it says which.
+    spec = validate_job_spec(json.loads(g5_with_c6i_data_hosts(tmp_path).read_text()))
+    summary = {"wall_ms_per_step": 100.0, "step_time_ms": {"p50": 90.0}}
+    assert emulated_cost_per_1k_steps(spec, summary)[0] is None  # no table price for either type
+    cost, basis = emulated_cost_per_1k_steps(spec, summary, {"ml.c6i.8xlarge": 1.5, "ml.g5.2xlarge": 1.6})
+    assert cost == pytest.approx((2 * 1.5 + 1.6) * 0.1 / 3.6) and "your --price for ml.c6i.8xlarge, ml.g5.2xlarge" in basis

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from lambdas.core.catalog import PRICE_DATE
 from lambdas.core.job_spec import JobSpec, JobSpecError, validate_job_spec
-from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, hourly_cost
+from lambdas.core.price_performance import FALLBACK_PRICES, cost_per_1k_steps, hourly_cost, with_given
 from lambdas.core.results import billed_ms_per_step
 from training.local.cluster import (
     ANSI,
@@ -110,19 +110,25 @@ class HostLines:
             self._progress = ""
 
 
-def emulated_cost_per_1k_steps(spec: JobSpec, summary: Mapping[str, Any]) -> tuple[float | None, str]:
+def emulated_cost_per_1k_steps(spec: JobSpec, summary: Mapping[str, Any],
+                               given: Mapping[str, float] | None = None) -> tuple[float | None, str]:
     """$ per 1k steps of this machine's step time at the catalog's fallback prices for the spec's instance
-    types, and what it was computed from (or why not). Emulated: this machine's cores stand in for the
-    instances, so the figure compares configurations on one machine, not a cloud bill. Pure."""
+    types (``given``: the user's $/hour in their place, --price), and what it was computed from (or why
+    not). Emulated: this machine's cores stand in for the instances, so the figure compares
+    configurations on one machine, not a cloud bill. Pure."""
     step_ms = billed_ms_per_step(summary)
     if step_ms is None:
         return None, "no timed step"
+    types = {group.instance_type for group in spec.instance_groups}
     try:
-        usd_per_hour = hourly_cost([(group.instance_type, group.count) for group in spec.instance_groups], FALLBACK_PRICES)
+        usd_per_hour = hourly_cost([(group.instance_type, group.count) for group in spec.instance_groups], with_given(FALLBACK_PRICES, given or {}))
     except KeyError as error:
-        return None, str(error.args[0])
+        return None, str(error.args[0]) + " (give one with --price TYPE=USD_PER_HOUR)"
     cluster = " + ".join(f"{group.count}× {group.instance_type}" for group in spec.instance_groups)
-    return cost_per_1k_steps(usd_per_hour, step_ms), f"{step_ms:.1f} ms per step at ${usd_per_hour:.3f}/h ({cluster}, fallback prices of {PRICE_DATE})"
+    mine = sorted(types & set(given or {}))
+    source = f"your --price for {', '.join(mine)}" + (f", fallback prices of {PRICE_DATE} for the rest" if types - set(mine) else "") if mine \
+        else f"fallback prices of {PRICE_DATE}"
+    return cost_per_1k_steps(usd_per_hour, step_ms), f"{step_ms:.1f} ms per step at ${usd_per_hour:.3f}/h ({cluster}, {source})"
 
 
 # One line under the figures that says what they are (docs/reference/glossary.md says more).
@@ -130,14 +136,15 @@ COLUMNS_LINE = ("p50: the median training step, its wait for input included; dat
                 "for its batch; $ per 1k steps: the billed time per step here × the spec's list prices (docs/reference/glossary.md)")
 
 
-def job_table(result: ClusterResult, spec: JobSpec, summary: Mapping[str, Any] | None, workdir: Path) -> str:
+def job_table(result: ClusterResult, spec: JobSpec, summary: Mapping[str, Any] | None, workdir: Path,
+              given: Mapping[str, float] | None = None) -> str:
     """stdout's result: the host table, then the job's figures, then where the logs are. Pure."""
     lines = [result.report()]
     if summary:
         step = summary.get("step_time_ms") or {}
         wait = summary.get("data_wait_ms") or {}
         samples = summary.get("samples_per_s")
-        cost, basis = emulated_cost_per_1k_steps(spec, summary)
+        cost, basis = emulated_cost_per_1k_steps(spec, summary, given)
         lines += [
             f"{'step time p50':<24}{_number(step.get('p50'), 1, ' ms')}",
             f"{'samples/s':<24}{_number(samples, 1)}",
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
-        print(job_table(result, cluster.spec, summary, options.workdir), flush=True)
+        print(job_table(result, cluster.spec, summary, options.workdir, dict(args.price)), flush=True)
     if reason:
         print(f"the platform would record this run as {status}: {reason}", file=sys.stderr)
     if args.json:
