@@ -33,18 +33,19 @@ import shutil
 import statistics
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lambdas.core.chart import render_chart
 from lambdas.core.job_spec import JobSpec, trainer_config, validate_job_spec
-from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_steps, hourly_cost
+from lambdas.core.price_performance import FALLBACK_PRICES, Prices, cost_per_1k_steps, hourly_cost, with_given
 from lambdas.core.results import billed_ms_per_step
 from lambdas.core.sweep import compare, render_markdown
 from training.local.__main__ import resolve_code
 from training.local.cluster import EmulatedCluster, EmulatedHost, EmulationOptions, plan_hosts
 from training.local.images import write_dataset
 from training.local.machine_load import OtherLoad
+from training.local.options import given_price_option
 from training.local.profile import (
     Profile,
     data_host_cpus,
@@ -79,6 +80,7 @@ class RunFigures:
     samples_per_s: float
     p50_ms: float | None = None  # the step-time median, shown beside it
     rounds_ms: tuple[float, ...] = ()  # each round's billed ms per step (step_ms is their median)
+    prices: Prices = FALLBACK_PRICES  # the dated table, or with the user's --price in it
 
     @property
     def spread(self) -> float:
@@ -87,7 +89,7 @@ class RunFigures:
 
     @property
     def usd_per_hour(self) -> float:
-        return hourly_cost([(group.instance_type, group.count) for group in self.spec.instance_groups], FALLBACK_PRICES)
+        return hourly_cost([(group.instance_type, group.count) for group in self.spec.instance_groups], self.prices)
 
     @property
     def cost_per_1k_steps(self) -> float:
@@ -297,7 +299,7 @@ def render(comparison: Comparison) -> str:
         f"worth of CPUs here; "
         f"heterogeneous median step / ideal step = {comparison.offload_efficiency:.3f}",
         f"price-performance: {abs(saving):.0%} {'lower' if saving >= 0 else 'higher'} cost per step with the data host "
-        f"(EMULATED: local step times × {FALLBACK_PRICES.source}, {FALLBACK_PRICES.date})",
+        f"(EMULATED: local step times × {base.prices.source}, {base.prices.date})",
         f"rounds: {len(base.rounds_ms) or 1} per configuration, interleaved; ms/step is the median round's, spread (slowest − "
         f"fastest) / median; other programs used {comparison.other_cores:.2f} CPUs on average meanwhile",
         "ms/step: the billed time per step (the timed steps' wall time, with the evaluations, checkpoints and stalls between "
@@ -321,12 +323,19 @@ def images_per_s(spec: JobSpec, ms_per_batch: float) -> float:
     return trainer_config(spec).batch_size * 1000 / ms_per_batch
 
 
-def emulated_prices() -> Prices:
+def emulated_prices(prices: Prices = FALLBACK_PRICES) -> Prices:
     return Prices(
-        usd_per_hour=FALLBACK_PRICES.usd_per_hour,
-        source=f"EMULATED: step times measured on this machine × {FALLBACK_PRICES.source}",
-        date=FALLBACK_PRICES.date,
+        usd_per_hour=prices.usd_per_hour,
+        source=f"EMULATED: step times measured on this machine × {prices.source}",
+        date=prices.date,
     )
+
+
+def priced(comparison: Comparison, given: dict[str, float]) -> Comparison:
+    """The comparison with the user's $/hour (--price) in place of the table's. Pure."""
+    prices = with_given(FALLBACK_PRICES, given)
+    return replace(comparison, homogeneous=replace(comparison.homogeneous, prices=prices),
+                   heterogeneous=replace(comparison.heterogeneous, prices=prices))
 
 
 def spec_document(spec: JobSpec) -> dict:
@@ -345,7 +354,7 @@ def write_report(comparison: Comparison, folder: Path, title: str) -> tuple[Path
          "result": {"billed_ms_per_step": run.step_ms, "step_time_ms": {"p50": run.p50_ms}}}
         for run in (comparison.homogeneous, comparison.heterogeneous)
     ]
-    report = compare(outcomes, emulated_prices(), step_time_target_ms=None)
+    report = compare(outcomes, emulated_prices(comparison.homogeneous.prices), step_time_target_ms=None)
     disturbed = disturbance(comparison)
     if disturbed:
         report |= {"recommended": None, "recommended_data_hosts": None, "recommendation_basis": None, "disturbed": disturbed}
@@ -369,6 +378,8 @@ def demo_parser(prog: str = "python -m training.local.demo") -> argparse.Argumen
     parser.add_argument("--variant", choices=[name for name, variant in VARIANTS.items() if variant.has_data_service], default="pytorch",
                         help="the built-in workload's variant to compare (default: pytorch)")
     parser.add_argument("--workload", type=Path, help="a user workload's folder (homogeneous.json and heterogeneous.json beside its code)")
+    parser.add_argument("--price", type=given_price_option, action="append", default=[], metavar="TYPE=USD_PER_HOUR",
+                        help="your $/hour for an instance type, in place of the dated table's (repeatable)")
     return parser
 
 
@@ -386,7 +397,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.local.de
     restore_stop_signals()
     try:
         with stopped_by_signals():  # each run's cluster is closed (every host killed) on the way out
-            comparison = run_comparison(workdir, args.steps, args.variant, workload=args.workload, rounds=args.rounds)
+            comparison = priced(run_comparison(workdir, args.steps, args.variant, workload=args.workload, rounds=args.rounds),
+                                dict(args.price))
     except Stopped as stop:
         print(f"\n{stop.what}: stopped the demo and its emulated cluster; host trees and logs: {workdir}", file=sys.stderr)
         return stop.exit_code

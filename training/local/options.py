@@ -43,7 +43,7 @@ def key_value(text: str) -> tuple[str, str]:
 KEEP_RUNS = 5
 
 
-def _given_price(text: str) -> tuple[str, float]:
+def given_price_option(text: str) -> tuple[str, float]:
     """argparse's type for --price: lambdas/core/price_performance.py's check, its error argparse's."""
     from lambdas.core.price_performance import given_price
 
@@ -75,7 +75,7 @@ def add_run_options(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run.add_argument("--processes-per-host", type=int, default=0, help="trainer processes per DNN host (default: one per GPU, or 1)")
     run.add_argument("--set", type=key_value, action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
     run.add_argument("--code", type=Path, help="the workload's code folder (default: the spec's workload.code, relative to the spec file)")
-    run.add_argument("--price", type=_given_price, action="append", default=[], metavar="TYPE=USD_PER_HOUR",
+    run.add_argument("--price", type=given_price_option, action="append", default=[], metavar="TYPE=USD_PER_HOUR",
                      help="your $/hour for an instance type, in place of the dated table's, for the emulated cost (repeatable)")
     run.add_argument("--json", action="store_true", help="the chief DNN host's summary as JSON, alone on stdout (for scripts)")
     return run

@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 
 from lambdas.core.job_spec import validate_job_spec
-from training.local.demo import BUSY_CORES, Comparison, RunFigures, combined, disturbance, interleaved, main, render, write_report
+from training.local.demo import (
+    BUSY_CORES,
+    Comparison,
+    RunFigures,
+    combined,
+    disturbance,
+    interleaved,
+    main,
+    priced,
+    render,
+    write_report,
+)
 from training.local.profile import Profile
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -106,6 +117,12 @@ def test_a_busy_machine_or_rounds_that_disagree_give_no_recommendation(tmp_path:
     assert "other programs used 0.75 CPUs" in disturbance(busy)
     drifting = dataclasses.replace(steady, heterogeneous=dataclasses.replace(steady.heterogeneous, rounds_ms=(23.0, 40.0)))
     assert "the heterogeneous rounds disagree by 54%" in disturbance(drifting)
+    # The user's $/hour (--price) price both configurations, and the report says it.
+    mine = priced(steady, {"ml.p3.2xlarge": 3.0})
+    assert mine.homogeneous.usd_per_hour == 3.0 and mine.heterogeneous.usd_per_hour == pytest.approx(3.0 + 1.836)
+    assert "given with --price for ml.p3.2xlarge" in render(mine)
+    priced_json, *_ = write_report(mine, tmp_path / "priced", "t")
+    assert "given with --price for ml.p3.2xlarge" in json.loads(priced_json.read_text())["prices"]["source"]
     report_json, _, _, markdown = write_report(busy, tmp_path / "busy", "t")
     report = json.loads(report_json.read_text())
     assert report["recommended"] is None and "other programs used" in report["disturbed"]
