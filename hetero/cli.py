@@ -140,20 +140,23 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
     announced: set[Path | None] = set()
     for path in specs:
         policy, settings = spec_policy(path, settings_file) if deployment else (NO_POLICY, None)
-        if given:  # the user's $/hour over the settings' and the table's, for the worst case and the ceiling
-            policy = dataclasses.replace(policy, prices_usd_per_hour={**policy.prices_usd_per_hour, **given})
+        # The user's $/hour price the worst case printed; the verdict stays the deployment's, whose launch
+        # checks the ceiling with its own settings' prices.
+        estimating = dataclasses.replace(policy, prices_usd_per_hour={**policy.prices_usd_per_hour, **given}) if given else policy
         if settings not in announced and not as_json:
             announced.add(settings)
             if settings is not None:
                 err.print(f"policy of {escape(str(settings))}: run ceiling {usd(policy.run_cost_ceiling_usd)}, sweep ceiling "
                           f"{usd(policy.sweep_cost_ceiling_usd)} (--no-deployment: none)", highlight=False, soft_wrap=True)
             else:
-                err.print("policy: none (no deployment settings: no cdk.json of the platform's above the spec, no --settings)",
-                          highlight=False, soft_wrap=True)
+                err.print("policy: none (no cdk.json of the platform's in the spec's folder or above it: for a spec kept outside "
+                          "the checkout, name the deployment's settings with --settings cdk.json)", highlight=False, soft_wrap=True)
         try:
             raw = api.validate_any(path, policy)
             verdict: dict[str, Any] = ({"spec": str(path), "ok": True, "settings": str(settings) if settings else None}
-                                       | cost_fields(api.estimate_cost(raw, policy)))
+                                       | cost_fields(api.estimate_cost(raw, estimating)))
+            if given:
+                verdict["priced_with"] = sorted(given)
             workload = workload_check(path, raw, code, folders, install)
             if workload:
                 verdict["workload"] = workload
@@ -162,16 +165,18 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="Job spec files (a
                 verdict["local"] = here
             verdicts.append(verdict)
         except api.SpecRefused as error:
-            verdicts.append({"spec": str(path), "ok": False, "field": error.field, "error": str(error)})
+            verdicts.append({"spec": str(path), "ok": False, "field": error.field, "error": str(error), "settings": str(settings) if settings else None})
         except api.ClientFacingError as error:
-            verdicts.append({"spec": str(path), "ok": False, "field": None, "error": str(error)})
+            verdicts.append({"spec": str(path), "ok": False, "field": None, "error": str(error), "settings": str(settings) if settings else None})
     if as_json:
         emit_json(verdicts)
     else:
         for verdict in verdicts:
             if verdict["ok"]:
                 out.print(f"[green]ok[/]      {escape(verdict['spec'])}", highlight=False)
-                out.print(f"        {escape(cost_line(verdict))}", highlight=False, soft_wrap=True)
+                priced_with = f" (priced with your --price for {', '.join(verdict['priced_with'])}; the deployment checks its ceiling with its own prices)" \
+                    if verdict.get("priced_with") else ""
+                out.print(f"        {escape(cost_line(verdict) + priced_with)}", highlight=False, soft_wrap=True)
                 if "workload" in verdict:
                     out.print(f"        {escape(workload_line(verdict['workload']))}", highlight=False, soft_wrap=True)
                 if "local" in verdict:

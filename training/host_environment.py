@@ -172,10 +172,15 @@ class TrainerEnvironment:
             started_at = float(started) if started else None
         except ValueError:
             started_at = None  # a clock reading, only for time to first batch: a bad one means "not known"
-        world_size = _count(environ, "WORLD_SIZE", _count(environ, "HOROVOD_SIZE", 1, least=1), least=1)
-        local_world = _count(environ, "LOCAL_WORLD_SIZE", _count(environ, "HOROVOD_LOCAL_SIZE", 1, least=1), least=1)
-        rank = _count(environ, "RANK", _count(environ, "HOROVOD_RANK", 0, least=0), least=0)
-        local_rank = _count(environ, "LOCAL_RANK", _count(environ, "HOROVOD_LOCAL_RANK", 0, least=0), least=0)
+        def place(name: str, horovods: str, default: int, least: int) -> int:
+            # torchrun's variable, else horovodrun's (read only when torchrun's is absent: a stray one
+            # the image inherited must not refuse a torchrun rank), else a process started alone.
+            return _count(environ, name if environ.get(name) else horovods, default, least=least)
+
+        world_size = place("WORLD_SIZE", "HOROVOD_SIZE", 1, 1)
+        local_world = place("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", 1, 1)
+        rank = place("RANK", "HOROVOD_RANK", 0, 0)
+        local_rank = place("LOCAL_RANK", "HOROVOD_LOCAL_RANK", 0, 0)
         if rank >= world_size or local_rank >= local_world:
             raise HyperparameterError(f"RANK={rank} of WORLD_SIZE={world_size}, LOCAL_RANK={local_rank} of {local_world}: "
                                       "a rank must be below its count")

@@ -194,10 +194,30 @@ def configured_steps(spec: Mapping[str, Any]) -> int | None:
         return None
 
 
-def with_startup(cost_per_1k: float, startup_s: float, usd_per_hour: float, steps: int) -> float:
-    """The cost per 1k steps of a run of ``steps`` steps: the steady state plus the start-up's billed
-    seconds (before the first batch) spread over them. Pure."""
-    return cost_per_1k + startup_s / 3600 * usd_per_hour * 1000 / steps
+def with_startup(cost_per_1k: float, overhead_s: float, usd_per_hour: float, steps: int) -> float:
+    """The cost per 1k steps of a run of ``steps`` steps: the steady state plus the run's billed seconds
+    that were no timed step (start-up, the warm-up steps and their compilation, the final save and upload)
+    spread over them. Pure."""
+    return cost_per_1k + overhead_s / 3600 * usd_per_hour * 1000 / steps
+
+
+def steps_trained(summary: Mapping[str, Any] | None) -> int | None:
+    """The steps this job trained (a resumed one's from its start step), from the trainer's summary;
+    None without one. Pure."""
+    summary = summary or {}
+    steps, start = summary.get("steps"), summary.get("start_step", 0)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not isinstance(start, int) or steps - start < 1:
+        return None
+    return steps - start
+
+
+def billed_overhead_s(billable: Any, summary: Mapping[str, Any] | None, billed_step_ms: float | None) -> float | None:
+    """The run's billed seconds that were no timed step: its billable seconds less the timed steps' wall
+    time (start-up, warm-up steps, evaluations and saves outside the timed steps, upload). Pure."""
+    timed = (summary or {}).get("timed_steps")
+    if _seconds(billable) is None or billed_step_ms is None or not isinstance(timed, int) or isinstance(timed, bool):
+        return None
+    return round(max(0.0, float(billable) - timed * billed_step_ms / 1000), 3)
 
 
 def _seconds(value: Any) -> float | None:
@@ -230,9 +250,9 @@ def result_document(
     final_metrics = {item["MetricName"]: item["Value"] for item in describe.get("FinalMetricDataList", [])}
     billable = describe.get("BillableTimeInSeconds")
     startup = startup_times(describe, summary)
-    steps = configured_steps(raw_spec) if raw_spec is not None else None
     steady = cost_per_1k_steps(usd_per_hour, billed_step_ms) if usd_per_hour is not None and billed_step_ms else None
-    first_batch = startup.get("billed_to_first_batch_s")
+    trained = steps_trained(summary)
+    run_cost = billable / 3600 * usd_per_hour if usd_per_hour is not None and _seconds(billable) else None
     return {
         "run_id": run_id,
         "job_name": job_name,
@@ -250,12 +270,13 @@ def result_document(
         "final_metrics": final_metrics,
         "usd_per_hour": usd_per_hour,
         # The steady state (billed time per step); beside it what the run was billed in all, start-up
-        # included, and the cost per 1k steps of a run of the spec's steps with its start-up spread over them.
+        # included, the steps it trained, and the whole bill per 1k of them.
         "cost_per_1k_steps_usd": round(steady, 6) if steady is not None else None,
-        "run_cost_usd": round(billable / 3600 * usd_per_hour, 4) if usd_per_hour is not None and billable else None,
-        "spec_steps": steps,
-        "cost_per_1k_steps_with_startup_usd": (round(with_startup(steady, first_batch, usd_per_hour, steps), 6)
-                                               if steady is not None and first_batch is not None and steps else None),
+        "run_cost_usd": round(run_cost, 4) if run_cost is not None else None,
+        "spec_steps": configured_steps(raw_spec) if raw_spec is not None else None,
+        "steps_trained": trained,
+        "billed_overhead_s": billed_overhead_s(billable, summary, billed_step_ms),
+        "cost_per_1k_steps_with_startup_usd": round(run_cost * 1000 / trained, 6) if run_cost is not None and trained else None,
         "startup": startup,
         "prices": {
             "source": prices.source,

@@ -301,6 +301,8 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
             "billable_seconds": billable if isinstance(billable, int | float) and not isinstance(billable, bool) else None,
             "run_cost_usd": None,
             "spec_steps": configured_steps(spec),
+            "steps_trained": result.get("steps_trained") if succeeded else None,
+            "billed_overhead_s": result.get("billed_overhead_s") if succeeded else None,
             "cost_per_1k_steps_with_startup_usd": None,
         }
         cost, whole = None, None  # unrounded, for the comparisons; the report shows them rounded
@@ -312,9 +314,8 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
             if succeeded:
                 cost = cost_per_1k_steps(usd_per_hour, step)
                 row["cost_per_1k_steps_usd"] = round(cost, 6)
-                steps = run_steps or row["spec_steps"]
-                if row["first_batch_s"] is not None and steps:
-                    whole = with_startup(cost, row["first_batch_s"], usd_per_hour, steps)
+                whole = startup_cost(cost, row, usd_per_hour, run_steps)
+                if whole is not None:
                     row["cost_per_1k_steps_with_startup_usd"] = round(whole, 6)
         except KeyError as error:
             row["price_note"] = str(error).strip("'\"")
@@ -329,9 +330,10 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
         )
         row["meets_target"] = row["step_time_ms"] is not None and (step_time_target_ms is None or row["step_time_ms"] <= step_time_target_ms)
     eligible = [index for index in priced if rows[index]["meets_target"]]
-    # With every eligible configuration's start-up known, the cost of runs of that length; else the steady
-    # state alone for all of them (one basis for every configuration compared).
-    with_start = bool(eligible) and all(amortised[index] is not None for index in eligible)
+    # With every eligible configuration's whole bill known, the cost of runs of that length; else the steady
+    # state alone for all of them (one basis for every configuration compared), naming the ones without it.
+    lacking = [rows[index]["name"] for index in eligible if amortised[index] is None]
+    with_start = bool(eligible) and not lacking
     basis = amortised if with_start else costs
     recommended = rows[min(eligible, key=lambda index: basis[index])] if eligible else None
     return {
@@ -339,7 +341,7 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
         "baseline": baseline["name"] if baseline else None,
         "recommended": recommended["name"] if recommended else None,
         "recommended_data_hosts": recommended["data_hosts"] if recommended else None,
-        "recommendation_basis": recommendation_basis(with_start, run_steps) if eligible else None,
+        "recommendation_basis": recommendation_basis(with_start, run_steps, lacking) if eligible else None,
         "run_steps": run_steps,
         "step_time_target_ms": step_time_target_ms,
         "failed": [row["name"] for row in rows if row["status"] == "failed"],
@@ -347,14 +349,27 @@ def compare(outcomes: Sequence[Mapping[str, Any]], prices: Prices, step_time_tar
     }
 
 
-def recommendation_basis(with_start: bool, run_steps: int | None) -> str:
+def startup_cost(steady: float, row: Mapping[str, Any], usd_per_hour: float, run_steps: int | None) -> float | None:
+    """A configuration's cost per 1k steps with what its run was billed beyond its timed steps: for runs of
+    ``run_steps`` steps, the steady state plus that overhead spread over them; without it, the whole bill
+    over the steps the run trained. None when the result lacks the figures. Pure."""
+    if run_steps:
+        return None if row["billed_overhead_s"] is None else with_startup(steady, row["billed_overhead_s"], usd_per_hour, run_steps)
+    if row["billable_seconds"] is None or not row["steps_trained"]:
+        return None
+    return row["billable_seconds"] / 3600 * usd_per_hour * 1000 / row["steps_trained"]
+
+
+def recommendation_basis(with_start: bool, run_steps: int | None, lacking: Sequence[str] = ()) -> str:
     """Which cost the recommendation compared, and why, in a sentence. Pure."""
     if not with_start:
-        return ("the steady-state cost per 1k steps: the start-up of a configuration is not known (no billing start in its result), "
-                "so every configuration is compared as a long run is billed, its start-up left out")
-    over = f"{run_steps:,}-step runs (run_steps)" if run_steps else "each configuration's own steps"
-    return (f"the cost per 1k steps of {over}: the steady state plus the billed seconds before the first batch spread over the "
-            "steps; a long run's tends to the steady state, a short one's is mostly start-up")
+        return (f"the steady-state cost per 1k steps: {', '.join(lacking)} has no whole bill in its result (billable seconds, "
+                "steps trained), so every configuration is compared as a long run is billed, its start-up left out")
+    if run_steps:
+        return (f"the cost per 1k steps of {run_steps:,}-step runs (run_steps): the steady state plus each run's billed seconds "
+                "beyond its timed steps (start-up, warm-up and compilation, saves, upload) spread over them")
+    return ("the cost per 1k steps of each configuration's own run: its whole bill over the steps it trained; a long run's "
+            "tends to the steady state, a short one's is mostly start-up")
 
 
 def render_markdown(report: Mapping[str, Any], title: str) -> str:

@@ -23,7 +23,7 @@ What the request carries, and why:
 * OutputDataConfig's compression stated, not left to SageMaker's default: the results are read back from
   output.tar.gz as gzip (lambdas/core/results.py);
 * CheckpointConfig per run (checkpoints/<run id>/); ``resume_from`` adds a resume channel of the earlier
-  run's checkpoints on the DNN hosts, which seed this run's own (training/launcher.py), a
+  run's checkpoints on the DNN hosts, which seed this run's own (training/dnn_host.py), a
   stopping condition, tags, and in VPC mode the VpcConfig (infra/constructs/training_network.py).
 """
 

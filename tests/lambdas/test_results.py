@@ -77,14 +77,20 @@ def test_a_result_holds_the_steady_state_cost_the_whole_runs_billed_cost_and_the
     fastfile = {"TrainingJobStatus": "Completed", "BillableTimeInSeconds": 400, "TrainingStartTime": at(100),
                 "SecondaryStatusTransitions": [{"Status": "Starting", "StartTime": T0, "EndTime": at(100)},
                                                {"Status": "Training", "StartTime": at(100)}]}
+    # A resumed job: steps 200 to 500, of which 295 timed at 200 ms (its warm-up and its compile not timed).
     summary = {"container_started_at": at(160).timestamp(), "first_batch_at": at(230).timestamp(), "time_to_first_batch_s": 70,
-               "timed_steps": 50, "step_time_ms": {"p50": 180.0, "p90": 190.0, "mean": 185.0}, "wall_ms_per_step": 200.0}
+               "steps": 500, "start_step": 200, "timed_steps": 295, "step_time_ms": {"p50": 180.0, "p90": 190.0, "mean": 185.0},
+               "wall_ms_per_step": 200.0}
     groups = [(group["instance_type"], group["count"]) for group in spec["instance_groups"]]
     document = results.result_document(run_id="r", groups=groups, raw_spec=spec, job_name="j", describe=fastfile, summary=summary,
                                        prices=FALLBACK_PRICES)
-    hourly, steps = document["usd_per_hour"], spec["hyperparameters"]["steps"]
-    assert document["spec_steps"] == steps and document["billable_seconds"] == 400
+    hourly = document["usd_per_hour"]
+    assert document["spec_steps"] == spec["hyperparameters"]["steps"] and document["steps_trained"] == 300
+    assert document["billable_seconds"] == 400 and document["billed_overhead_s"] == pytest.approx(400 - 295 * 0.2)
     assert document["cost_per_1k_steps_usd"] == pytest.approx(hourly * 0.200 / 3.6, rel=1e-5)  # the steady state
     assert document["run_cost_usd"] == pytest.approx(400 / 3600 * hourly, abs=1e-4)  # all of it, start-up included
-    # The steady state plus the 130 billed seconds before the first batch, spread over the spec's steps.
-    assert document["cost_per_1k_steps_with_startup_usd"] == pytest.approx(hourly * 0.200 / 3.6 + 130 / 3600 * hourly * 1000 / steps, rel=1e-5)
+    # The whole bill over the 300 steps this job trained.
+    assert document["cost_per_1k_steps_with_startup_usd"] == pytest.approx(400 / 3600 * hourly * 1000 / 300, rel=1e-5)
+    no_summary = results.result_document(run_id="r", groups=groups, raw_spec=spec, job_name="j", describe=fastfile, summary=None,
+                                         prices=FALLBACK_PRICES)
+    assert no_summary["steps_trained"] is None and no_summary["cost_per_1k_steps_with_startup_usd"] is None

@@ -225,30 +225,33 @@ def test_a_user_workloads_sweep_keeps_its_validation_channel_on_the_dnn_group() 
 
 def test_each_runs_whole_billed_cost_is_beside_the_steady_state_and_the_recommendation_names_its_basis() -> None:
     """A short sweep's runs are mostly start-up: the steady state alone would recommend the slow starter
-    (two data hosts start later); the cost of runs of the spec's length, or of run_steps, counts it."""
+    (two data hosts start later); the whole bill over the steps trained, or over run_steps, counts it."""
     def sweep(run_steps: int | None = None) -> dict[str, Any]:
         rows = outcomes({0: 192.0, 2: 86.0})
-        for row, (billable, startup) in zip(rows, ((400, 100.0), (900, 600.0)), strict=True):
-            row["result"] |= {"billable_seconds": billable, "startup": {"billed_to_first_batch_s": startup}}
+        for row, (billable, overhead) in zip(rows, ((400, 304.0), (900, 857.0)), strict=True):
+            row["result"] |= {"billable_seconds": billable, "steps_trained": 500, "billed_overhead_s": overhead}
         return compare(rows, FALLBACK_PRICES, None, run_steps)
 
     short = sweep()
     alone, hosts = short["configurations"]
-    steps = alone["spec_steps"]
-    assert steps == hosts["spec_steps"] == TF["hyperparameters"]["steps"]
+    assert alone["spec_steps"] == hosts["spec_steps"] == TF["hyperparameters"]["steps"] and hosts["steps_trained"] == 500
     assert (alone["billable_seconds"], hosts["billable_seconds"]) == (400, 900)
     assert hosts["run_cost_usd"] == pytest.approx(900 / 3600 * hosts["usd_per_hour"], abs=1e-4)
-    expected = hosts["cost_per_1k_steps_usd"] + 600 / 3600 * hosts["usd_per_hour"] * 1000 / steps
-    assert hosts["cost_per_1k_steps_with_startup_usd"] == pytest.approx(expected, rel=1e-5)
+    # Its own run: the whole bill over the 500 steps it trained.
+    assert hosts["cost_per_1k_steps_with_startup_usd"] == pytest.approx(900 / 3600 * hosts["usd_per_hour"] * 1000 / 500, rel=1e-5)
     assert hosts["cost_per_1k_steps_usd"] < alone["cost_per_1k_steps_usd"]  # the steady state favours the data hosts
-    assert short["recommended"] == "resnet50-hetero-d0" and "each configuration's own steps" in short["recommendation_basis"]
-    long = sweep(run_steps=1_000_000)  # a long run: the start-up hardly counts
+    assert short["recommended"] == "resnet50-hetero-d0" and "each configuration's own run" in short["recommendation_basis"]
+    long = sweep(run_steps=1_000_000)  # a long run: the overhead hardly counts
+    (_, long_hosts) = long["configurations"]
+    expected = long_hosts["cost_per_1k_steps_usd"] + 857 / 3600 * long_hosts["usd_per_hour"] * 1000 / 1_000_000
+    assert long_hosts["cost_per_1k_steps_with_startup_usd"] == pytest.approx(expected, rel=1e-5)
     assert long["recommended"] == "resnet50-hetero-d2" and "1,000,000-step runs" in long["recommendation_basis"]
     markdown = render_markdown(long, "t")
     assert "| billed s | run $ | $ per 1k steps with start-up |" in markdown and "Compared by the cost per 1k steps of 1,000,000-step" in markdown
-    unknown = outcomes({0: 192.0, 2: 86.0})  # no billing start: the steady state, said so
+    unknown = outcomes({0: 192.0, 2: 86.0})  # no whole bill in the results: the steady state, naming them
     report = compare(unknown, FALLBACK_PRICES, None)
     assert report["recommended"] == "resnet50-hetero-d2" and report["recommendation_basis"].startswith("the steady-state cost per 1k steps")
+    assert "resnet50-hetero-d0, resnet50-hetero-d2 has no whole bill" in report["recommendation_basis"]
     with pytest.raises(SweepSpecError, match="run_steps: must be a whole number"):
         plan_sweep({"sweep_name": "s", "base": TF, "data_hosts": [0], "run_steps": 0})
     assert plan_sweep({"sweep_name": "s", "base": TF, "data_hosts": [0], "run_steps": 5000}).to_json()["run_steps"] == 5000

@@ -83,6 +83,8 @@ def test_a_trainer_process_reads_its_place_its_workload_and_its_launchers_folder
     horovods = TrainerEnvironment.read({BASE_DIR_ENV: str(base), "HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0",
                                         "HOROVOD_LOCAL_SIZE": "2"})
     assert (horovods.rank, horovods.world_size, horovods.local_rank, horovods.local_world_size) == (2, 4, 0, 2)
+    torchruns = TrainerEnvironment.read({BASE_DIR_ENV: str(base), "RANK": "1", "WORLD_SIZE": "2", "HOROVOD_SIZE": "garbage"})
+    assert (torchruns.rank, torchruns.world_size) == (1, 2)  # horovodrun's are not read where torchrun's are
     alone = TrainerEnvironment.read({BASE_DIR_ENV: str(base)})
     assert (alone.rank, alone.world_size, alone.local_world_size, alone.progress_dir, alone.container_started_at) == (0, 1, 1, None, None)
     assert not alone.graph_extraction and alone.outputs.progress_dir is None

@@ -1,5 +1,7 @@
-"""training/launcher.py: the command it builds, exit codes, and every bad input refused before anything
-starts (each case runs the real entrypoint in a fresh process against a fake /opt/ml)."""
+"""The host entrypoint and its roles (training/launcher.py, dnn_host.py, trainer_watch.py, supervisor.py,
+processes.py): the command it builds, exit codes, the trainers' watch, the supervisor's heartbeat, and every
+bad input refused before anything starts (each case runs the real entrypoint in a fresh process against a
+fake /opt/ml)."""
 
 from __future__ import annotations
 

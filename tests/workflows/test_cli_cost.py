@@ -167,6 +167,8 @@ def test_a_spec_in_a_checkout_is_refused_what_the_deployment_would_wherever_vali
     cheap = invoke("validate", str(EXAMPLES / "tensorflow-homogeneous.json"), "--settings", str(settings), "--json")
     assert cheap.exit_code == 0 and json.loads(cheap.stdout)[0]["ceiling_usd"] == 1000.0
     assert json.loads(cheap.stdout)[0]["settings"] == str(settings)
+    refused_json = json.loads(invoke("validate", str(inside), "--json").stdout)[0]
+    assert not refused_json["ok"] and refused_json["settings"] == str(settings)  # a refusal names its settings too
     named = invoke("validate", str(expensive(tmp_path)), "--settings", str(settings))  # the named settings, for a spec anywhere
     assert named.exit_code == 2 and "ceiling of $1,000.00" in named.stdout
     assert invoke("validate", str(inside), "--no-deployment").exit_code == 0
@@ -228,6 +230,11 @@ def test_a_users_own_prices_replace_the_tables_in_prices_validate_and_the_emulat
                      "--price", "ml.g5.2xlarge=1.6", "--json")
     assert checked.exit_code == 0, checked.output
     assert json.loads(checked.stdout)[0]["worst_case_usd"] == pytest.approx(2 * 1.5 + 1.6)
+    # Under a deployment's ceiling the verdict stays the deployment's: a price of yours does not let through
+    # what its launch would refuse (it prices p4d with its own settings).
+    ceiling = checkout(tmp_path / "repo", {"prefix": "hetero"}) / "cdk.json"
+    cheap_claim = invoke("validate", str(expensive(tmp_path)), "--settings", str(ceiling), "--price", "ml.p4d.24xlarge=0.01")
+    assert cheap_claim.exit_code == 2 and "ceiling of $1,000.00" in cheap_claim.stdout
     # hetero local's emulated cost: the user's $/hour where given, the table's for the rest, and it says which.
     spec = validate_job_spec(json.loads(g5_with_c6i_data_hosts(tmp_path).read_text()))
     summary = {"wall_ms_per_step": 100.0, "step_time_ms": {"p50": 90.0}}

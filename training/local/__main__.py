@@ -18,6 +18,7 @@ training/local/options.py, which `hetero local` shows as its help.
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 import shutil
@@ -205,19 +206,36 @@ def write_result(path: Path, result: ClusterResult, summary: Mapping[str, Any] |
 TEMPORARY_MARK = ".hetero-local-workdir"
 
 
-def temporary_workdir(run_name: str, keep: int, parent: Path | None = None) -> Path:
-    """A new temporary work folder for ``run_name``, after removing the oldest of the earlier ones this
-    command made for it so that ``keep`` remain with this one (a folder not marked as ours is left alone)."""
-    if keep < 1:
-        raise ValueError(f"--keep-runs must be at least 1 (this run's folder), got {keep}")
-    parent = parent or Path(tempfile.gettempdir())
-    ours = sorted((folder for folder in parent.glob(f"{run_name}-*") if (folder / TEMPORARY_MARK).is_file()),
-                  key=lambda folder: (folder / TEMPORARY_MARK).stat().st_mtime)
-    for folder in ours[:max(0, len(ours) - (keep - 1))]:
-        shutil.rmtree(folder, ignore_errors=True)
-    folder = Path(tempfile.mkdtemp(prefix=f"{run_name}-", dir=parent))
-    (folder / TEMPORARY_MARK).write_text(f"made by hetero local for {run_name}; the newest {keep} are kept\n")
+def temporary_workdir(run_name: str, parent: Path | None = None) -> Path:
+    """A new temporary work folder for ``run_name``, marked as made by this command for that run name."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{run_name}-", dir=parent or Path(tempfile.gettempdir())))
+    (folder / TEMPORARY_MARK).write_text(run_name + "\n")
     return folder
+
+
+def is_temporary_workdir_of(folder: Path, run_name: str) -> bool:
+    """Whether ``folder`` is one this command made for exactly ``run_name`` (not for a run name that only
+    starts the same: ``vision`` and ``vision-hetero``), its mark still there."""
+    if not re.fullmatch(re.escape(run_name) + r"-[A-Za-z0-9_]{8}", folder.name):
+        return False
+    try:
+        return (folder / TEMPORARY_MARK).read_text().strip() == run_name
+    except OSError:
+        return False
+
+
+def prune_temporary_workdirs(run_name: str, keep: int, parent: Path | None = None, spare: tuple[Path, ...] = ()) -> list[Path]:
+    """Remove the oldest work folders this command made for ``run_name`` so that ``keep`` remain, never one
+    in ``spare`` (this run's, the one it resumes from); the folders removed."""
+    parent = parent or Path(tempfile.gettempdir())
+    spared = {folder.resolve() for folder in spare}
+    ours = [folder for folder in parent.glob(f"{glob.escape(run_name)}-*") if is_temporary_workdir_of(folder, run_name)]
+    others = sorted((folder for folder in ours if folder.resolve() not in spared), key=lambda folder: (folder / TEMPORARY_MARK).stat().st_mtime)
+    room = keep - (len(ours) - len(others))  # the spared ones of ours count against keep first
+    removed = others[:max(0, len(others) - max(0, room))]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return removed
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -225,6 +243,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     arguments under that name, so that its usage and errors name the command the user typed."""
     restore_stop_signals()  # Ctrl-C and a stop alike, whether the shell started this in the foreground or not
     args = run_parser(prog).parse_args(argv) if prog else parser().parse_args(argv)
+    made: Path | None = None  # the temporary work folder this run made (no --workdir)
     try:
         raw = resolve_code(json.loads(args.spec.read_text()), args.spec)
         if args.set and isinstance(raw, dict):
@@ -233,9 +252,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         spec = validate_job_spec(raw)
         channels = {name: Path(folder) for name, folder in args.channel}
         check_channels([channel.name for channel in spec.inputs], channels)  # before any host is planned or started
+        if args.keep_runs < 1:
+            raise ValueError(f"--keep-runs must be at least 1 (this run's folder), got {args.keep_runs}")
+        if args.workdir is None:
+            made = temporary_workdir(spec.run_name)
+        else:  # a folder the user names is theirs, never pruned: even one this command made earlier
+            (args.workdir / TEMPORARY_MARK).unlink(missing_ok=True)
         options = EmulationOptions(
             # Absolute: every host runs from its own folder, and a relative tree would be looked for there.
-            workdir=(args.workdir or temporary_workdir(spec.run_name, args.keep_runs)).resolve(),
+            workdir=(args.workdir or made).resolve(),
             channels=channels,
             deadline_s=args.deadline_s,
             orphan_grace_s=args.orphan_grace_s,
@@ -250,8 +275,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         cluster = EmulatedCluster(spec, options, on_line=lines)
         cluster.resume_source()  # a --resume-from without checkpoints, refused before any host starts
     except (OSError, json.JSONDecodeError, JobSpecError, EmulationError, ValueError) as error:
+        if made is not None:  # a refused run leaves no folder behind to count against --keep-runs
+            shutil.rmtree(made, ignore_errors=True)
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
+    if made is not None:  # the run is going ahead: the oldest of this run name's earlier folders go
+        prune_temporary_workdirs(spec.run_name, args.keep_runs, made.parent,
+                                 spare=(made, *((args.resume_from,) if args.resume_from else ())))
     print(cluster.plan_report(), file=sys.stderr, flush=True)
     print(f"deadline {cluster.deadline_s:g} s; host logs: {options.workdir / 'logs'}", file=sys.stderr, flush=True)
     stop_code: int | None = None

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -356,16 +357,31 @@ def test_the_emulators_commands_parse_and_show_their_options_under_the_hetero_na
 
 
 def test_temporary_work_folders_keep_the_newest_of_each_run_name_and_never_one_given_or_not_ours(tmp_path: Path) -> None:
-    from training.local.__main__ import TEMPORARY_MARK, temporary_workdir
+    from training.local.__main__ import TEMPORARY_MARK, prune_temporary_workdirs, temporary_workdir
 
     made = []
     for _ in range(4):
-        made.append(temporary_workdir("run", keep=3, parent=tmp_path))
+        made.append(temporary_workdir("run", parent=tmp_path))
         time.sleep(0.01)  # distinct mtimes: the order they were made in
-    given = tmp_path / "run-mine"  # a folder the user named (no mark): never ours to remove
+    longer = temporary_workdir("run-fast", parent=tmp_path)  # another run name that starts the same
+    given = tmp_path / "run-mine1234"  # a folder the user named (no mark): never ours to remove
     given.mkdir()
-    other = temporary_workdir("other", keep=3, parent=tmp_path)
-    assert [folder.exists() for folder in made] == [False, True, True, True]  # three kept, this one included
-    assert given.exists() and other.exists() and (made[-1] / TEMPORARY_MARK).is_file()
-    with pytest.raises(ValueError, match="--keep-runs must be at least 1"):
-        temporary_workdir("run", keep=0, parent=tmp_path)
+    removed = prune_temporary_workdirs("run", keep=3, parent=tmp_path, spare=(made[-1],))
+    assert removed == [made[0]] and [folder.exists() for folder in made] == [False, True, True, True]  # three kept, this one included
+    assert given.exists() and longer.exists() and (made[-1] / TEMPORARY_MARK).read_text().strip() == "run"
+    # The folder a run resumes from is spared, even when it is the oldest; it counts against keep.
+    assert prune_temporary_workdirs("run", keep=2, parent=tmp_path, spare=(made[-1], made[1])) == [made[2]]
+    assert made[1].exists() and made[3].exists()
+
+
+def test_a_refused_run_leaves_no_temporary_folder_behind(tmp_path: Path) -> None:
+    from training.local.__main__ import is_temporary_workdir_of
+
+    path = tmp_path / "spec.json"
+    raw = spec(data_hosts=1) | {"run_name": "prune-check-" + os.urandom(3).hex()}
+    path.write_text(json.dumps(raw))
+    before = set(Path(tempfile.gettempdir()).glob(raw["run_name"] + "-*"))
+    refused = local(str(path), "--channel", f"train={tmp_path / 'absent'}")
+    assert refused.returncode == 2 and set(Path(tempfile.gettempdir()).glob(raw["run_name"] + "-*")) == before  # none left behind
+    assert local(str(path), "--keep-runs", "0").returncode == 2
+    assert not is_temporary_workdir_of(tmp_path, raw["run_name"])
